@@ -1,0 +1,202 @@
+"""``plan``: PipeDream's optimizer from a profile and a topology to a ``Plan`` (SOSP'19, 3.1).
+
+Levels are solved innermost first. At level ``l`` a component of level ``l - 1`` counts as one
+machine whose time for a segment is the best time of that segment on all workers of that
+component. The outermost level's answer, walked back through the levels, gives the stages; the
+replicas of a stage multiply across levels and a stage's ranks stay contiguous inside each
+component.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pl_pipedream.planner.dp import LevelCosts, RowSolution, solve_row
+from pl_pipedream.planner.plan import Plan, PlanError, Stage, with_warmup
+from pl_pipedream.planner.states import MAX_STATES, PlanningGraph, planning_graph
+from pl_pipedream.planner.topology import Topology
+from pl_pipedream.profile.graph import Profile
+
+__all__ = ["plan", "data_parallel_time"]
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Per-state prefix sums over the states' member layers."""
+
+    compute: np.ndarray  # seconds, forward + backward
+    forward: np.ndarray  # milliseconds
+    backward: np.ndarray  # milliseconds
+    params: np.ndarray
+    activations: np.ndarray
+    outputs: np.ndarray
+
+
+def _prefix(graph: PlanningGraph) -> _Prefix:
+    rows = []
+    for state in graph.states:
+        members = [graph.nodes[i] for i in _indices(state.members)]
+        rows.append(
+            (
+                math.fsum(n.compute_ms for n in members) / 1000.0,
+                math.fsum(n.forward_ms for n in members),
+                math.fsum(n.backward_ms for n in members),
+                math.fsum(n.parameter_bytes for n in members),
+                math.fsum(n.output_bytes for n in members),
+                math.fsum(graph.nodes[i].output_bytes for i in state.augmented),
+            )
+        )
+    columns = np.array(rows, dtype=np.float64).T
+    return _Prefix(*columns)
+
+
+def _indices(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def _base_compute(graph: PlanningGraph, prefix: _Prefix) -> np.ndarray:
+    """compute[r, j]: seconds of the segment from row r to state j (inf if it is no segment)."""
+    count = len(graph.states)
+    table = np.full((count + 1, count), math.inf)
+    table[0] = prefix.compute
+    for a in range(count):
+        after = np.array([bool(graph.ancestors[j] >> a & 1) for j in range(count)])
+        table[a + 1, after] = prefix.compute[after] - prefix.compute[a]
+    return table
+
+
+def data_parallel_time(total_compute: float, total_params: float, topology: Topology) -> float:
+    """Time per minibatch of one stage replicated on every worker, under the same cost model."""
+    time = total_compute
+    within = 1
+    for level in topology.levels:
+        allreduce = 4 * (level.workers - 1) * total_params / (level.bandwidth * level.workers)
+        time = (time + allreduce / within) / level.workers
+        within = level.workers
+    return time
+
+
+def plan(
+    profile: Profile,
+    topology: Topology,
+    straight: bool = False,
+    memory: float | None = None,
+    transfers: bool = True,
+    max_states: int = MAX_STATES,
+) -> Plan:
+    """Partition ``profile`` over ``topology`` to minimise the slowest stage's time.
+
+    ``straight`` forbids replication; ``memory`` (bytes per worker) rules out stages whose
+    stashed weights and activations would not fit, with PipeDream's estimate of the stash;
+    ``transfers=False`` ignores activation transfers (PipeDream's default when no activation
+    compression ratio is given).
+    """
+    if memory is not None and not memory > 0:
+        raise PlanError(f"memory per worker must be positive (memory: {memory}); omit it or raise it")
+    graph = planning_graph(profile, max_states)
+    prefix = _prefix(graph)
+    compute = _base_compute(graph, prefix)
+    count = len(graph.states)
+    levels: list[LevelCosts] = []
+    within = 1
+    for number, level in enumerate(topology.levels):
+        costs = LevelCosts(
+            compute,
+            prefix.params,
+            prefix.activations,
+            prefix.outputs,
+            graph.ancestors,
+            level.workers,
+            level.bandwidth,
+            within,
+            straight,
+            memory,
+            transfers,
+        )
+        levels.append(costs)
+        within = level.workers
+        if number < len(topology.levels) - 1:
+            compute = np.full((count + 1, count), math.inf)
+            for row in range(count + 1):
+                compute[row] = solve_row(costs, row).time[:, -1]
+    top = solve_row(levels[-1], 0)
+    best = float(top.time[count - 1, -1])
+    if not math.isfinite(best):
+        raise PlanError(
+            f"no pipeline fits the constraints (workers: {topology.num_workers}, memory per "
+            f"worker: {memory}, straight: {straight}); allow more memory, more workers, or "
+            "replication"
+        )
+    segments = _walk(levels, len(levels) - 1, top, 0, count - 1, 0)
+    stages = _stages(graph, prefix, segments)
+    return Plan(
+        stages,
+        topology,
+        straight,
+        memory,
+        best,
+        data_parallel_time(float(prefix.compute[-1]), float(prefix.params[-1]), topology),
+        float(prefix.compute[-1]),
+    )
+
+
+def _walk(
+    levels: list[LevelCosts],
+    level: int,
+    solution: RowSolution,
+    row: int,
+    end: int,
+    first_rank: int,
+) -> list[tuple[int, int, list[int]]]:
+    """Final segments ``(start_row, end_state, ranks)`` of one level's choice, recursively."""
+    inner = math.prod(levels[i].workers for i in range(level))
+    out = []
+    rank = first_rank
+    for start, stop, replicas in solution.stages(row, end, levels[level].workers):
+        components = [rank + c * inner for c in range(replicas)]
+        rank += replicas * inner
+        if level == 0:
+            out.append((start, stop, components))
+            continue
+        below = solve_row(levels[level - 1], start)
+        per_component = [_walk(levels, level - 1, below, start, stop, c) for c in components]
+        for parts in zip(*per_component, strict=True):
+            ranks = [r for part in parts for r in part[2]]
+            out.append((parts[0][0], parts[0][1], ranks))
+    return out
+
+
+def _stages(
+    graph: PlanningGraph, prefix: _Prefix, segments: list[tuple[int, int, list[int]]]
+) -> tuple[Stage, ...]:
+    last = len(graph.states) - 1
+    owner: dict[str, int] = {}
+    stages = []
+    for index, (start, end, ranks) in enumerate(segments):
+        before = graph.states[start - 1].members if start > 0 else 0
+        nodes = graph.members(graph.states[end].members & ~before)
+        nodes = (list(graph.inputs) if index == 0 else []) + nodes
+        for node_id in nodes:
+            owner[node_id] = index
+        sub = (lambda a: a[end] - (a[start - 1] if start > 0 else 0.0))
+        stages.append(
+            Stage(
+                index,
+                tuple(nodes),
+                len(ranks),
+                tuple(ranks),
+                float(sub(prefix.forward)),
+                float(sub(prefix.backward)),
+                float(sub(prefix.params)),
+                float(prefix.outputs[start - 1]) if start > 0 else 0.0,
+                float(prefix.outputs[end]) if end < last else 0.0,
+            )
+        )
+    for node_id, producer in graph.dropped:
+        index = owner.get(producer, len(stages) - 1)
+        target = stages[index]
+        stages[index] = Stage(**{**target.__dict__, "nodes": target.nodes + (node_id,)})
+    return with_warmup(stages)

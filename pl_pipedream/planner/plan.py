@@ -1,0 +1,256 @@
+"""The planner's decision as a value: stages, their layers, replicas and ranks.
+
+A ``Plan`` is frozen, printable and JSON round-trips; the schedule, the runtime and the strategy
+all read it and nothing else. Warm-up forwards and weight versions per stage follow PipeDream's
+runtime (SOSP'19, 3.2-3.3): stage ``s`` of a pipeline over ``W`` workers admits
+``(W - 1 - sum of replicas before s) // r_s`` warm-up forwards per replica and so keeps that many
+plus one weight versions; the input stage's count is NOAM = ceil(W / r_0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from pl_pipedream.planner.topology import Topology
+
+__all__ = ["Plan", "PlanError", "Stage"]
+
+
+class PlanError(ValueError):
+    """A plan that cannot drive a pipeline."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its layers (profile node ids), replicas and the ranks serving them.
+
+    Times are per minibatch on one replica, in milliseconds; bytes are per minibatch.
+    ``input_bytes`` is what the stage receives from the stage before it, ``output_bytes`` what it
+    sends on (0 for the last stage).
+    """
+
+    index: int
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    parameter_bytes: float = 0.0
+    input_bytes: float = 0.0
+    output_bytes: float = 0.0
+    warmup: int = 0
+    weight_versions: int = 1
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in pipeline order plus what the planner predicted for them."""
+
+    stages: tuple[Stage, ...]
+    topology: Topology | None = None
+    straight: bool = False
+    memory: float | None = None
+    slowest_stage_time: float = 0.0
+    data_parallel_time: float = 0.0
+    single_worker_time: float = 0.0
+    meta: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage (stages: 0)")
+        ranks = sorted(r for stage in self.stages for r in stage.ranks)
+        if ranks != list(range(len(ranks))):
+            raise PlanError(
+                f"every rank from 0 to the number of workers - 1 must serve exactly one stage "
+                f"(ranks: {ranks}); renumber the stages' ranks"
+            )
+        for stage in self.stages:
+            if stage.replicas != len(stage.ranks):
+                raise PlanError(
+                    f"a stage has one rank per replica (stage {stage.index}: replicas "
+                    f"{stage.replicas}, ranks {list(stage.ranks)})"
+                )
+
+    # ----- derived values ---------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def noam(self) -> int:
+        """Minibatches admitted to each input-stage replica in the startup phase."""
+        return math.ceil(self.num_workers / self.stages[0].replicas)
+
+    @property
+    def throughput(self) -> float:
+        """Predicted minibatches per second (1 / slowest stage time)."""
+        return 1.0 / self.slowest_stage_time if self.slowest_stage_time > 0 else math.inf
+
+    @property
+    def speedup_over_data_parallel(self) -> float:
+        if self.slowest_stage_time <= 0:
+            return math.nan
+        return self.data_parallel_time / self.slowest_stage_time
+
+    @property
+    def shape(self) -> str:
+        """Replicas per stage joined by dashes, as the paper writes configurations: ``3-1``."""
+        return "-".join(str(stage.replicas) for stage in self.stages)
+
+    def stage_of_rank(self, rank: int) -> Stage:
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage
+        raise PlanError(
+            f"the rank must be one of the plan's workers (rank: {rank}, workers: "
+            f"{self.num_workers}); launch as many processes as the plan has workers"
+        )
+
+    # ----- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_balance(
+        cls,
+        balance: Sequence[int],
+        layer_ids: Sequence[str] | None = None,
+        replicas: Sequence[int] | None = None,
+    ) -> Plan:
+        """A pipeline of consecutive layers: ``balance[s]`` layers on stage ``s``.
+
+        Ranks are given in stage order; ``replicas`` (default: 1 each) repeats a stage.
+        """
+        counts = list(balance)
+        if not counts or any(not isinstance(c, int) or c < 1 for c in counts):
+            raise PlanError(
+                f"every stage needs at least one layer (balance: {counts}); "
+                "pass positive layer counts, e.g. balance=[2, 2]"
+            )
+        total = sum(counts)
+        ids = list(layer_ids) if layer_ids is not None else [str(i) for i in range(total)]
+        if total != len(ids):
+            raise PlanError(
+                f"the balance must cover every layer exactly once (layers: {len(ids)}, sum of "
+                f"balance: {total}); change balance so that it sums to {len(ids)}"
+            )
+        reps = list(replicas) if replicas is not None else [1] * len(counts)
+        if len(reps) != len(counts):
+            raise PlanError(
+                f"give one replica count per stage (stages: {len(counts)}, replicas: {reps})"
+            )
+        stages = []
+        first_layer = first_rank = 0
+        for index, (count, rep) in enumerate(zip(counts, reps, strict=True)):
+            nodes = tuple(ids[first_layer : first_layer + count])
+            ranks = tuple(range(first_rank, first_rank + rep))
+            stages.append(Stage(index, nodes, rep, ranks))
+            first_layer += count
+            first_rank += rep
+        return cls(with_warmup(stages), straight=all(r == 1 for r in reps))
+
+    # ----- serialisation ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "stages": [asdict(stage) for stage in self.stages],
+            "topology": self.topology.to_dict() if self.topology is not None else None,
+            "straight": self.straight,
+            "memory": self.memory,
+            "slowest_stage_time": self.slowest_stage_time,
+            "data_parallel_time": self.data_parallel_time,
+            "single_worker_time": self.single_worker_time,
+            "num_workers": self.num_workers,
+            "shape": self.shape,
+            "noam": self.noam,
+            "throughput": self.throughput,
+            "speedup_over_data_parallel": self.speedup_over_data_parallel,
+            "meta": self.meta,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:  # type: ignore[type-arg]
+        stages = tuple(
+            Stage(**{**s, "nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"])})
+            for s in data["stages"]
+        )
+        topology = Topology.from_dict(data["topology"]) if data.get("topology") else None
+        return cls(
+            stages,
+            topology,
+            bool(data.get("straight", False)),
+            data.get("memory"),
+            float(data.get("slowest_stage_time", 0.0)),
+            float(data.get("data_parallel_time", 0.0)),
+            float(data.get("single_worker_time", 0.0)),
+            dict(data.get("meta") or {}),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    # ----- display ----------------------------------------------------------------------------
+
+    def render(self) -> str:
+        """A readable table: one row per stage, then the predictions."""
+        header = f"{'stage':>5}  {'replicas':>8}  {'ranks':<14} {'layers':<28} {'compute ms':>10}"
+        lines = [header, "-" * len(header)]
+        for stage in self.stages:
+            lines.append(
+                f"{stage.index:>5}  {stage.replicas:>8}  {_span(stage.ranks):<14} "
+                f"{_layers(stage.nodes):<28} {stage.compute_ms:>10.3f}"
+            )
+        lines.append("")
+        lines.append(f"configuration        {self.shape} on {self.num_workers} workers")
+        if self.slowest_stage_time > 0:
+            lines.append(f"slowest stage        {self.slowest_stage_time * 1e3:.4f} ms per minibatch")
+            lines.append(f"throughput           {self.throughput:.2f} minibatches/s (predicted)")
+            lines.append(
+                f"speedup over DP      {self.speedup_over_data_parallel:.3f}x "
+                f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
+            )
+        lines.append(f"NOAM                 {self.noam}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def with_warmup(stages: Sequence[Stage]) -> tuple[Stage, ...]:
+    """Fill in warm-up forwards and weight versions per stage as PipeDream's runtime does."""
+    workers = sum(stage.replicas for stage in stages)
+    before = 0
+    out = []
+    for stage in stages:
+        warmup = (workers - 1 - before) // stage.replicas
+        out.append(
+            Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1})
+        )
+        before += stage.replicas
+    return tuple(out)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
+
+
+def _layers(nodes: Sequence[str]) -> str:
+    if len(nodes) <= 3:
+        return ",".join(nodes)
+    return f"{nodes[0]}..{nodes[-1]} ({len(nodes)})"

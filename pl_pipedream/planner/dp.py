@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LevelCosts", "RowSolution", "solve_row"]
+__all__ = ["LevelCosts", "RowSolution", "all_pairs", "ancestor_matrix", "solve_row"]
 
 INF = math.inf
 
@@ -37,14 +37,16 @@ class LevelCosts:
 
     ``compute[r, j]`` is the time (seconds) of the segment from row ``r`` to state ``j`` on one
     machine of this level (``inf`` where no such segment exists); the other arrays are prefix
-    sums over states (index ``j``), in bytes.
+    sums over states (index ``j``), in bytes. ``precedes`` is ``ancestor_matrix`` of the states,
+    ``pairs`` its ``all_pairs``.
     """
 
     compute: np.ndarray
     params: np.ndarray
     activations: np.ndarray
     outputs: np.ndarray
-    ancestors: tuple[int, ...]
+    precedes: np.ndarray
+    pairs: tuple[np.ndarray, np.ndarray]
     workers: int
     bandwidth: float
     within: int
@@ -83,27 +85,23 @@ class RowSolution:
         return out
 
 
-def _row_mask(ancestors: tuple[int, ...], row: int, count: int) -> np.ndarray:
-    """Which states a segment starting at ``row`` may end at (strictly after the start)."""
-    if row == 0:
-        return np.ones(count, dtype=bool)
-    start = row - 1
-    return np.array([bool(ancestors[j] >> start & 1) for j in range(count)])
+def ancestor_matrix(ancestors: tuple[int, ...]) -> np.ndarray:
+    """``matrix[k, j]`` is True when state ``k`` precedes state ``j`` in the antichain DAG."""
+    count = len(ancestors)
+    width = (count + 7) // 8
+    rows = [
+        np.unpackbits(
+            np.frombuffer(mask.to_bytes(width, "little"), dtype=np.uint8), bitorder="little"
+        )[:count]
+        for mask in ancestors
+    ]
+    return np.array(rows, dtype=bool).T.copy() if rows else np.zeros((0, 0), dtype=bool)
 
 
-def _pairs(ancestors: tuple[int, ...], allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """All (k, j) with k an ancestor of j and both allowed; grouped by j, k ascending."""
-    ks: list[int] = []
-    js: list[int] = []
-    allowed_mask = sum(1 << int(i) for i in np.flatnonzero(allowed))
-    for j in np.flatnonzero(allowed):
-        mask = ancestors[j] & allowed_mask
-        while mask:
-            low = mask & -mask
-            ks.append(low.bit_length() - 1)
-            js.append(int(j))
-            mask ^= low
-    return np.array(ks, dtype=np.int64), np.array(js, dtype=np.int64)
+def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (k, j) with state k preceding state j, grouped by j with k ascending."""
+    js, ks = np.nonzero(precedes.T)
+    return ks.astype(np.int64), js.astype(np.int64)
 
 
 def solve_row(costs: LevelCosts, row: int) -> RowSolution:
@@ -111,7 +109,7 @@ def solve_row(costs: LevelCosts, row: int) -> RowSolution:
     count = costs.params.shape[0]
     workers = costs.workers
     bandwidth = costs.bandwidth
-    allowed = _row_mask(costs.ancestors, row, count)
+    allowed = np.ones(count, dtype=bool) if row == 0 else costs.precedes[row - 1]
     time = np.full((count, workers), INF)
     split = np.full((count, workers), -1, dtype=np.int64)
     replicas = np.zeros((count, workers), dtype=np.int64)
@@ -130,7 +128,9 @@ def solve_row(costs: LevelCosts, row: int) -> RowSolution:
         time[:, m] = value
         replicas[:, m] = r
 
-    ks, js = _pairs(costs.ancestors, allowed)
+    # k inside the row's segment and k preceding j put j inside it too.
+    inside = allowed[costs.pairs[0]]
+    ks, js = costs.pairs[0][inside], costs.pairs[1][inside]
     if ks.size == 0 or workers == 1:
         return RowSolution(time, split, replicas)
     order_j = js
@@ -144,34 +144,34 @@ def solve_row(costs: LevelCosts, row: int) -> RowSolution:
     out_bytes = np.where(js < last, costs.outputs[js], 0.0)
 
     max_prime = 1 if costs.straight else workers - 1
-    primes = np.arange(1, max_prime + 1, dtype=np.float64)
-    # h[p, r'-1]: time of the appended stage (pair p) on r' replicas, transfers included.
-    stage = (seg_compute[:, None] + 4 * (primes - 1) * seg_params[:, None] / (bandwidth * primes))
-    stage = stage / primes
+    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+    # stage[r' - 1, p]: time of the appended stage of pair p on r' replicas, transfers included.
+    stage = (seg_compute + 4 * (primes - 1) * seg_params / (bandwidth * primes)) / primes
     if costs.transfers:
-        transfer = 2.0 * np.maximum(in_bytes, out_bytes)[:, None] / (bandwidth * primes)
-        stage = np.maximum(stage, transfer)
+        stage = np.maximum(stage, 2.0 * np.maximum(in_bytes, out_bytes) / (bandwidth * primes))
+    stash_bytes = seg_acts + seg_params
+    group_of_pair = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, ks.size]))
+    by_workers = np.ascontiguousarray(time.T)  # by_workers[m, k]
+    pair_index = np.arange(ks.size)
     for m in range(1, workers):
         width = min(m, max_prime)
-        prefix = time[ks][:, m - np.arange(1, width + 1)]
-        candidate = np.maximum(prefix, stage[:, :width])
+        # prefix[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers.
+        prefix = by_workers[m - 1 :: -1][:width][:, ks]
+        candidate = np.maximum(prefix, stage[:width])
         if costs.memory is not None:
-            stash = (seg_acts + seg_params)[:, None] * np.ceil(
-                (workers - (m + 1)) / primes[:width]
-            )
+            stash = stash_bytes * np.ceil((workers - (m + 1)) / primes[:width])
             candidate = np.where(stash > costs.memory, INF, candidate)
-        best_prime = np.argmin(candidate, axis=1)
-        best = candidate[np.arange(candidate.shape[0]), best_prime]
+        best_prime = np.argmin(candidate, axis=0)
+        best = candidate[best_prime, pair_index]
         group_best = np.minimum.reduceat(best, starts)
-        group_of_pair = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, best.size]))
         hits = np.flatnonzero(best == group_best[group_of_pair])
         first_groups, first_index = np.unique(group_of_pair[hits], return_index=True)
         chosen = hits[first_index]
         targets = group_j[first_groups]
         values = best[chosen]
-        better = values < time[targets, m]
+        better = values < by_workers[m, targets]
         targets, chosen, values = targets[better], chosen[better], values[better]
-        time[targets, m] = values
+        by_workers[m, targets] = values
         split[targets, m] = ks[chosen]
         replicas[targets, m] = best_prime[chosen] + 1
-    return RowSolution(time, split, replicas)
+    return RowSolution(by_workers.T.copy(), split, replicas)

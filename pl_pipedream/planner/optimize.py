@@ -14,9 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pl_pipedream.planner.dp import LevelCosts, RowSolution, solve_row
+from pl_pipedream.planner.dp import (
+    LevelCosts,
+    RowSolution,
+    all_pairs,
+    ancestor_matrix,
+    solve_row,
+)
 from pl_pipedream.planner.plan import Plan, PlanError, Stage, with_warmup
-from pl_pipedream.planner.states import MAX_STATES, PlanningGraph, planning_graph
+from pl_pipedream.planner.states import MAX_STATES, PlanningGraph, StateSpaceError, planning_graph
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
@@ -57,14 +63,13 @@ def _indices(mask: int) -> list[int]:
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def _base_compute(graph: PlanningGraph, prefix: _Prefix) -> np.ndarray:
+def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
     """compute[r, j]: seconds of the segment from row r to state j (inf if it is no segment)."""
-    count = len(graph.states)
+    count = precedes.shape[0]
     table = np.full((count + 1, count), math.inf)
     table[0] = prefix.compute
-    for a in range(count):
-        after = np.array([bool(graph.ancestors[j] >> a & 1) for j in range(count)])
-        table[a + 1, after] = prefix.compute[after] - prefix.compute[a]
+    differences = prefix.compute[None, :] - prefix.compute[:, None]
+    table[1:] = np.where(precedes, differences, math.inf)
     return table
 
 
@@ -86,6 +91,7 @@ def plan(
     memory: float | None = None,
     transfers: bool = True,
     max_states: int = MAX_STATES,
+    cuts: str = "auto",
 ) -> Plan:
     """Partition ``profile`` over ``topology`` to minimise the slowest stage's time.
 
@@ -93,12 +99,21 @@ def plan(
     stashed weights and activations would not fit, with PipeDream's estimate of the stash;
     ``transfers=False`` ignores activation transfers (PipeDream's default when no activation
     compression ratio is given).
+
+    ``cuts`` chooses the DP's states: ``"antichain"`` (every legal cut of the graph, exact, as
+    PipeDream), ``"topological"`` (prefixes of one topological order: one state per layer), or
+    ``"auto"``: antichains unless there are more than ``max_states`` of them (inception_v3 has
+    over 20,000), then topological prefixes; ``plan.meta["cuts"]`` records which.
     """
     if memory is not None and not memory > 0:
-        raise PlanError(f"memory per worker must be positive (memory: {memory}); omit it or raise it")
-    graph = planning_graph(profile, max_states)
+        raise PlanError(
+            f"memory per worker must be positive (memory: {memory}); omit it or raise it"
+        )
+    graph = _graph(profile, max_states, cuts)
     prefix = _prefix(graph)
-    compute = _base_compute(graph, prefix)
+    precedes = ancestor_matrix(graph.ancestors)
+    compute = _base_compute(prefix, precedes)
+    pairs = all_pairs(precedes)
     count = len(graph.states)
     levels: list[LevelCosts] = []
     within = 1
@@ -108,7 +123,8 @@ def plan(
             prefix.params,
             prefix.activations,
             prefix.outputs,
-            graph.ancestors,
+            precedes,
+            pairs,
             level.workers,
             level.bandwidth,
             within,
@@ -140,7 +156,17 @@ def plan(
         best,
         data_parallel_time(float(prefix.compute[-1]), float(prefix.params[-1]), topology),
         float(prefix.compute[-1]),
+        {"cuts": graph.cuts, "states": str(count)},
     )
+
+
+def _graph(profile: Profile, max_states: int, cuts: str) -> PlanningGraph:
+    if cuts != "auto":
+        return planning_graph(profile, max_states, cuts)
+    try:
+        return planning_graph(profile, max_states, "antichain")
+    except StateSpaceError:
+        return planning_graph(profile, max_states, "topological")
 
 
 def _walk(
@@ -181,16 +207,15 @@ def _stages(
         nodes = (list(graph.inputs) if index == 0 else []) + nodes
         for node_id in nodes:
             owner[node_id] = index
-        sub = (lambda a: a[end] - (a[start - 1] if start > 0 else 0.0))
         stages.append(
             Stage(
                 index,
                 tuple(nodes),
                 len(ranks),
                 tuple(ranks),
-                float(sub(prefix.forward)),
-                float(sub(prefix.backward)),
-                float(sub(prefix.params)),
+                _segment(prefix.forward, start, end),
+                _segment(prefix.backward, start, end),
+                _segment(prefix.params, start, end),
                 float(prefix.outputs[start - 1]) if start > 0 else 0.0,
                 float(prefix.outputs[end]) if end < last else 0.0,
             )
@@ -200,3 +225,8 @@ def _stages(
         target = stages[index]
         stages[index] = Stage(**{**target.__dict__, "nodes": target.nodes + (node_id,)})
     return with_warmup(stages)
+
+
+def _segment(prefix_sums: np.ndarray, start: int, end: int) -> float:
+    """The sum over a segment from its start row to its end state."""
+    return float(prefix_sums[end] - (prefix_sums[start - 1] if start > 0 else 0.0))

@@ -217,13 +217,19 @@ class Plan:
         lines.append("")
         lines.append(f"configuration        {self.shape} on {self.num_workers} workers")
         if self.slowest_stage_time > 0:
-            lines.append(f"slowest stage        {self.slowest_stage_time * 1e3:.4f} ms per minibatch")
+            lines.append(
+                f"slowest stage        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
+            )
             lines.append(f"throughput           {self.throughput:.2f} minibatches/s (predicted)")
             lines.append(
                 f"speedup over DP      {self.speedup_over_data_parallel:.3f}x "
                 f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
             )
         lines.append(f"NOAM                 {self.noam}")
+        if self.meta.get("cuts") == "topological":
+            lines.append(
+                "cuts                 prefixes of one topological order (too many antichains)"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -237,9 +243,7 @@ def with_warmup(stages: Sequence[Stage]) -> tuple[Stage, ...]:
     out = []
     for stage in stages:
         warmup = (workers - 1 - before) // stage.replicas
-        out.append(
-            Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1})
-        )
+        out.append(Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1}))
         before += stage.replicas
     return tuple(out)
 

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 from pl_pipedream.profile.graph import Node, Profile
 
-__all__ = ["PlanningGraph", "State", "StateSpaceError", "planning_graph", "MAX_STATES"]
+__all__ = [
+    "MAX_STATES",
+    "PlanningGraph",
+    "State",
+    "StateSpaceError",
+    "planning_graph",
+]
 
 MAX_STATES = 4000
 
@@ -43,6 +49,8 @@ class PlanningGraph:
     ``ancestors[j]`` is the bit set of states from which state ``j`` is reachable in the
     antichain DAG. ``inputs`` are the profile's input nodes (always placed on the first stage);
     ``dropped`` are unused output selectors (``__getitem__`` sinks) placed with their producer.
+    ``cuts`` says how the states were found: ``"antichain"`` (every legal cut, as PipeDream) or
+    ``"topological"`` (only the prefixes of one topological order).
     """
 
     nodes: tuple[Node, ...]
@@ -50,17 +58,28 @@ class PlanningGraph:
     ancestors: tuple[int, ...]
     inputs: tuple[str, ...]
     dropped: tuple[tuple[str, str], ...]
+    cuts: str = "antichain"
 
     def members(self, state_set: int) -> list[str]:
         return [self.nodes[i].node_id for i in _bits(state_set)]
 
 
-def planning_graph(profile: Profile, max_states: int = MAX_STATES) -> PlanningGraph:
+def planning_graph(
+    profile: Profile, max_states: int = MAX_STATES, cuts: str = "antichain"
+) -> PlanningGraph:
     """Remove input sources and unused ``__getitem__`` sinks, then enumerate the states.
 
     Inputs cost nothing and always live on the first stage; selectors of an output that nothing
     reads cannot be cut usefully. Both are PipeDream's own preprocessing.
+
+    ``cuts="antichain"`` enumerates every legal cut and raises ``StateSpaceError`` past
+    ``max_states``; ``cuts="topological"`` uses only the prefixes of one topological order (one
+    state per layer: fast for any graph, but it may miss the best cut of a branchy graph).
     """
+    if cuts not in ("antichain", "topological"):
+        raise StateSpaceError(
+            f"cuts must be 'antichain' or 'topological' (cuts: {cuts!r}); pick one of the two"
+        )
     succ = profile.successors()
     pred = profile.predecessors()
     inputs = [
@@ -85,7 +104,26 @@ def planning_graph(profile: Profile, max_states: int = MAX_STATES) -> PlanningGr
     )
     if not kept.nodes:
         raise StateSpaceError("a profile needs at least one layer besides its inputs")
+    if cuts == "topological":
+        return _prefixes(kept, tuple(inputs), tuple(dropped))
     return _enumerate(kept, tuple(inputs), tuple(dropped), max_states)
+
+
+def _prefixes(
+    kept: Profile, inputs: tuple[str, ...], dropped: tuple[tuple[str, str], ...]
+) -> PlanningGraph:
+    """One state per prefix of a topological order; its outputs are the prefix's live nodes."""
+    order = kept.topological_order()
+    index = {node_id: i for i, node_id in enumerate(order)}
+    succ = kept.successors()
+    last_use = [max((index[s] for s in succ[node_id]), default=-1) for node_id in order]
+    states = []
+    for k in range(len(order)):
+        live = tuple(i for i in range(k + 1) if last_use[i] > k or i == k)
+        states.append(State((k,), live, (1 << (k + 1)) - 1))
+    ancestors = tuple((1 << k) - 1 for k in range(len(order)))
+    nodes = tuple(kept.node(node_id) for node_id in order)
+    return PlanningGraph(nodes, tuple(states), ancestors, inputs, dropped, "topological")
 
 
 def _bits(mask: int) -> list[int]:
@@ -156,9 +194,10 @@ def _enumerate(
                     if len(states) >= max_states:
                         raise StateSpaceError(
                             f"the graph has more legal cuts than the planner enumerates "
-                            f"(states: more than {max_states}); merge parallel branches into "
-                            "single layers in the profile, or plan it as a chain with "
-                            "Profile.chain over its layers in execution order"
+                            f"(states: more than {max_states}); plan over the prefixes of one "
+                            "topological order instead (plan(..., cuts='topological'), or "
+                            "'pl-pipedream plan --cuts topological'), or merge parallel "
+                            "branches into single layers in the profile"
                         )
                     states[nxt] = len(states)
                     edges.append([])

@@ -1,0 +1,73 @@
+"""``pl-pipedream plan``: the table, the JSON contract, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from pl_pipedream.cli import main
+
+
+def test_plan_json_has_the_documented_fields(profiles_dir, capsys) -> None:
+    code = main(
+        [
+            "plan",
+            "--profile",
+            str(profiles_dir / "vgg16.txt"),
+            "--workers",
+            "4",
+            "--bandwidth",
+            "1e9",
+            "--json",
+        ]
+    )
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["slowest_stage_time"] > 0
+    assert [stage["replicas"] for stage in data["stages"]] == [3, 1]
+    assert all(isinstance(node, str) for stage in data["stages"] for node in stage["nodes"])
+
+
+def test_plan_table_names_the_configuration(profiles_dir, capsys) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(profiles_dir / "vgg16.txt"),
+                "--workers",
+                "4",
+                "--bandwidth",
+                "1e9",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "3-1 on 4 workers" in out
+    assert "speedup over DP" in out
+
+
+def test_unparsable_profile_is_a_clear_error(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("node1 -- Linear -- forward_compute_time=oops\n")
+    assert main(["plan", "--profile", str(bad), "--workers", "2", "--bandwidth", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.txt, line 1" in err
+
+
+def test_missing_profile_is_a_clear_error(tmp_path, capsys) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(tmp_path / "none.txt"),
+                "--workers",
+                "2",
+                "--bandwidth",
+                "1e9",
+            ]
+        )
+        == 2
+    )
+    assert "cannot be read" in capsys.readouterr().err

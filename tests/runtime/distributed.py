@@ -1,0 +1,61 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns or raises."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:  # type: ignore[type-arg]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(
+    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
+) -> dict[int, tuple[str, Any]]:
+    """Start ``world`` processes running ``fn(rank, world, *args)``; return {rank: (status, value)}."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    return results

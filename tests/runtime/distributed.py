@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 def run(
     world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
 ) -> dict[int, tuple[str, Any]]:
-    """Start ``world`` processes running ``fn(rank, world, *args)``; return {rank: (status, value)}."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return {rank: (status, value)}."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()

@@ -1,0 +1,29 @@
+"""Per-rank action lists for every sync mode, with a validator, a renderer and a simulator.
+
+Pure Python (no torch): ``build`` turns a ``Plan`` into a ``Schedule``; ``validate`` checks it;
+``render`` prints it as a step x rank table; ``simulate`` times it; ``segments`` cuts a rank's
+list into one piece per Lightning training step.
+"""
+
+from pl_pipedream.schedule.actions import Action, ActionKind, Schedule, ScheduleError
+from pl_pipedream.schedule.build import build
+from pl_pipedream.schedule.render import render
+from pl_pipedream.schedule.result import SimulationResult
+from pl_pipedream.schedule.rules import SYNC_MODES
+from pl_pipedream.schedule.segments import segments
+from pl_pipedream.schedule.simulate import simulate
+from pl_pipedream.schedule.validate import validate
+
+__all__ = [
+    "SYNC_MODES",
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "build",
+    "render",
+    "segments",
+    "simulate",
+    "validate",
+]

@@ -1,0 +1,92 @@
+"""Build the per-rank action lists of a plan for one sync mode.
+
+Minibatch ``i = t * m + j`` is microbatch ``j`` of Lightning batch ``t``. At every stage it runs on
+replica ``i mod r_s`` and its backward returns through the same replica (1F1B-RR, SOSP'19 section
+3.2); messages go between the exact replica ranks. Each forward is wrapped as receive activation,
+forward, send activation; each backward as receive gradient, backward, send gradient; an update as
+``ALLREDUCE`` (replicated stages only) then ``STEP``, right after the last backward it needs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import order, rules
+from pl_pipedream.schedule.actions import Action, ActionKind, Schedule
+
+__all__ = ["build"]
+
+
+def build(plan: Plan, sync: str, num_batches: int, num_microbatches: int) -> Schedule:
+    """The schedule that feeds ``num_batches`` batches of ``num_microbatches`` through ``plan``.
+
+    The asynchronous modes (``async``, ``vertical_sync``, ``2bw``) never flush between batches
+    and end with a drain; ``flush`` and ``gpipe`` flush after every batch. Raises ``ValueError``
+    for an unknown mode or counts the mode cannot serve.
+    """
+    rules.check_arguments(plan, sync, num_batches, num_microbatches)
+    lists: list[tuple[Action, ...]] = [()] * plan.num_workers
+    for stage in plan.stages:
+        for replica, rank in enumerate(stage.ranks):
+            tokens = replica_order(plan, sync, num_batches, num_microbatches, stage.index, replica)
+            lists[rank] = tuple(expand(plan, sync, num_microbatches, rank, tokens))
+    return Schedule(sync, plan, num_batches, num_microbatches, tuple(lists))
+
+
+def replica_order(
+    plan: Plan, sync: str, num_batches: int, num_microbatches: int, stage: int, replica: int
+) -> list[order.Token]:
+    """Forwards, backwards and updates of one replica, in the order it runs them."""
+    this = plan.stages[stage]
+    mine = range(replica, num_batches * num_microbatches, this.replicas)
+    if sync in ("flush", "gpipe"):
+        tokens: list[order.Token] = []
+        for batch in range(num_batches):
+            ours = [i for i in mine if i // num_microbatches == batch]
+            if sync == "flush":
+                tokens += order.one_f_one_b(ours, this.warmup)
+            else:
+                tokens += order.gpipe(ours)
+    else:
+        tokens = order.one_f_one_b(list(mine), this.warmup)
+    return order.with_updates(tokens, partial(rules.update_of, plan, sync, num_microbatches, stage))
+
+
+def expand(
+    plan: Plan, sync: str, num_microbatches: int, rank: int, tokens: list[order.Token]
+) -> list[Action]:
+    """Turn one replica's tokens into actions, adding its messages and collectives."""
+    stage = plan.stage_of_rank(rank)
+    here = {"rank": rank, "stage": stage.index, "replica": stage.ranks.index(rank)}
+    first, last = stage.index == 0, stage.index == plan.num_stages - 1
+    before = None if first else plan.stages[stage.index - 1]
+    after = None if last else plan.stages[stage.index + 1]
+    out: list[Action] = []
+    for kind, index in tokens:
+        if kind == "U":
+            batch = out[-1].batch  # the backward that closes the update
+            if stage.replicas > 1:
+                out.append(Action(ActionKind.ALLREDUCE, batch=batch, version=index, **here))
+            out.append(Action(ActionKind.STEP, batch=batch, version=index, **here))
+            continue
+        batch = index // num_microbatches
+        version = rules.weight_version(plan, sync, num_microbatches, stage.index, index)
+        tagged = {**here, "minibatch": index, "batch": batch}
+        if kind == "F":
+            if before is not None:
+                peer = rules.rank_of(before, index)
+                out.append(Action(ActionKind.RECV_ACTIVATION, peer=peer, **tagged))
+            out.append(Action(ActionKind.FORWARD, version=version, **tagged))
+            if after is not None:
+                peer = rules.rank_of(after, index)
+                out.append(Action(ActionKind.SEND_ACTIVATION, peer=peer, **tagged))
+        else:
+            if after is not None:
+                peer = rules.rank_of(after, index)
+                out.append(Action(ActionKind.RECV_GRAD, peer=peer, **tagged))
+            out.append(Action(ActionKind.BACKWARD, version=version, **tagged))
+            if before is not None:
+                peer = rules.rank_of(before, index)
+                out.append(Action(ActionKind.SEND_GRAD, peer=peer, **tagged))
+    return out

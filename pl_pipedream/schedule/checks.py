@@ -1,0 +1,263 @@
+"""The rules a schedule must keep, one function each; each returns a ``Problem`` or None.
+
+``validate`` runs them in order and turns the first problem into a ``ScheduleError``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+from pl_pipedream.schedule import rules
+from pl_pipedream.schedule.actions import (
+    COMPUTE,
+    MESSAGES,
+    RECVS,
+    SENDS,
+    Action,
+    ActionKind,
+    Schedule,
+    collective_key,
+    message_key,
+)
+from pl_pipedream.schedule.execution import execute
+from pl_pipedream.schedule.problem import Cell, Problem
+from pl_pipedream.schedule.segments import segment_indices
+from pl_pipedream.schedule.version_checks import check_versions
+
+__all__ = ["CHECKS", "Problem"]
+
+_F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_PEER_STAGE = {  # which neighbouring stage each message goes to or comes from
+    ActionKind.SEND_ACTIVATION: 1,
+    ActionKind.RECV_ACTIVATION: -1,
+    ActionKind.SEND_GRAD: -1,
+    ActionKind.RECV_GRAD: 1,
+}
+
+
+def _actions(schedule: Schedule) -> Iterator[tuple[int, int, Action]]:
+    for rank, actions in enumerate(schedule.actions):
+        for pos, action in enumerate(actions):
+            yield rank, pos, action
+
+
+def check_shape(schedule: Schedule) -> Problem | None:
+    """One list per worker, a known mode, and every action tagged with its own rank and stage."""
+    plan = schedule.plan
+    if schedule.sync not in rules.SYNC_MODES:
+        return Problem(
+            f"the sync mode must be one of {rules.SYNC_MODES} (sync: {schedule.sync!r}); "
+            "build the schedule with one of them"
+        )
+    if schedule.num_ranks != plan.num_workers:
+        return Problem(
+            f"a schedule has one action list per worker (lists: {schedule.num_ranks}, workers: "
+            f"{plan.num_workers}); build it from the same plan"
+        )
+    for rank, pos, action in _actions(schedule):
+        stage = plan.stage_of_rank(rank)
+        if (action.rank, action.stage, action.replica) != (
+            rank,
+            stage.index,
+            stage.ranks.index(rank),
+        ):
+            return Problem(
+                f"an action must name the rank, stage and replica whose list holds it (rank "
+                f"{rank}: {action!r}); rebuild the schedule",
+                ((rank, pos),),
+            )
+        problem = _check_placement(schedule, action)
+        if problem is not None:
+            return Problem(problem, ((rank, pos),))
+    return None
+
+
+def _check_placement(schedule: Schedule, action: Action) -> str | None:
+    """Compute and messages go to the replica that round robin (1F1B-RR) gives the minibatch."""
+    plan, kind = schedule.plan, action.kind
+    if kind in COMPUTE or kind in MESSAGES:
+        i = action.minibatch
+        if i is None or not 0 <= i < schedule.num_minibatches:
+            return (
+                f"a minibatch index must lie in 0..{schedule.num_minibatches - 1} "
+                f"(action {action}: minibatch {i}); build with the schedule's counts"
+            )
+        if action.batch != i // schedule.num_microbatches:
+            return (
+                f"minibatch i belongs to batch i // m (action {action}: batch {action.batch}); "
+                "tag it with its batch"
+            )
+        if rules.rank_of(plan.stages[action.stage], i) != action.rank:
+            return (
+                f"minibatch i runs on replica i mod r_s of each stage (action {action} on rank "
+                f"{action.rank}, expected rank {rules.rank_of(plan.stages[action.stage], i)}); "
+                "move it to that rank's list"
+            )
+    if kind in COMPUTE and action.version is None:
+        return f"a forward or backward names its weight version (action {action!r}); set one"
+    if kind in MESSAGES:
+        other = action.stage + _PEER_STAGE[kind]
+        if not 0 <= other < plan.num_stages:
+            return (
+                f"a message goes to a neighbouring stage (action {action}: stage {other}); drop it"
+            )
+        expected = rules.rank_of(plan.stages[other], action.minibatch)  # type: ignore[arg-type]
+        if action.peer != expected:
+            return (
+                f"a message goes to the replica that serves the minibatch (action {action}: "
+                f"peer {action.peer}, expected {expected}); use rank_of(stage, minibatch)"
+            )
+    if kind is ActionKind.ALLREDUCE and plan.stages[action.stage].replicas == 1:
+        return f"only a replicated stage averages gradients (action {action}: replicas 1); drop it"
+    if kind in (ActionKind.ALLREDUCE, ActionKind.STEP) and action.version is None:
+        return f"an update names the version it produces (action {action!r}); set one"
+    return None
+
+
+def check_pairs(schedule: Schedule) -> Problem | None:
+    """Each minibatch runs forward then backward once per stage, same rank, same version."""
+    plan = schedule.plan
+    seen: dict[tuple[ActionKind, int, int], list[Cell]] = defaultdict(list)
+    for rank, pos, action in _actions(schedule):
+        if action.kind in COMPUTE or action.kind in MESSAGES:
+            seen[(action.kind, action.stage, action.minibatch)].append((rank, pos))  # type: ignore[index]
+    for stage in plan.stages:
+        for i in range(schedule.num_minibatches):
+            forwards, backwards = seen[(_F, stage.index, i)], seen[(_B, stage.index, i)]
+            if len(forwards) != 1 or len(backwards) != 1:
+                return Problem(
+                    f"every minibatch has one forward and one backward at every stage (stage "
+                    f"{stage.index}, minibatch {i}: forwards {len(forwards)}, backwards "
+                    f"{len(backwards)}); forward-only schedules are not supported",
+                    tuple(forwards + backwards),
+                )
+            (rank, f_pos), (_, b_pos) = forwards[0], backwards[0]
+            forward, backward = schedule.actions[rank][f_pos], schedule.actions[rank][b_pos]
+            if b_pos < f_pos or forward.version != backward.version:
+                return Problem(
+                    f"a backward follows its forward with the same weights (stage {stage.index}, "
+                    f"minibatch {i}: {forward} at {f_pos}, {backward} at {b_pos}); stash the "
+                    "forward's version for the backward",
+                    ((rank, f_pos), (rank, b_pos)),
+                )
+            problem = _check_wrapping(schedule, seen, stage.index, i, f_pos, b_pos)
+            if problem is not None:
+                return problem
+    return _check_batch_order(schedule)
+
+
+def _check_wrapping(
+    schedule: Schedule,
+    seen: dict[tuple[ActionKind, int, int], list[Cell]],
+    stage: int,
+    i: int,
+    f_pos: int,
+    b_pos: int,
+) -> Problem | None:
+    """Receive before the compute that needs it, send after the compute that makes it."""
+    last = schedule.plan.num_stages - 1
+    needs = [
+        (ActionKind.RECV_ACTIVATION, stage > 0, f_pos, -1),
+        (ActionKind.SEND_ACTIVATION, stage < last, f_pos, 1),
+        (ActionKind.RECV_GRAD, stage < last, b_pos, -1),
+        (ActionKind.SEND_GRAD, stage > 0, b_pos, 1),
+    ]
+    for kind, wanted, compute_pos, side in needs:
+        cells = seen[(kind, stage, i)]
+        where = "before" if side < 0 else "after"
+        if wanted and (len(cells) != 1 or (cells[0][1] - compute_pos) * side <= 0):
+            rank = schedule.plan.stages[stage].ranks[i % schedule.plan.stages[stage].replicas]
+            return Problem(
+                f"each forward and backward has one {kind.name} {where} it on its rank (stage "
+                f"{stage}, minibatch {i}: found {len(cells)}); put the message {where} the compute",
+                tuple(cells) or ((rank, compute_pos),),
+            )
+    return None
+
+
+def _check_batch_order(schedule: Schedule) -> Problem | None:
+    """Every forward of batch t comes before any forward of batch t + 1 on each rank."""
+    for rank, actions in enumerate(schedule.actions):
+        batch = 0
+        for pos, action in enumerate(actions):
+            if action.kind is _F and action.batch is not None:
+                if action.batch < batch:
+                    return Problem(
+                        f"forwards keep batch order on each rank (rank {rank}: {action} after a "
+                        f"forward of batch {batch}); the runtime cuts lists at batch boundaries",
+                        ((rank, pos),),
+                    )
+                batch = action.batch
+    return None
+
+
+def check_messages(schedule: Schedule) -> Problem | None:
+    """Every send has exactly one receive on its peer and every receive one send."""
+    sends: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
+    recvs: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
+    for rank, pos, action in _actions(schedule):
+        if action.kind in SENDS:
+            sends[message_key(action)].append((rank, pos))  # type: ignore[index]
+        elif action.kind in RECVS:
+            recvs[message_key(action)].append((rank, pos))  # type: ignore[index]
+    for mine, theirs, what, fix in (
+        (sends, recvs, "send", "add the receive on the peer"),
+        (recvs, sends, "receive", "add the send on the peer"),
+    ):
+        for key, cells in mine.items():
+            if len(cells) != len(theirs.get(key, [])):
+                rank, pos = cells[0]
+                action = schedule.actions[rank][pos]
+                return Problem(
+                    f"every {what} needs exactly one matching partner on its peer (rank {rank}: "
+                    f"{action} x{len(cells)}, partners on rank {action.peer}: "
+                    f"{len(theirs.get(key, []))}); {fix}",
+                    tuple(cells),
+                )
+    return None
+
+
+def check_deadlock(schedule: Schedule) -> Problem | None:
+    """Blocking receives, unbounded sends: some rank can always move until all lists end."""
+    run = execute(schedule, lambda rank, pos, action: action.kind in COMPUTE)
+    if run.finished:
+        return None
+    waiting = ", ".join(f"rank {r}: {schedule.actions[r][p]}" for r, p in run.stuck)
+    return Problem(
+        f"the schedule must not deadlock (stuck at {waiting}); reorder so that each receive's "
+        "send can run first",
+        run.stuck,
+    )
+
+
+def check_segments(schedule: Schedule) -> Problem | None:
+    """Inside Lightning step t no rank waits for an action another rank runs in a later step."""
+    segment = segment_indices(schedule)
+    sends: dict[tuple[object, ...], int] = {}
+    groups: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
+    for rank, pos, action in _actions(schedule):
+        if action.kind in SENDS:
+            sends[message_key(action)] = segment[rank][pos]  # type: ignore[index]
+        elif action.kind is ActionKind.ALLREDUCE:
+            groups[collective_key(action)].append((rank, pos))  # type: ignore[index]
+    for rank, pos, action in _actions(schedule):
+        if action.kind in RECVS and sends[message_key(action)] > segment[rank][pos]:  # type: ignore[index]
+            return Problem(
+                f"a receive in Lightning step t needs its send in step t or earlier (rank {rank}: "
+                f"{action} in step {segment[rank][pos]}, send in step "
+                f"{sends[message_key(action)]}); move the send earlier",  # type: ignore[index]
+                ((rank, pos),),
+            )
+    for cells in groups.values():
+        if len({segment[rank][pos] for rank, pos in cells}) > 1:
+            steps = [segment[rank][pos] for rank, pos in cells]
+            return Problem(
+                f"the replicas of an ALLREDUCE meet in the same Lightning step (steps: {steps}); "
+                "use num_microbatches that the replicas share evenly",
+                tuple(cells),
+            )
+    return None
+
+
+CHECKS = (check_shape, check_messages, check_pairs, check_versions, check_deadlock, check_segments)

@@ -1,0 +1,132 @@
+"""What a simulation measured, as a frozen value with a short text summary.
+
+Busy time is forward, backward and optimizer-step time; a rank's bubble is the part of a window
+it is not busy (waiting for messages and all-reduces counts as bubble).
+
+Steady state. Let ``C(t)`` be the time the input stage finishes the last backward of batch ``t``:
+then every minibatch of batch ``t`` has left the pipeline. With ``T`` batches the steady window
+runs from ``C(t1)`` to ``C(t2)``, ``t1 = T // 4`` and ``t2 = T - 1 - T // 4``: it skips the first
+and last quarter of the batches, which hold the warm-up (pipeline fill) and the drain, and spans
+``(t2 - t1) * m`` minibatches. Time per minibatch is the window's length over that count. With
+fewer than 3 batches there is no such window and the whole run is used (total time / minibatches).
+For flushed modes a minibatch is a microbatch; the window then covers whole flushed batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pl_pipedream.schedule.actions import ActionKind, Schedule
+from pl_pipedream.schedule.versions import in_flight_counts, live_version_counts
+
+__all__ = ["SimulationResult", "summarize"]
+
+Span = tuple[float, float]
+_BUSY = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP})
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Times in milliseconds; tuples indexed by rank (``bubble``) or stage (``peak_*``).
+
+    ``spans[r][k]`` is the (start, end) of rank r's action k, for a trace viewer.
+    """
+
+    sync: str
+    shape: str
+    num_minibatches: int
+    total_ms: float
+    time_per_minibatch_ms: float
+    throughput: float
+    steady_window_ms: tuple[float, float]
+    bubble: tuple[float, ...]
+    steady_bubble: tuple[float, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_versions: tuple[int, ...]
+    stage_of_rank: tuple[int, ...]
+    spans: tuple[tuple[Span, ...], ...] = field(repr=False)
+
+    def describe(self) -> str:
+        """A few lines: time per minibatch, throughput, bubbles per rank, memory per stage."""
+        start, end = self.steady_window_ms
+        lines = [
+            f"{self.sync} on plan {self.shape}: {self.num_minibatches} minibatches in "
+            f"{self.total_ms:.3f} ms",
+            f"time per minibatch   {self.time_per_minibatch_ms:.4f} ms (steady window "
+            f"{start:.3f}..{end:.3f} ms)",
+            f"throughput           {self.throughput:.2f} minibatches/s",
+            "rank  stage  bubble(run)  bubble(steady)",
+        ]
+        for rank, stage in enumerate(self.stage_of_rank):
+            run, steady = self.bubble[rank], self.steady_bubble[rank]
+            lines.append(f"{rank:>4}  {stage:>5}  {run:>11.3f}  {steady:>14.3f}")
+        lines.append("stage  peak activations  peak weight versions")
+        for stage, (acts, versions) in enumerate(
+            zip(self.peak_in_flight, self.peak_versions, strict=True)
+        ):
+            lines.append(f"{stage:>5}  {acts:>16}  {versions:>20}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def summarize(schedule: Schedule, spans: tuple[tuple[Span, ...], ...]) -> SimulationResult:
+    """Turn per-action spans into the result's numbers."""
+    total = max((end for rank in spans for _, end in rank), default=0.0)
+    start, end, count = steady_window(schedule, spans, total)
+    per_minibatch = (end - start) / count if count else 0.0
+    plan = schedule.plan
+    stage_of_rank = tuple(plan.stage_of_rank(r).index for r in range(schedule.num_ranks))
+    return SimulationResult(
+        sync=schedule.sync,
+        shape=plan.shape,
+        num_minibatches=schedule.num_minibatches,
+        total_ms=total,
+        time_per_minibatch_ms=per_minibatch,
+        throughput=1e3 / per_minibatch if per_minibatch > 0 else float("inf"),
+        steady_window_ms=(start, end),
+        bubble=tuple(_idle(schedule, spans, r, 0.0, total) for r in range(schedule.num_ranks)),
+        steady_bubble=tuple(
+            _idle(schedule, spans, r, start, end) for r in range(schedule.num_ranks)
+        ),
+        peak_in_flight=_per_stage(schedule, [max(in_flight_counts(a)) for a in schedule.actions]),
+        peak_versions=_per_stage(schedule, [max(live_version_counts(a)) for a in schedule.actions]),
+        stage_of_rank=stage_of_rank,
+        spans=spans,
+    )
+
+
+def steady_window(
+    schedule: Schedule, spans: tuple[tuple[Span, ...], ...], total: float
+) -> tuple[float, float, int]:
+    """(start, end, minibatches) of the steady-state window described in the module docstring."""
+    num_batches, m = schedule.num_batches, schedule.num_microbatches
+    first, last = num_batches // 4, num_batches - 1 - num_batches // 4
+    if last <= first:
+        return 0.0, total, schedule.num_minibatches
+    done = [0.0] * num_batches
+    for rank in schedule.plan.stages[0].ranks:
+        for action, (_, end) in zip(schedule.actions[rank], spans[rank], strict=True):
+            if action.kind is ActionKind.BACKWARD and action.batch is not None:
+                done[action.batch] = max(done[action.batch], end)
+    return done[first], done[last], (last - first) * m
+
+
+def _idle(
+    schedule: Schedule, spans: tuple[tuple[Span, ...], ...], rank: int, start: float, end: float
+) -> float:
+    """Fraction of [start, end] that ``rank`` is not busy."""
+    if end <= start:
+        return 0.0
+    busy = sum(
+        max(0.0, min(b, end) - max(a, start))
+        for action, (a, b) in zip(schedule.actions[rank], spans[rank], strict=True)
+        if action.kind in _BUSY
+    )
+    return 1.0 - busy / (end - start)
+
+
+def _per_stage(schedule: Schedule, per_rank: Sequence[int]) -> tuple[int, ...]:
+    return tuple(max(per_rank[r] for r in stage.ranks) for stage in schedule.plan.stages)

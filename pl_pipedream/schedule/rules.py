@@ -1,0 +1,125 @@
+"""The update rules of every sync mode: which weights a minibatch uses, which update it feeds.
+
+These functions are the single statement of the rules in DESIGN.md; the builder places actions so
+that they hold and the validator checks them. Stage ``s`` has ``r_s`` replicas and ``w_s`` warm-up
+forwards per replica (``Stage.warmup``); minibatch ``i`` runs on replica ``i mod r_s`` as that
+replica's local minibatch ``n = i // r_s`` (1F1B-RR, SOSP'19 section 3.2).
+
+- ``async`` (weight stashing, section 3.3): version ``max(0, n - w_s)``; update ``u`` averages the
+  gradients of minibatches ``(u-1) r_s .. u r_s - 1``, one per replica.
+- ``vertical_sync``: every stage uses the weights that cover as many minibatches as the input
+  stage's version does, ``c(i) = r_0 max(0, i // r_0 - w_0)``, i.e. version ``c(i) // r_s``; the
+  updates are those of ``async``.
+- ``2bw`` (PipeDream-2BW): batch ``t`` uses version ``max(0, t - 1)``; one update per batch.
+- ``flush`` and ``gpipe``: batch ``t`` uses version ``t``; one update per batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pl_pipedream.planner.plan import Plan, Stage
+
+__all__ = [
+    "SYNC_MODES",
+    "check_arguments",
+    "num_updates",
+    "rank_of",
+    "stash_limit",
+    "update_of",
+    "weight_version",
+]
+
+SYNC_MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe")
+PER_MINIBATCH = frozenset({"async", "vertical_sync"})
+
+
+def rank_of(stage: Stage, minibatch: int) -> int:
+    """The rank of the replica that serves ``minibatch`` at ``stage`` (round robin)."""
+    return stage.ranks[minibatch % stage.replicas]
+
+
+def weight_version(plan: Plan, sync: str, num_microbatches: int, stage: int, minibatch: int) -> int:
+    """The version of ``stage``'s weights that the forward and backward of ``minibatch`` use."""
+    this = plan.stages[stage]
+    if sync == "async":
+        return max(0, minibatch // this.replicas - this.warmup)
+    if sync == "vertical_sync":
+        first = plan.stages[0]
+        covered = first.replicas * max(0, minibatch // first.replicas - first.warmup)
+        return covered // this.replicas
+    batch = minibatch // num_microbatches
+    if sync == "2bw":
+        return max(0, batch - 1)
+    return batch
+
+
+def update_of(plan: Plan, sync: str, num_microbatches: int, stage: int, minibatch: int) -> int:
+    """The update (1, 2, ...) of ``stage`` that the gradient of ``minibatch`` goes into."""
+    if sync in PER_MINIBATCH:
+        return minibatch // plan.stages[stage].replicas + 1
+    return minibatch // num_microbatches + 1
+
+
+def num_updates(plan: Plan, sync: str, num_batches: int, num_microbatches: int, stage: int) -> int:
+    """How many updates ``stage`` applies over the whole schedule, drain included."""
+    if sync in PER_MINIBATCH:
+        return num_batches * num_microbatches // plan.stages[stage].replicas
+    return num_batches
+
+
+def stash_limit(plan: Plan, sync: str, stage: int) -> int:
+    """The most weight versions a replica of ``stage`` may hold at once.
+
+    ``async`` keeps ``Stage.weight_versions`` (``w_s + 1``, NOAM at the input stage). Vertical
+    sync must also keep the versions between the input stage's version and its own newest one:
+    ``1 + ceil(r_0 w_0 / r_s)``. 2BW keeps two buffers; the flushed modes one.
+    """
+    this = plan.stages[stage]
+    if sync == "async":
+        return this.weight_versions
+    if sync == "vertical_sync":
+        first = plan.stages[0]
+        return 1 + math.ceil(first.replicas * first.warmup / this.replicas)
+    if sync == "2bw":
+        return 2
+    return 1
+
+
+def check_arguments(plan: Plan, sync: str, num_batches: int, num_microbatches: int) -> None:
+    """Raise ``ValueError`` when a schedule cannot be built from these arguments."""
+    if sync not in SYNC_MODES:
+        raise ValueError(
+            f"the sync mode must be one of {', '.join(SYNC_MODES)} (sync: {sync!r}); "
+            "pick one of them, e.g. sync='async'"
+        )
+    for name, value in (("num_batches", num_batches), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
+    for stage in plan.stages:
+        if num_microbatches % stage.replicas:
+            raise ValueError(
+                f"each batch must split evenly over a stage's replicas (stage {stage.index}: "
+                f"replicas {stage.replicas}, num_microbatches: {num_microbatches}); pass a "
+                f"multiple of {stage.replicas} as num_microbatches"
+            )
+    if sync == "2bw":
+        _check_two_buffers(plan, num_microbatches)
+
+
+def _check_two_buffers(plan: Plan, num_microbatches: int) -> None:
+    """2BW holds two versions only if a batch outlasts the pipeline's warm-up at every stage."""
+    if num_microbatches < plan.num_stages:
+        raise ValueError(
+            "2bw needs at least as many microbatches per batch as stages (num_microbatches: "
+            f"{num_microbatches}, stages: {plan.num_stages}); pass num_microbatches >= "
+            f"{plan.num_stages} or use sync='flush'"
+        )
+    for stage in plan.stages:
+        per_replica = num_microbatches // stage.replicas
+        if per_replica < stage.warmup:
+            raise ValueError(
+                "2bw needs each replica to get at least its warm-up count of microbatches per "
+                f"batch (stage {stage.index}: warm-up {stage.warmup}, microbatches per replica "
+                f"{per_replica}); pass num_microbatches >= {stage.warmup * stage.replicas}"
+            )

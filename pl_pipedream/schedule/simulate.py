@@ -1,0 +1,169 @@
+"""Discrete-event simulation of a schedule: when each action starts and ends on each rank.
+
+Each rank runs its list in order. A forward or backward takes its stage's time; a send costs the
+sender nothing and delivers after ``bytes / bandwidth`` on its directed link, one transfer after
+another; a receive waits for delivery; an ``ALLREDUCE`` starts when the last replica arrives and
+ends for all together; a ``STEP`` takes ``step_ms``. Activations from stage s to s + 1 and the
+gradients back have ``Stage.output_bytes`` of stage s.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pl_pipedream.schedule.actions import (
+    RECVS,
+    SENDS,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    collective_key,
+    message_key,
+)
+from pl_pipedream.schedule.result import SimulationResult, summarize
+
+__all__ = ["Costs", "simulate"]
+
+Span = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Milliseconds per action kind and stage; ``transfer_ms[s]`` is one message s <-> s + 1."""
+
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    transfer_ms: tuple[float, ...]
+    allreduce_ms: tuple[float, ...]
+    step_ms: float
+
+    def of(self, action: Action) -> float:
+        if action.kind is ActionKind.FORWARD:
+            return self.forward_ms[action.stage]
+        if action.kind is ActionKind.BACKWARD:
+            return self.backward_ms[action.stage]
+        if action.kind is ActionKind.ALLREDUCE:
+            return self.allreduce_ms[action.stage]
+        if action.kind is ActionKind.STEP:
+            return self.step_ms
+        return 0.0
+
+    def transfer(self, action: Action) -> float:
+        """Time on the wire for a message between ``action.stage`` and its neighbour."""
+        low = action.stage if action.kind is ActionKind.SEND_ACTIVATION else action.stage - 1
+        return self.transfer_ms[low]
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    forward_ms: Sequence[float] | None = None,
+    backward_ms: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+    allreduce_ms: float | Sequence[float] | None = None,
+    step_ms: float = 0.0,
+) -> SimulationResult:
+    """Simulate ``schedule``; per-stage times default to the plan's ``forward_ms``/``backward_ms``.
+
+    ``bandwidth`` is in bytes/s (None: messages are free). ``allreduce_ms`` is one number, one per
+    stage, or None for a ring all-reduce of the stage's ``parameter_bytes`` at ``bandwidth``.
+    Raises ``ScheduleError`` if the schedule deadlocks.
+    """
+    costs = stage_costs(schedule, forward_ms, backward_ms, bandwidth, allreduce_ms, step_ms)
+    return summarize(schedule, run(schedule, costs))
+
+
+def stage_costs(
+    schedule: Schedule,
+    forward_ms: Sequence[float] | None,
+    backward_ms: Sequence[float] | None,
+    bandwidth: float | None,
+    allreduce_ms: float | Sequence[float] | None,
+    step_ms: float,
+) -> Costs:
+    stages = schedule.plan.stages
+    forward = tuple(forward_ms) if forward_ms is not None else tuple(s.forward_ms for s in stages)
+    backward = (
+        tuple(backward_ms) if backward_ms is not None else tuple(s.backward_ms for s in stages)
+    )
+    for name, values in (("forward_ms", forward), ("backward_ms", backward)):
+        if len(values) != len(stages):
+            raise ValueError(
+                f"give one time per stage ({name}: {len(values)} values, stages: {len(stages)}); "
+                f"pass {len(stages)} values"
+            )
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError(f"bandwidth must be positive bytes/s (bandwidth: {bandwidth}); or None")
+
+    def wire(num_bytes: float) -> float:
+        return 0.0 if bandwidth is None else 1e3 * num_bytes / bandwidth
+
+    transfer = tuple(wire(s.output_bytes) for s in stages)
+    if allreduce_ms is None:
+        reduce = tuple(2 * (s.replicas - 1) / s.replicas * wire(s.parameter_bytes) for s in stages)
+    elif isinstance(allreduce_ms, (int, float)):
+        reduce = (float(allreduce_ms),) * len(stages)
+    else:
+        reduce = tuple(allreduce_ms)
+    return Costs(forward, backward, transfer, reduce, step_ms)
+
+
+def run(schedule: Schedule, costs: Costs) -> tuple[tuple[Span, ...], ...]:
+    """(start, end) in ms of every action of every rank."""
+    actions = schedule.actions
+    clock = [0.0] * len(actions)
+    spans: list[list[Span]] = [[] for _ in actions]
+    arrivals: dict[object, deque[float]] = defaultdict(deque)
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    replicas = {stage.index: stage.ranks for stage in schedule.plan.stages}
+
+    def next_of(rank: int) -> Action | None:
+        pos = len(spans[rank])
+        return actions[rank][pos] if pos < len(actions[rank]) else None
+
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(len(actions)):
+            while (action := next_of(rank)) is not None:
+                now = clock[rank]
+                if action.kind in SENDS:
+                    link = (rank, action.peer)
+                    start = max(now, link_free[link])  # type: ignore[index]
+                    link_free[link] = start + costs.transfer(action)  # type: ignore[index]
+                    arrivals[message_key(action)].append(link_free[link])  # type: ignore[index]
+                    spans[rank].append((now, now))
+                elif action.kind in RECVS:
+                    queue = arrivals[message_key(action)]
+                    if not queue:
+                        break
+                    clock[rank] = max(now, queue.popleft())
+                    spans[rank].append((now, clock[rank]))
+                elif action.kind is ActionKind.ALLREDUCE:
+                    group = replicas[action.stage]
+                    if any(_key(next_of(other)) != collective_key(action) for other in group):
+                        break
+                    start = max(clock[other] for other in group)
+                    for other in group:
+                        spans[other].append((start, start + costs.of(action)))
+                        clock[other] = start + costs.of(action)
+                else:
+                    clock[rank] = now + costs.of(action)
+                    spans[rank].append((now, clock[rank]))
+                moved = True
+    stuck = [rank for rank in range(len(actions)) if len(spans[rank]) < len(actions[rank])]
+    if stuck:
+        waiting = ", ".join(f"rank {r}: {next_of(r)}" for r in stuck)
+        raise ScheduleError(
+            f"a schedule must not deadlock to be simulated (stuck at {waiting}); run "
+            "validate(schedule) for the marked table",
+            tuple((r, len(spans[r])) for r in stuck),
+        )
+    return tuple(tuple(rank_spans) for rank_spans in spans)
+
+
+def _key(action: Action | None) -> object:
+    return None if action is None else collective_key(action)

@@ -1,0 +1,92 @@
+"""The simulator's golden numbers: bubbles of flushed pipelines, steady async, 1F1B-RR balance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import ScheduleError, build, simulate
+
+
+def balanced(p: int) -> dict[str, list[float]]:
+    return {"forward_ms": [1.0] * p, "backward_ms": [2.0] * p}
+
+
+@pytest.mark.parametrize("sync", ["gpipe", "flush"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_flushed_bubble_is_p_minus_1_over_m_plus_p_minus_1(sync: str, p: int, m: int) -> None:
+    result = simulate(build(Plan.from_balance([1] * p), sync, 1, m), **balanced(p))
+    assert result.total_ms == pytest.approx(3.0 * (m + p - 1), abs=1e-9)
+    for bubble in result.bubble:
+        assert bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+
+
+@pytest.mark.parametrize("sync", ["async", "vertical_sync", "2bw"])
+def test_async_steady_state_has_no_bubble(sync: str) -> None:
+    result = simulate(build(Plan.from_balance([1] * 4), sync, 40, 4), **balanced(4))
+    assert result.time_per_minibatch_ms == pytest.approx(3.0, abs=1e-9)
+    assert result.throughput == pytest.approx(1e3 / 3.0)
+    assert max(result.steady_bubble) == pytest.approx(0.0, abs=1e-9)
+    assert max(result.bubble) > 0  # warm-up and drain are not free
+
+
+def test_unbalanced_pipeline_runs_at_its_slowest_stage() -> None:
+    schedule = build(Plan.from_balance([1, 1, 1]), "async", 40, 2)
+    result = simulate(schedule, forward_ms=[1.0, 2.0, 1.0], backward_ms=[2.0, 4.0, 2.0])
+    assert result.time_per_minibatch_ms == pytest.approx(6.0, abs=1e-9)
+    assert result.steady_bubble[1] == pytest.approx(0.0, abs=1e-9)
+    assert result.steady_bubble[0] == pytest.approx(0.5, abs=1e-9)
+
+
+def test_replicated_slow_stage_balances() -> None:
+    """2-1: stage 0 is twice as slow as stage 1 but has two replicas."""
+    schedule = build(Plan.from_balance([1, 1], replicas=[2, 1]), "async", 40, 2)
+    result = simulate(schedule, forward_ms=[2.0, 1.0], backward_ms=[4.0, 2.0])
+    assert result.time_per_minibatch_ms == pytest.approx(3.0, abs=1e-9)
+    assert max(result.steady_bubble) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_peaks_of_activations_and_versions() -> None:
+    straight = simulate(build(Plan.from_balance([1] * 4), "async", 8, 2), **balanced(4))
+    assert straight.peak_in_flight == (4, 3, 2, 1)  # p - s activations at stage s
+    assert straight.peak_versions == (4, 3, 2, 1)  # w_s + 1 weight versions
+    gpipe = simulate(build(Plan.from_balance([1] * 4), "gpipe", 2, 8), **balanced(4))
+    assert gpipe.peak_in_flight == (8, 8, 8, 8)
+    assert gpipe.peak_versions == (1, 1, 1, 1)
+    two_bw = simulate(build(Plan.from_balance([1] * 4), "2bw", 4, 4), **balanced(4))
+    assert max(two_bw.peak_versions) == 2
+
+
+def test_transfers_and_allreduce_cost_time() -> None:
+    plan = Plan.from_balance([1, 1])
+    stages = tuple(dataclasses.replace(s, output_bytes=1e6) for s in plan.stages)
+    plan = dataclasses.replace(plan, stages=stages)
+    free = simulate(build(plan, "gpipe", 1, 2), **balanced(2))
+    slow = simulate(build(plan, "gpipe", 1, 2), bandwidth=1e9, **balanced(2))  # 1 ms a message
+    assert slow.total_ms == pytest.approx(free.total_ms + 2.0)
+    replicated = build(Plan.from_balance([1, 1], replicas=[2, 1]), "flush", 1, 2)
+    base = simulate(replicated, **balanced(2))
+    reduced = simulate(replicated, allreduce_ms=5.0, **balanced(2))
+    assert reduced.total_ms == pytest.approx(base.total_ms + 5.0)
+
+
+def test_spans_and_summary() -> None:
+    schedule = build(Plan.from_balance([1, 1]), "async", 4, 2)
+    result = simulate(schedule, **balanced(2))
+    assert [len(s) for s in result.spans] == [len(a) for a in schedule.actions]
+    assert all(start <= end for rank in result.spans for start, end in rank)
+    text = result.describe()
+    for words in ("time per minibatch", "throughput", "bubble", "peak activations"):
+        assert words in text
+
+
+def test_deadlock_raises() -> None:
+    flush, gpipe = (build(Plan.from_balance([1, 1]), sync, 1, 2) for sync in ("flush", "gpipe"))
+    first = flush.actions[0]  # F0 >a0 F1 >a1 <g0 B0 <g1 B1 S
+    waits_early = first[:2] + first[4:6] + first[2:4] + first[6:]  # <g0 before >a1
+    stuck = dataclasses.replace(flush, actions=(waits_early, gpipe.actions[1]))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(stuck, **balanced(2))

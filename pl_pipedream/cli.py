@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -75,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--plan", help="a plan JSON written by 'pl-pipedream plan --output'")
     simulate.add_argument("--sync", default="async", choices=SYNC_MODES)
     simulate.add_argument("--batches", type=int, default=8, help="Lightning batches to simulate")
-    simulate.add_argument("--microbatches", type=int, default=1, help="microbatches per batch")
+    simulate.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per batch (default: the smallest count every stage's replicas share)",
+    )
     simulate.add_argument(
         "--link-bandwidth",
         type=float,
@@ -129,7 +135,12 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     bandwidth = args.link_bandwidth
     if bandwidth is None and chosen.topology is not None:
         bandwidth = chosen.topology.levels[-1].bandwidth
-    schedule = build(chosen, args.sync, args.batches, args.microbatches)
+    microbatches = args.microbatches
+    if microbatches is None:
+        microbatches = math.lcm(*(stage.replicas for stage in chosen.stages))
+        if args.sync == "2bw":
+            microbatches *= math.ceil(chosen.num_stages / microbatches)
+    schedule = build(chosen, args.sync, args.batches, microbatches)
     result = simulate(schedule, bandwidth=bandwidth)
     if args.json:
         print(json.dumps(result.to_dict()))

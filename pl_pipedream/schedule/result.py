@@ -71,6 +71,23 @@ class SimulationResult:
     def __str__(self) -> str:
         return self.describe()
 
+    def to_dict(self) -> dict[str, object]:
+        """Every figure except the per-action spans, JSON-ready."""
+        return {
+            "sync": self.sync,
+            "shape": self.shape,
+            "num_minibatches": self.num_minibatches,
+            "total_ms": self.total_ms,
+            "time_per_minibatch_ms": self.time_per_minibatch_ms,
+            "throughput": self.throughput,
+            "steady_window_ms": list(self.steady_window_ms),
+            "bubble": list(self.bubble),
+            "steady_bubble": list(self.steady_bubble),
+            "peak_in_flight": list(self.peak_in_flight),
+            "peak_versions": list(self.peak_versions),
+            "stage_of_rank": list(self.stage_of_rank),
+        }
+
 
 def summarize(schedule: Schedule, spans: tuple[tuple[Span, ...], ...]) -> SimulationResult:
     """Turn per-action spans into the result's numbers."""

@@ -1,0 +1,329 @@
+"""The stage executor: runs one rank's action list, exactly as the schedule module built it.
+
+There is no schedule in here. Each action kind has one handler: receive or send a message,
+run a forward or backward pass on a weight version, average gradients among the stage's
+replicas, apply an update. What comes from outside is injected: the first stage's inputs
+(``inputs(i)``), the last stage's loss (``loss(output, i)``), and what an update does
+(``apply_update(gradients, count)``; by default the stage's own optimizer steps).
+
+Gradients of an update are summed over its backward passes (and, through ``ALLREDUCE``, over
+the stage's replicas), then divided by the number of minibatches they came from, so an update
+sees the mean gradient, as single-device training on the same minibatches would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.versions import WeightVersions
+from pl_pipedream.schedule.actions import Action, ActionKind
+
+__all__ = ["ExecutorError", "StageExecutor", "TimelineEvent"]
+
+TAG_ACTIVATION = 1
+TAG_GRAD = 2
+
+
+class ExecutorError(RuntimeError):
+    """A stage could not run an action; the message names the rank, stage and action."""
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One executed action with its wall-clock start and end (seconds, ``time.perf_counter``)."""
+
+    rank: int
+    action: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass
+class _InFlight:
+    """What a forward pass leaves for its backward pass."""
+
+    version: int
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    loss: torch.Tensor | None = None
+    scalars: list[float] = field(default_factory=list)
+
+
+def as_tensors(value: Any) -> list[torch.Tensor]:
+    """A stage's output or input as a list of tensors (a tensor, or a tuple/list of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    raise ExecutorError(
+        f"a pipeline stage must take and return a tensor or a tuple of tensors (got: "
+        f"{type(value).__name__}); make each layer of configure_pipeline() return tensors"
+    )
+
+
+class StageExecutor:
+    """Runs the actions of one rank for one stage module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rank: int,
+        stage: int,
+        num_stages: int,
+        channel: Channel,
+        replica_group: Any = None,
+        num_replicas: int = 1,
+        inputs: Callable[[int], Any] | None = None,
+        loss: Callable[[Any, int], torch.Tensor] | None = None,
+        apply_update: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+        update_size: int = 1,
+        device: torch.device | None = None,
+        record_timeline: bool = False,
+    ) -> None:
+        self.module = module
+        self.rank = rank
+        self.stage = stage
+        self.num_stages = num_stages
+        self.channel = channel
+        self.replica_group = replica_group
+        self.num_replicas = num_replicas
+        self.inputs = inputs
+        self.loss = loss
+        self.apply_update = apply_update
+        self.update_size = update_size
+        self.device = device or torch.device("cpu")
+        self.describe = f"rank {rank} (stage {stage})"
+        self.versions = WeightVersions(module, self.describe)
+        self.record_timeline = record_timeline
+        self.timeline: list[TimelineEvent] = []
+        self.losses: dict[int, float] = {}
+        self._received: dict[int, Message] = {}
+        self._gradients: dict[int, Message] = {}
+        self._flight: dict[int, _InFlight] = {}
+        self._accumulated: dict[str, torch.Tensor] = {}
+        self.actions: tuple[Action, ...] = ()
+        self.position = 0
+        self._last_use: dict[int, int] = {}
+        self.peak_in_flight = 0
+
+    # ----- running ----------------------------------------------------------------------------
+
+    def load(self, actions: Sequence[Action]) -> None:
+        """Take this rank's whole action list (one pipeline run, from fill to drain)."""
+        self.actions = tuple(actions)
+        self.position = 0
+        self._last_use: dict[int, int] = {}
+        for index, action in enumerate(self.actions):
+            if action.kind in _COMPUTE and action.version is not None:
+                self._last_use[action.version] = index
+
+    def run(self, stop: int | None = None) -> None:
+        """Run the loaded actions from where the last call stopped up to index ``stop``."""
+        stop = len(self.actions) if stop is None else stop
+        while self.position < stop:
+            action = self.actions[self.position]
+            start = time.perf_counter()
+            try:
+                self._handlers[action.kind](self, action)
+            except ExecutorError:
+                raise
+            except RuntimeError as error:
+                if "could not" in str(error):
+                    raise
+                raise ExecutorError(
+                    f"{self.describe} failed at action {action}: {error}"
+                ) from error
+            if self.record_timeline:
+                end = time.perf_counter()
+                self.timeline.append(
+                    TimelineEvent(self.rank, str(action), action.kind.value, start, end)
+                )
+            self.position += 1
+        self.channel.flush()
+
+    # ----- messages ---------------------------------------------------------------------------
+
+    def _recv_activation(self, action: Action) -> None:
+        message = self.channel.recv(
+            action.peer, TAG_ACTIVATION, f"the activations of minibatch {action.minibatch}"
+        )
+        for tensor in message.tensors:
+            if tensor.is_floating_point():
+                tensor.requires_grad_(True)
+        self._received[action.minibatch] = message
+
+    def _send_activation(self, action: Action) -> None:
+        flight = self._flight[action.minibatch]
+        self.channel.send(
+            Message([t.detach() for t in flight.outputs]),
+            action.peer,
+            TAG_ACTIVATION,
+            f"the activations of minibatch {action.minibatch}",
+        )
+
+    def _recv_grad(self, action: Action) -> None:
+        self._gradients[action.minibatch] = self.channel.recv(
+            action.peer, TAG_GRAD, f"the gradients of minibatch {action.minibatch}"
+        )
+
+    def _send_grad(self, action: Action) -> None:
+        flight = self._flight.pop(action.minibatch)
+        grads = []
+        for tensor in flight.inputs:
+            if tensor.is_floating_point():
+                grads.append(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor))
+            else:
+                grads.append(torch.zeros(0))
+        self.channel.send(
+            Message(grads, flight.scalars),
+            action.peer,
+            TAG_GRAD,
+            f"the gradients of minibatch {action.minibatch}",
+        )
+
+    # ----- compute ----------------------------------------------------------------------------
+
+    def _forward(self, action: Action) -> None:
+        i = action.minibatch
+        if self.stage == 0:
+            if self.inputs is None:
+                raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
+            inputs = [t.to(self.device) for t in as_tensors(self.inputs(i))]
+        else:
+            inputs = self._received.pop(i).tensors
+        params = self.versions.get(action.version)
+        state = {**params, **dict(self.module.named_buffers())}
+        outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
+        flight = _InFlight(action.version, inputs, outputs)
+        if self.stage == self.num_stages - 1:
+            if self.loss is None:
+                raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
+            value = outputs[0] if len(outputs) == 1 else tuple(outputs)
+            flight.loss = self.loss(value, i)
+            loss_value = float(flight.loss.detach())
+            flight.scalars = [float(i), loss_value]
+            self.losses[i] = loss_value
+        self._flight[i] = flight
+        self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
+
+    def _backward(self, action: Action) -> None:
+        i = action.minibatch
+        flight = self._flight[i]
+        if flight.version != action.version:
+            raise ExecutorError(
+                f"{self.describe}: backward of minibatch {i} must use the forward's weights "
+                f"(forward version: {flight.version}, backward version: {action.version})"
+            )
+        params = self.versions.get(action.version)
+        if flight.loss is not None:
+            roots, grads = [flight.loss], [None]
+        else:
+            message = self._gradients.pop(i)
+            flight.scalars = message.scalars
+            if len(message.scalars) >= 2:
+                self.losses[int(message.scalars[0])] = message.scalars[1]
+            pairs = [
+                (out, grad)
+                for out, grad in zip(flight.outputs, message.tensors, strict=True)
+                if out.requires_grad
+            ]
+            roots = [p[0] for p in pairs]
+            grads = [p[1].to(p[0].device) for p in pairs]
+        leaves = [p for p in params.values() if p.requires_grad]
+        wanted = leaves + [t for t in flight.inputs if t.requires_grad]
+        if roots and wanted:
+            found = torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+        else:
+            found = []
+        for name, grad in zip(
+            [n for n, p in params.items() if p.requires_grad], found[: len(leaves)], strict=True
+        ):
+            if grad is None:
+                continue
+            if name in self._accumulated:
+                self._accumulated[name] += grad
+            else:
+                self._accumulated[name] = grad.clone()
+        for tensor, grad in zip(
+            [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
+        ):
+            tensor.grad = grad
+        flight.outputs = []
+        flight.loss = None
+        if self.stage == 0:
+            self._flight.pop(i)
+        self._release()
+
+    # ----- updates ----------------------------------------------------------------------------
+
+    def _allreduce(self, action: Action) -> None:
+        if self.num_replicas <= 1:
+            return
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        flat = (
+            torch.cat(
+                [
+                    self._accumulated.get(n, torch.zeros_like(p)).reshape(-1)
+                    for n, p in self.module.named_parameters()
+                    if p.requires_grad
+                ]
+            )
+            if names
+            else torch.zeros(0)
+        )
+        if flat.numel():
+            dist.all_reduce(flat, group=self.replica_group)
+            offset = 0
+            for n, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                size = p.numel()
+                self._accumulated[n] = flat[offset : offset + size].view_as(p)
+                offset += size
+
+    def _step(self, action: Action) -> None:
+        live = self.versions.live_version
+        if self._last_use.get(live, -1) > self.position:
+            self.versions.get(live)
+        count = self.update_size
+        gradients = {name: grad / count for name, grad in self._accumulated.items()}
+        self._accumulated = {}
+        if self.apply_update is None:
+            raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
+        self.apply_update(gradients, action.version)
+        self.versions.mark_stepped()
+        if self.versions.live_version != action.version:
+            raise ExecutorError(
+                f"{self.describe}: update {action.version} made the live weights version "
+                f"{self.versions.live_version}; the schedule and the updates disagree"
+            )
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the snapshots that no later action of the loaded list uses."""
+        done = [v for v in self.versions.kept() if self._last_use.get(v, -1) <= self.position]
+        self.versions.release(done)
+
+    _handlers: dict[ActionKind, Callable[..., None]] = {
+        ActionKind.RECV_ACTIVATION: _recv_activation,
+        ActionKind.SEND_ACTIVATION: _send_activation,
+        ActionKind.RECV_GRAD: _recv_grad,
+        ActionKind.SEND_GRAD: _send_grad,
+        ActionKind.FORWARD: _forward,
+        ActionKind.BACKWARD: _backward,
+        ActionKind.ALLREDUCE: _allreduce,
+        ActionKind.STEP: _step,
+    }
+
+
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -20,14 +22,14 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:  # type: ignore[type-arg]
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world, *args), buffer)  # tensors travel as bytes, not shared memory
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
@@ -52,6 +54,8 @@ def run(
     try:
         for _ in range(world):
             rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                value = torch.load(io.BytesIO(value), weights_only=False)
             results[rank] = (status, value)
     finally:
         for proc in procs:

@@ -1,0 +1,115 @@
+"""A single-process oracle of the update rules in DESIGN.md, independent of the schedule module.
+
+It trains a model on one process, minibatch by minibatch in index order, choosing for every
+stage the weight version the rule names and applying each stage's updates when their
+minibatches are complete. Every runtime test compares the pipeline's weights with this.
+
+Rules (stage s, replicas r_s, warm-up w_s, Lightning batch t of m microbatches, i = t*m + j):
+
+* async: minibatch i uses version max(0, i // r_s - w_s); update u of stage s averages the
+  gradients of minibatches (u-1)*r_s .. u*r_s - 1;
+* vertical_sync: c = r_0 * max(0, i // r_0 - w_0); stage s uses version c // r_s; updates as async;
+* 2bw: batch t uses version max(0, t - 1); one update per batch, mean over its microbatches;
+* flush, gpipe: batch t uses version t; one update per batch, mean over its microbatches.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from pl_pipedream.planner.plan import Plan
+
+PER_MINIBATCH = ("async", "vertical_sync")
+
+
+def version_of(plan: Plan, sync: str, stage: int, i: int, m: int) -> int:
+    s = plan.stages[stage]
+    first = plan.stages[0]
+    t = i // m
+    if sync == "async":
+        return max(0, i // s.replicas - s.warmup)
+    if sync == "vertical_sync":
+        covered = first.replicas * max(0, i // first.replicas - first.warmup)
+        return covered // s.replicas
+    if sync == "2bw":
+        return max(0, t - 1)
+    return t
+
+
+def train(
+    model: nn.Sequential,
+    plan: Plan,
+    sync: str,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> dict[str, torch.Tensor]:
+    """Train a copy of ``model`` (layers named "0", "1", ...) and return its final state dict."""
+    model = copy.deepcopy(model)
+    stages = [nn.ModuleDict({n: model[int(n)] for n in stage.nodes}) for stage in plan.stages]
+    optimizers = [
+        make_optimizer(list(stage.parameters())) if list(stage.parameters()) else None
+        for stage in stages
+    ]
+    history = [[_clone(stage)] for stage in stages]
+    pending: list[dict[str, torch.Tensor]] = [{} for _ in stages]
+    counts = [0 for _ in stages]
+    m = num_microbatches
+    for t, (x, y) in enumerate(batches):
+        xs, ys = x.chunk(m), y.chunk(m)
+        for j in range(m):
+            i = t * m + j
+            params = [
+                history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))
+            ]
+            grads = _gradients(stages, params, xs[j], ys[j], loss_fn)
+            for s, stage_grads in enumerate(grads):
+                for name, grad in stage_grads.items():
+                    pending[s][name] = pending[s].get(name, 0) + grad
+                counts[s] += 1
+                size = plan.stages[s].replicas if sync in PER_MINIBATCH else m
+                if counts[s] == size:
+                    _apply(stages[s], optimizers[s], pending[s], size)
+                    history[s].append(_clone(stages[s]))
+                    pending[s], counts[s] = {}, 0
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _clone(stage: nn.ModuleDict) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().requires_grad_(True) for n, p in stage.named_parameters()}
+
+
+def _gradients(stages, params, x, y, loss_fn):  # type: ignore[no-untyped-def]
+    activation = x
+    for stage, weights in zip(stages, params, strict=True):
+        for name, layer in stage.items():
+            prefix = f"{name}."
+            own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            buffers = dict(layer.named_buffers())
+            activation = functional_call(layer, {**own, **buffers}, (activation,))
+    loss = loss_fn(activation, y)
+    leaves = [list(p.values()) for p in params]
+    flat = [leaf for group in leaves for leaf in group]
+    found = torch.autograd.grad(loss, flat, allow_unused=True) if flat else ()
+    out, position = [], 0
+    for group, weights in zip(leaves, params, strict=True):
+        names = list(weights)
+        grads = found[position : position + len(group)]
+        out.append({n: g for n, g in zip(names, grads, strict=True) if g is not None})
+        position += len(group)
+    return out
+
+
+def _apply(stage: nn.ModuleDict, optimizer, summed, size) -> None:  # type: ignore[no-untyped-def]
+    if optimizer is None:
+        return
+    for name, param in stage.named_parameters():
+        param.grad = summed[name] / size if name in summed else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

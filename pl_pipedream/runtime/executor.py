@@ -118,20 +118,16 @@ class StageExecutor:
 
     # ----- running ----------------------------------------------------------------------------
 
-    def load(self, actions: Sequence[Action]) -> None:
-        """Take this rank's whole action list (one pipeline run, from fill to drain)."""
+    def execute(self, actions: Sequence[Action], lookahead: Sequence[Action] = ()) -> None:
+        """Run ``actions`` in order. ``lookahead`` (the actions that will follow, as far as
+        they are known) decides which weight versions must outlive these actions."""
         self.actions = tuple(actions)
-        self.position = 0
-        self._last_use: dict[int, int] = {}
-        for index, action in enumerate(self.actions):
+        self._last_use = {}
+        for index, action in enumerate((*self.actions, *lookahead)):
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
-
-    def run(self, stop: int | None = None) -> None:
-        """Run the loaded actions from where the last call stopped up to index ``stop``."""
-        stop = len(self.actions) if stop is None else stop
-        while self.position < stop:
-            action = self.actions[self.position]
+        for position, action in enumerate(self.actions):
+            self.position = position
             start = time.perf_counter()
             try:
                 self._handlers[action.kind](self, action)
@@ -148,8 +144,17 @@ class StageExecutor:
                 self.timeline.append(
                     TimelineEvent(self.rank, str(action), action.kind.value, start, end)
                 )
-            self.position += 1
+        self.position = len(self.actions)
         self.channel.flush()
+
+    def restart(self) -> None:
+        """After a drain: nothing is in flight; the live weights become version 0 again."""
+        if self._flight or self._received or self._gradients or self._accumulated:
+            raise ExecutorError(
+                f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
+                f"{sorted(self._flight)}); drain it first"
+            )
+        self.versions.reset(0)
 
     # ----- messages ---------------------------------------------------------------------------
 

@@ -65,9 +65,7 @@ def train(
         xs, ys = x.chunk(m), y.chunk(m)
         for j in range(m):
             i = t * m + j
-            params = [
-                history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))
-            ]
+            params = [history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))]
             grads = _gradients(stages, params, xs[j], ys[j], loss_fn)
             for s, stage_grads in enumerate(grads):
                 for name, grad in stage_grads.items():

@@ -79,16 +79,15 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
         apply_update=apply_update,
         update_size=stage.replicas if sync in ("async", "vertical_sync") else m,
     )
-    executor.load(build(plan, sync, NUM_BATCHES, m).actions[rank])
-    executor.run()
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}, executor.versions.peak_count
+    executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank])
+    return {
+        k: v.detach().clone() for k, v in module.state_dict().items()
+    }, executor.versions.peak_count
 
 
 def _all_modes(rank: int, world: int, plan_dict: dict, m: int) -> dict:
     plan = Plan.from_dict(plan_dict)
-    groups = [
-        dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
-    ]
+    groups = [dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages]
     out = {}
     for sync in MODES:
         for name in OPTIMIZERS:

@@ -12,6 +12,7 @@ from pl_pipedream.schedule.result import SimulationResult
 from pl_pipedream.schedule.rules import SYNC_MODES
 from pl_pipedream.schedule.segments import segments
 from pl_pipedream.schedule.simulate import simulate
+from pl_pipedream.schedule.stream import SegmentStream
 from pl_pipedream.schedule.validate import validate
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ActionKind",
     "Schedule",
     "ScheduleError",
+    "SegmentStream",
     "SimulationResult",
     "build",
     "render",

@@ -1,16 +1,77 @@
 """pl-pipedream: PipeDream pipeline-parallel training as a PyTorch Lightning strategy.
 
-The pure layers (profiles, planner, schedules) import neither torch nor Lightning; the runtime
-and the strategy do.
+``import pl_pipedream`` makes ``Trainer(strategy="pipedream")`` work. Importing Lightning takes
+seconds, so this package registers its strategy the moment ``lightning.pytorch`` is (or already
+was) imported, rather than importing Lightning itself: ``pl-pipedream plan`` stays fast.
+The pure layers (profiles, planner, schedules) import neither torch nor Lightning.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
 
 from pl_pipedream.planner.optimize import plan
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.planner.topology import Level, Topology
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["Level", "Plan", "Profile", "Stage", "Topology", "__version__", "plan"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "Level",
+    "PipeDreamStrategy",
+    "Plan",
+    "Profile",
+    "Stage",
+    "Topology",
+    "__version__",
+    "consolidate_checkpoint",
+    "plan",
+]
+
+_LIGHTNING = "lightning.pytorch"
+
+
+def _register() -> None:
+    from pl_pipedream.strategy import register
+
+    register()
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Registers the strategy right after ``lightning.pytorch`` finishes importing."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _LIGHTNING:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _register()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _LIGHTNING in sys.modules:
+    _register()
+elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("PipeDreamStrategy", "consolidate_checkpoint"):
+        import pl_pipedream.strategy as strategy
+
+        return getattr(strategy, name)
+    raise AttributeError(f"module 'pl_pipedream' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -77,28 +77,38 @@ class Profile:
         cls,
         forward_ms: Sequence[float],
         backward_ms: Sequence[float],
-        activation_bytes: Sequence[float],
+        activation_bytes: Sequence[float | Sequence[float]],
         parameter_bytes: Sequence[float],
         descs: Sequence[str] | None = None,
         batch_size: int | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> Profile:
-        """A chain of layers (an ``nn.Sequential``) named ``layer0``, ``layer1``, ..."""
-        lengths = {len(forward_ms), len(backward_ms), len(activation_bytes), len(parameter_bytes)}
+        """A chain of layers (an ``nn.Sequential``) named ``layer0``, ``layer1``, ...
+
+        A layer's ``activation_bytes`` is one number, or one number per output tensor.
+        """
+        names = list(descs) if descs is not None else [f"Layer{i}" for i in range(len(forward_ms))]
+        lengths = {
+            len(forward_ms),
+            len(backward_ms),
+            len(activation_bytes),
+            len(parameter_bytes),
+            len(names),
+        }
         if len(lengths) != 1:
             raise ProfileError(
                 "a chain needs one value per layer in every list (lengths: "
                 f"forward {len(forward_ms)}, backward {len(backward_ms)}, activation "
-                f"{len(activation_bytes)}, parameter {len(parameter_bytes)})"
+                f"{len(activation_bytes)}, parameter {len(parameter_bytes)}, descs {len(names)})"
             )
-        names = list(descs) if descs is not None else [f"Layer{i}" for i in range(len(forward_ms))]
         nodes = tuple(
-            Node(f"layer{i}", names[i], float(f), float(b), (float(a),), float(p))
+            Node(f"layer{i}", names[i], float(f), float(b), _as_floats(a), float(p))
             for i, (f, b, a, p) in enumerate(
                 zip(forward_ms, backward_ms, activation_bytes, parameter_bytes, strict=True)
             )
         )
         edges = tuple((f"layer{i}", f"layer{i + 1}") for i in range(len(nodes) - 1))
-        return cls(nodes, edges, batch_size=batch_size)
+        return cls(nodes, edges, batch_size=batch_size, meta=dict(meta or {}))
 
     # ----- graph queries ----------------------------------------------------------------------
 
@@ -121,12 +131,19 @@ class Profile:
         return into
 
     def is_chain(self) -> bool:
-        """True when the nodes, in file order, form one path (an ``nn.Sequential``)."""
-        ids = [node.node_id for node in self.nodes]
-        return sorted(self.edges) == sorted(zip(ids, ids[1:]))
+        """True when the graph is one path (an ``nn.Sequential``), whatever the file order.
+
+        A DAG is a single path exactly when its edges are the consecutive pairs of a
+        topological order (that order is then the only one).
+        """
+        order = self.topological_order()
+        return sorted(self.edges) == sorted(zip(order, order[1:], strict=False))
 
     def topological_order(self) -> list[str]:
-        """Node ids in a topological order (Kahn's algorithm, ties broken by file order)."""
+        """Node ids in a topological order (Kahn's algorithm).
+
+        Nodes become ready first in, first out; the sources start in file order.
+        """
         into = {node.node_id: 0 for node in self.nodes}
         for _, dst in self.edges:
             into[dst] += 1
@@ -161,7 +178,7 @@ class Profile:
                     edges.append((src, dst))
                 else:
                     nodes.append(_parse_node_line(line.strip()))
-            except (ValueError, IndexError) as error:
+            except (ValueError, IndexError, KeyError) as error:
                 raise ProfileError(
                     f"a graph.txt line must be 'id -- desc -- forward_compute_time=..., "
                     f"backward_compute_time=..., activation_size=..., parameter_size=...' or a "
@@ -170,7 +187,10 @@ class Profile:
                 ) from error
         if not nodes:
             raise ProfileError(f"a profile needs at least one node (file: {source})")
-        return cls(tuple(nodes), tuple(edges))
+        try:
+            return cls(tuple(nodes), tuple(edges))
+        except ProfileError as error:
+            raise ProfileError(f"{error} (file: {source})") from error
 
     def to_graph_txt(self) -> str:
         lines = [_format_node_line(node) for node in self.nodes]
@@ -209,7 +229,9 @@ class Profile:
         try:
             text = path.read_text()
         except OSError as error:
-            raise ProfileError(f"the profile file cannot be read (path: {path}): {error}") from error
+            raise ProfileError(
+                f"the profile file cannot be read (path: {path}): {error}"
+            ) from error
         if path.suffix == ".json":
             try:
                 return cls.from_json(text)
@@ -226,6 +248,12 @@ class Profile:
 
     def with_nodes(self, nodes: Iterable[Node]) -> Profile:
         return Profile(tuple(nodes), self.edges, self.batch_size, dict(self.meta))
+
+
+def _as_floats(value: float | Sequence[float]) -> tuple[float, ...]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(float(v) for v in value)
+    return (float(value),)
 
 
 def _parse_node_line(line: str) -> Node:

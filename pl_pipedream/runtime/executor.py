@@ -107,6 +107,7 @@ class StageExecutor:
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
         self.losses: dict[int, float] = {}
+        self.newest_loss: float | None = None  # of the highest minibatch this rank has seen
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
@@ -147,6 +148,11 @@ class StageExecutor:
         self.position = len(self.actions)
         self.channel.flush()
 
+    def _record_loss(self, minibatch: int, value: float) -> None:
+        if minibatch >= max(self.losses, default=-1):
+            self.newest_loss = value
+        self.losses[minibatch] = value
+
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
         if self._flight or self._received or self._gradients or self._accumulated:
@@ -155,6 +161,7 @@ class StageExecutor:
                 f"{sorted(self._flight)}); drain it first"
             )
         self.versions.reset(0)
+        self.losses = {}
 
     # ----- messages ---------------------------------------------------------------------------
 
@@ -217,7 +224,7 @@ class StageExecutor:
             flight.loss = self.loss(value, i)
             loss_value = float(flight.loss.detach())
             flight.scalars = [float(i), loss_value]
-            self.losses[i] = loss_value
+            self._record_loss(i, loss_value)
         self._flight[i] = flight
         self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
 
@@ -236,7 +243,7 @@ class StageExecutor:
             message = self._gradients.pop(i)
             flight.scalars = message.scalars
             if len(message.scalars) >= 2:
-                self.losses[int(message.scalars[0])] = message.scalars[1]
+                self._record_loss(int(message.scalars[0]), message.scalars[1])
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)

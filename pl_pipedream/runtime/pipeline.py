@@ -1,0 +1,68 @@
+"""One rank's pipeline across Lightning steps: feed a batch, keep going, drain on demand.
+
+A *run* is the stretch of training between two drains. In step ``t`` of a run the rank executes
+its segment ``t`` of the schedule (every forward of batch ``t`` and whatever backward passes
+and updates the schedule interleaves with them). In the asynchronous modes nothing is flushed
+between steps; when training stops, or before validation or a checkpoint, ``drain`` runs the
+remaining backward passes and updates, and the next step starts a new run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.schedule.actions import Action
+from pl_pipedream.schedule.stream import SegmentStream
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """Drives a ``StageExecutor`` through the per-step segments of a ``SegmentStream``."""
+
+    def __init__(
+        self, plan: Plan, sync: str, num_microbatches: int, executor: StageExecutor
+    ) -> None:
+        self.plan = plan
+        self.sync = sync
+        self.num_microbatches = num_microbatches
+        self.executor = executor
+        self.stream = SegmentStream(plan, sync, num_microbatches)
+        self.lookahead = plan.num_stages + 2
+        self.step = 0  # Lightning steps since the last drain
+        self.runs = 0
+
+    @property
+    def drained(self) -> bool:
+        return self.step == 0
+
+    def train_batch(
+        self,
+        inputs: Callable[[int], Any],
+        loss: Callable[[Any, int], torch.Tensor],
+    ) -> None:
+        """Run this rank's segment for the next batch; ``inputs``/``loss`` take the microbatch
+        index within the batch."""
+        first = self.step * self.num_microbatches
+        self.executor.inputs = lambda i: inputs(i - first)
+        self.executor.loss = lambda output, i: loss(output, i - first)
+        rank = self.executor.rank
+        upcoming: list[Action] = []
+        for later in range(self.step + 1, self.step + 1 + self.lookahead):
+            upcoming.extend(self.stream.segment(rank, later))
+        self.executor.execute(self.stream.segment(rank, self.step), upcoming)
+        self.step += 1
+
+    def drain(self) -> None:
+        """Finish every minibatch in flight and apply its update; the next batch starts a run."""
+        if self.drained:
+            return
+        self.executor.execute(self.stream.drain(self.executor.rank, self.step - 1))
+        self.executor.restart()
+        self.step = 0
+        self.runs += 1

@@ -1,0 +1,566 @@
+"""``PipeDreamStrategy``: PipeDream's pipeline inside Lightning's own training loop.
+
+Every rank runs its own Lightning loop over the same batches. In each training step the rank
+runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
+the activations and gradients they exchange. How the two kinds of sync modes meet Lightning's
+automatic optimisation (``training_step`` -> ``zero_grad`` -> ``backward`` -> ``step``):
+
+* ``async``, ``vertical_sync``, ``2bw``: the updates happen inside the pipeline, when the schedule
+  says (the optimizer steps on this stage's parameters); Lightning's own backward and step are
+  skipped, while its step counter, ``max_steps`` and LR schedulers advance once per batch.
+* ``flush``, ``gpipe``: the pipeline computes the batch's mean gradient inside ``training_step``
+  and hands it over in ``backward``; Lightning then clips, accumulates and steps as usual.
+
+The training loss exists on the last stage; it travels back with the gradients, so every rank
+(rank 0 with the progress bar and the loggers included) logs ``train_loss`` without a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.schedule.rules import SYNC_MODES
+from pl_pipedream.strategy.checkpoint import META_FILE, shard_name
+from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
+from pl_pipedream.strategy.stage import LocalStage, PipelineSetupError, cut_stage, pipeline_layers
+
+__all__ = ["PipeDreamStrategy"]
+
+FLUSHED = ("flush", "gpipe")
+
+
+class PipeDreamStrategy(ParallelStrategy):
+    """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
+
+    Args:
+        sync: ``"async"`` (weight stashing), ``"vertical_sync"``, ``"2bw"``, ``"flush"`` or
+            ``"gpipe"``; the update rules are in DESIGN.md.
+        microbatches: each Lightning batch is split along dim 0 into this many equal slices.
+        balance: layers per stage of a straight pipeline (``sum(balance)`` must equal the number
+            of layers ``configure_pipeline()`` returns and ``len(balance)`` the device count).
+        plan: a ``Plan`` (replicated stages); its layer ids are the pipeline indices "0", "1", ...
+        timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
+        start_method: ``"popen"`` (re-run the script per rank, like DDP) or ``"spawn"``.
+    """
+
+    strategy_name = "pipedream"
+
+    def __init__(
+        self,
+        sync: str = "async",
+        microbatches: int = 1,
+        balance: list[int] | None = None,
+        plan: Plan | None = None,
+        timeout: float = 300.0,
+        start_method: str = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if sync not in SYNC_MODES:
+            raise ValueError(
+                f"sync must be one of {', '.join(SYNC_MODES)} (sync: {sync!r}); for example "
+                "PipeDreamStrategy(sync='async')"
+            )
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(
+                f"microbatches must be a positive integer (microbatches: {microbatches!r})"
+            )
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(
+                f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
+            )
+        self.sync = sync
+        self.microbatches = microbatches
+        self.balance = list(balance) if balance is not None else None
+        self.plan = plan
+        self.timeout = float(timeout)
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self.local_stage: LocalStage | None = None
+        self.runner: PipelineRunner | None = None
+        self._handover: dict[str, Tensor] = {}
+        self._batch_losses: list[float] = []
+
+    # ----- topology of the launch -------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage must see every batch, in the same order: one "replica" for the sampler.
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = PipelineSpawnLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        super().setup_environment()
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank
+        )
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        backend = self._process_group_backend or (
+            "nccl" if self.root_device.type == "cuda" else "gloo"
+        )
+        self._process_group_backend = backend
+        _init_dist_connection(
+            self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
+        )
+
+    # ----- setup, in the order Lightning calls it ---------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self._check_trainer(trainer)
+        plan = self._resolve_plan(module)
+        self.local_stage = cut_stage(module, pipeline_layers(module), plan, self.global_rank)
+        self.plan = plan
+        self._move_to_device(module)
+        groups = [
+            dist.new_group(list(stage.ranks)) if stage.replicas > 1 else None
+            for stage in plan.stages
+        ]
+        stage = self.local_stage.stage
+        executor = StageExecutor(
+            self.local_stage.module,
+            self.global_rank,
+            stage.index,
+            plan.num_stages,
+            Channel(
+                self.global_rank,
+                self.root_device,
+                self.timeout,
+                f"rank {self.global_rank} (stage {stage.index})",
+            ),
+            replica_group=groups[stage.index],
+            num_replicas=stage.replicas,
+            apply_update=self._apply_update,
+            update_size=stage.replicas
+            if self.sync in ("async", "vertical_sync")
+            else self.microbatches,
+            device=self.root_device,
+        )
+        self.runner = PipelineRunner(plan, self.sync, self.microbatches, executor)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._keep_local_parameters()
+        self.setup_precision_plugin()
+        # Lightning broadcasts a SIGTERM flag from rank 0 before every step; that collective
+        # would put every stage in lock-step. Each rank checks its own flag instead.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._check_sigterm  # type: ignore[method-assign]
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        if self.sync not in FLUSHED and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"gradient accumulation needs a flushed pipeline (sync: {self.sync}, "
+                f"accumulate_grad_batches: {trainer.accumulate_grad_batches}); use "
+                "PipeDreamStrategy(sync='flush') or raise microbatches instead"
+            )
+
+    def _resolve_plan(self, module: pl.LightningModule) -> Plan:
+        if self.plan is not None and self.balance is not None:
+            raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
+        if self.plan is None and self.balance is None:
+            raise PipelineSetupError(
+                f"PipeDreamStrategy needs a pipeline: pass balance= (layers per stage, one entry "
+                f"per device) or plan= (devices: {self.world_size})"
+            )
+        if self.plan is None:
+            assert self.balance is not None
+            count = len(pipeline_layers(module))
+            plan = Plan.from_balance(self.balance, [str(i) for i in range(count)])
+        else:
+            plan = self.plan
+        if plan.num_workers != self.world_size:
+            raise PipelineSetupError(
+                f"the plan needs one process per worker (plan workers: {plan.num_workers}, "
+                f"devices: {self.world_size}); use Trainer(devices={plan.num_workers}) or a "
+                f"plan for {self.world_size} workers"
+            )
+        return plan
+
+    def _move_to_device(self, module: pl.LightningModule) -> None:
+        """Move the stage's layers and the module's non-pipeline state to this rank's device."""
+        device = self.root_device
+        for sub in module.modules():
+            for param in list(sub._parameters.values()):
+                if param is not None and param.device.type != "meta":
+                    param.data = param.data.to(device)
+            for name, buffer in list(sub._buffers.items()):
+                if buffer is not None and buffer.device.type != "meta":
+                    sub._buffers[name] = buffer.to(device)
+
+    def _keep_local_parameters(self) -> None:
+        """Optimizers keep only this stage's parameters (plus any outside the pipeline)."""
+        local = {id(p) for p in self.lightning_module.parameters() if p.device.type != "meta"}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in local]
+
+    @override
+    def model_to_device(self) -> None:
+        if self.lightning_module is not None:
+            self._move_to_device(self.lightning_module)
+
+    # ----- training ---------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        assert self.runner is not None
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        trainer = self.lightning_module.trainer
+        inputs, microbatches = self._split(batch)
+        self._batch_losses = []
+
+        def loss(output: Any, j: int) -> Tensor:
+            return self._user_loss(microbatches[j], batch_idx, output)
+
+        self.runner.train_batch(lambda j: inputs[j], loss)
+        if self._must_drain(trainer):
+            self.runner.drain()
+        return self._report_loss()
+
+    def _split(self, batch: Any) -> tuple[list[Any], list[Any]]:
+        """Split a batch into microbatches: the first stage's inputs and the full slices."""
+        module = self.lightning_module
+        split = getattr(module, "pipeline_split_batch", None)
+        m = self.microbatches
+        slices = _slice_batch(batch, m)
+        inputs = []
+        for piece in slices:
+            if split is not None:
+                inputs.append(split(piece)[0])
+            elif isinstance(piece, (tuple, list)) and len(piece) >= 1:
+                inputs.append(piece[0])
+            else:
+                raise ValueError(
+                    f"a pipeline batch must be (inputs, targets) (got: {type(piece).__name__}); "
+                    "return such pairs from the dataloader or define "
+                    "pipeline_split_batch(batch) -> (inputs, targets) on the LightningModule"
+                )
+        return inputs, slices
+
+    def _user_loss(self, microbatch: Any, batch_idx: int, output: Any) -> Tensor:
+        """Run the user's training_step on the last stage, with ``self(x)`` returning ``output``."""
+        module = self.lightning_module
+        with _forward_returns(module, output):
+            result = module.training_step(microbatch, batch_idx)
+        loss = result["loss"] if isinstance(result, dict) else result
+        if not isinstance(loss, Tensor):
+            raise ValueError(
+                "training_step must return the loss tensor (or a dict with 'loss') on the last "
+                f"stage (returned: {type(result).__name__})"
+            )
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"the training loss is not finite (loss: {value}, rank {self.global_rank}, stage "
+                f"{self.local_stage.stage.index if self.local_stage else '?'}, global step "
+                f"{module.trainer.global_step}); lower the learning rate or check the data"
+            )
+        self._batch_losses.append(value)
+        return loss
+
+    def _must_drain(self, trainer: pl.Trainer) -> bool:
+        if self.sync in FLUSHED:
+            return True
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop.batch_progress.is_last_batch:
+            return True
+        return 0 < trainer.max_steps <= trainer.global_step + 1
+
+    def _report_loss(self) -> Tensor:
+        """The loss of the newest minibatch this rank knows of, logged as ``train_loss``."""
+        assert self.runner is not None
+        if self._batch_losses:
+            value = sum(self._batch_losses) / len(self._batch_losses)
+        else:
+            value = self.runner.executor.newest_loss
+        if value is None:
+            return torch.tensor(float("nan"), device=self.root_device)
+        loss = torch.tensor(value, device=self.root_device)
+        self.lightning_module.log(
+            "train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False
+        )
+        return loss
+
+    def _apply_update(self, gradients: dict[str, Tensor], version: int) -> None:
+        """Called by the executor at each update of this stage."""
+        assert self.local_stage is not None
+        params = dict(self.local_stage.module.named_parameters())
+        if self.sync in FLUSHED:
+            self._handover = gradients
+            return
+        trainer = self.lightning_module.trainer
+        for name, param in params.items():
+            param.grad = gradients.get(name)
+        clip = trainer.gradient_clip_val
+        if clip:
+            grads = [p for p in params.values() if p.grad is not None]
+            if trainer.gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(grads, clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(grads, clip)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.sync not in FLUSHED or self.local_stage is None:
+            return closure_loss
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for name, param in self.local_stage.module.named_parameters():
+            grad = self._handover.get(name)
+            if grad is None:
+                continue
+            grad = grad * scale
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._handover = {}
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        if self.sync in FLUSHED:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return closure()
+
+    def _check_sigterm(self) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if getattr(self.lightning_module.trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    # ----- draining around evaluation and checkpoints -------------------------------------------
+
+    def drain(self) -> None:
+        """Finish every minibatch in flight (all ranks must call this at the same point)."""
+        if self.runner is not None:
+            self.runner.drain()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_test_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_train_end(self) -> None:
+        self.drain()
+
+    # ----- checkpoints ------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's state under the LightningModule's names (drains first)."""
+        self.drain()
+        assert self.local_stage is not None
+        state = {
+            self.local_stage.names[name]: tensor.detach().cpu()
+            for name, tensor in self.local_stage.module.state_dict(keep_vars=True).items()
+        }
+        if self.local_stage.stage.index == 0:
+            full = self.lightning_module.state_dict()
+            state.update({name: full[name] for name in self.local_stage.shared if name in full})
+        return state
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        assert self.local_stage is not None and self.plan is not None
+        stage = self.local_stage.stage
+        root = Path(filepath)
+        if self.global_rank == stage.ranks[0]:
+            root.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, root / shard_name(stage.index))
+        if self.global_rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            meta = {
+                "format": "pl-pipedream sharded checkpoint",
+                "sync": self.sync,
+                "microbatches": self.microbatches,
+                "plan": self.plan.to_dict(),
+                "shards": [shard_name(s.index) for s in self.plan.stages],
+            }
+            (root / META_FILE).write_text(json.dumps(meta, indent=1))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.global_rank == 0 and os.path.isdir(filepath):
+            shutil.rmtree(filepath)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every stage's state gathered to every rank (a collective: all ranks call it)."""
+        mine = self.lightning_module_state_dict()
+        gathered: list[dict[str, Tensor] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        merged: dict[str, Tensor] = {}
+        for part in gathered:
+            assert part is not None
+            for name, tensor in part.items():
+                merged.setdefault(name, tensor)
+        return merged
+
+    # ----- collectives Lightning asks for (setup, evaluation, checkpoints) ----------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        if reduce_op in ("mean", "avg") or str(reduce_op).lower().endswith("mean"):
+            tensor = tensor / self.world_size
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self.runner is not None:
+            self.runner.executor.channel.flush()
+        module = self.lightning_module
+        if module is not None:
+            for param in module.parameters():
+                if param.device.type != "meta":
+                    param.data = param.data.cpu()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "pipedream", cls, description="PipeDream pipeline parallelism (1F1B, weight stashing)"
+        )
+
+
+def _slice_batch(batch: Any, m: int) -> list[Any]:
+    """Split every tensor of a batch along dim 0 into ``m`` equal parts."""
+    if isinstance(batch, Tensor):
+        size = batch.shape[0] if batch.dim() else 0
+        if size % m != 0 or size == 0:
+            raise ValueError(
+                f"a batch must split into equal microbatches (batch size: {size}, microbatches: "
+                f"{m}); use a batch size that is a multiple of {m} (and drop_last=True in the "
+                "DataLoader)"
+            )
+        return list(batch.chunk(m))
+    if isinstance(batch, (tuple, list)):
+        parts = [_slice_batch(item, m) for item in batch]
+        return [
+            type(batch)(p[j] for p in parts) if isinstance(batch, tuple) else [p[j] for p in parts]
+            for j in range(m)
+        ]
+    if isinstance(batch, dict):
+        parts = {key: _slice_batch(value, m) for key, value in batch.items()}
+        return [{key: value[j] for key, value in parts.items()} for j in range(m)]
+    return [batch] * m
+
+
+@contextmanager
+def _forward_returns(module: torch.nn.Module, output: Any):  # type: ignore[no-untyped-def]
+    """Make ``module(x)`` return ``output`` (the pipeline's result) for the duration."""
+    module.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward

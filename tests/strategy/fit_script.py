@@ -1,0 +1,96 @@
+"""Train a small pipelined MLP with PipeDreamStrategy, as a user's script would.
+
+Run as ``python tests/strategy/fit_script.py --sync async --balance 3 3 --microbatches 2 --out
+DIR``: Lightning's script launcher starts the other ranks by re-running this file. Every rank
+saves the sharded checkpoint; rank 0 consolidates it into ``DIR/weights.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import pl_pipedream  # noqa: E402
+from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
+from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model  # noqa: E402
+
+
+class PipeMLP(LightningModule):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.optimizer_name = optimizer
+
+    def configure_pipeline(self) -> torch.nn.Sequential:
+        return self.net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return loss_fn(self(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return OPTIMIZERS[self.optimizer_name](self.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--configs", nargs="+", default=["async:sgd"], help="sync:optimizer pairs, run in turn"
+    )
+    parser.add_argument("--balance", type=int, nargs="+", default=[3, 3])
+    parser.add_argument("--replicas", type=int, nargs="+", default=None)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--strategy-name", action="store_true", help='use strategy="pipedream"')
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    for config in args.configs:
+        sync, optimizer = config.split(":")
+        fit(args, sync, optimizer, Path(args.out) / f"{sync}-{optimizer}")
+
+
+def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
+    m = args.microbatches
+    batches = make_batches(m)
+    data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    loader = DataLoader(data, batch_size=2 * m, shuffle=False)
+    if args.replicas:
+        plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
+        strategy = PipeDreamStrategy(sync=sync, plan=plan, microbatches=m, timeout=60)
+        devices = plan.num_workers
+    else:
+        strategy = PipeDreamStrategy(sync=sync, balance=args.balance, microbatches=m, timeout=60)
+        devices = len(args.balance)
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(PipeMLP(optimizer), loader)
+    trainer.save_checkpoint(out / "run.ckpt")
+    if trainer.is_global_zero:
+        torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")
+        loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+        (out / "done.json").write_text(
+            json.dumps({"global_step": trainer.global_step, "loss": loss})
+        )
+
+
+if __name__ == "__main__":
+    main()

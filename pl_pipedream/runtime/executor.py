@@ -13,6 +13,7 @@ sees the mean gradient, as single-device training on the same minibatches would.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class _InFlight:
     """What a forward pass leaves for its backward pass."""
 
     version: int
+    params: dict[str, torch.Tensor]
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None = None
@@ -115,6 +117,7 @@ class StageExecutor:
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
+        self._steps: list[int] = []
         self.peak_in_flight = 0
 
     # ----- running ----------------------------------------------------------------------------
@@ -124,9 +127,12 @@ class StageExecutor:
         they are known) decides which weight versions must outlive these actions."""
         self.actions = tuple(actions)
         self._last_use = {}
+        self._steps = []
         for index, action in enumerate((*self.actions, *lookahead)):
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
+            elif action.kind is ActionKind.STEP:
+                self._steps.append(index)
         for position, action in enumerate(self.actions):
             self.position = position
             start = time.perf_counter()
@@ -213,10 +219,10 @@ class StageExecutor:
             inputs = [t.to(self.device) for t in as_tensors(self.inputs(i))]
         else:
             inputs = self._received.pop(i).tensors
-        params = self.versions.get(action.version)
+        params = self._weights(action.version)
         state = {**params, **dict(self.module.named_buffers())}
         outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
-        flight = _InFlight(action.version, inputs, outputs)
+        flight = _InFlight(action.version, params, inputs, outputs)
         if self.stage == self.num_stages - 1:
             if self.loss is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
@@ -228,6 +234,16 @@ class StageExecutor:
         self._flight[i] = flight
         self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
 
+    def _weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The tensors of ``version`` for a forward pass. The live parameters serve directly
+        when no update comes before the version's last use; otherwise a stashed copy."""
+        if version == self.versions.live_version and version not in self.versions.kept():
+            next_step = bisect.bisect_right(self._steps, self.position)
+            last = self._last_use.get(version, self.position)
+            if next_step == len(self._steps) or last < self._steps[next_step]:
+                return self.versions.live()
+        return self.versions.get(version)
+
     def _backward(self, action: Action) -> None:
         i = action.minibatch
         flight = self._flight[i]
@@ -236,7 +252,7 @@ class StageExecutor:
                 f"{self.describe}: backward of minibatch {i} must use the forward's weights "
                 f"(forward version: {flight.version}, backward version: {action.version})"
             )
-        params = self.versions.get(action.version)
+        params = flight.params
         if flight.loss is not None:
             roots, grads = [flight.loss], [None]
         else:

@@ -36,9 +36,9 @@ _LIGHTNING = "lightning.pytorch"
 
 
 def _register() -> None:
-    from pl_pipedream.strategy import register
-
-    register()
+    if "pl_pipedream.strategy" in sys.modules:
+        return  # being imported right now: the package registers itself when it is done
+    import pl_pipedream.strategy  # noqa: F401  (registers on import)
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):

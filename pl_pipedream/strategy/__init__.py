@@ -17,3 +17,6 @@ def register() -> None:
 
     if "pipedream" not in StrategyRegistry:
         PipeDreamStrategy.register_strategies(StrategyRegistry)
+
+
+register()

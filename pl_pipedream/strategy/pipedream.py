@@ -37,6 +37,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -44,6 +45,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import StageExecutor
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.timeline import write_trace
 from pl_pipedream.schedule.rules import SYNC_MODES
 from pl_pipedream.strategy.checkpoint import META_FILE, shard_name
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
@@ -65,6 +67,9 @@ class PipeDreamStrategy(ParallelStrategy):
             of layers ``configure_pipeline()`` returns and ``len(balance)`` the device count).
         plan: a ``Plan`` (replicated stages); its layer ids are the pipeline indices "0", "1", ...
         timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
+        timeline: a path; every executed action is recorded with its start and end, and at the
+            end of training rank 0 writes them there as a Chrome trace (open it in Perfetto) and
+            prints the measured bubble fraction per rank.
         start_method: ``"popen"`` (re-run the script per rank, like DDP) or ``"spawn"``.
     """
 
@@ -77,6 +82,7 @@ class PipeDreamStrategy(ParallelStrategy):
         balance: list[int] | None = None,
         plan: Plan | None = None,
         timeout: float = 300.0,
+        timeline: str | os.PathLike | None = None,
         start_method: str = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -110,6 +116,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.balance = list(balance) if balance is not None else None
         self.plan = plan
         self.timeout = float(timeout)
+        self.timeline = Path(timeline) if timeline is not None else None
+        self.bubbles: dict[int, float] = {}
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -215,12 +223,17 @@ class PipeDreamStrategy(ParallelStrategy):
             if self.sync in ("async", "vertical_sync")
             else self.microbatches,
             device=self.root_device,
+            record_timeline=self.timeline is not None,
         )
         self.runner = PipelineRunner(plan, self.sync, self.microbatches, executor)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._keep_local_parameters()
         self.setup_precision_plugin()
+        if self.sync in FLUSHED:
+            # Lightning clips by the norm of this rank's gradients; a flushed pipeline clips by
+            # the norm over all stages, as single-device training would.
+            self.precision_plugin.clip_grad_by_norm = self._clip_global_norm  # type: ignore[method-assign]
         # Lightning broadcasts a SIGTERM flag from rank 0 before every step; that collective
         # would put every stage in lock-step. Each rank checks its own flag instead.
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._check_sigterm  # type: ignore[method-assign]
@@ -431,6 +444,39 @@ class PipeDreamStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.drain()
+        if self.timeline is not None and self.runner is not None:
+            self._write_timeline(self.runner.executor.timeline)
+
+    def _write_timeline(self, events: list[Any]) -> None:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, events)
+        if self.global_rank != 0:
+            return
+        assert self.timeline is not None
+        everything = [event for part in gathered for event in part]
+        self.bubbles = write_trace(everything, self.timeline)
+        summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in self.bubbles.items())
+        rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
+
+    def _clip_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Scale gradients so their norm over every stage is at most ``clip_val``."""
+        assert self.local_stage is not None
+        replicas = self.local_stage.stage.replicas
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        square = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for grad in grads:
+            square += grad.detach().double().pow(2).sum()
+        square /= replicas
+        dist.all_reduce(square)
+        coefficient = float(clip_val) / (float(square.sqrt()) + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
 
     # ----- checkpoints ------------------------------------------------------------------------
 

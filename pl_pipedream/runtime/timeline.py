@@ -1,0 +1,63 @@
+"""What the ranks actually did: a Chrome trace (opens in Perfetto) and measured bubbles.
+
+Each executed action is an event with its start and end on ``time.perf_counter``, a clock shared
+by the processes of one machine. A rank's bubble is the share of its span (first start to last
+end) in which it ran no forward, backward or update: waiting for messages counts as bubble,
+as it does in the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from pl_pipedream.runtime.executor import TimelineEvent
+
+__all__ = ["bubble_fractions", "chrome_trace", "write_trace"]
+
+BUSY = ("FORWARD", "BACKWARD", "STEP")
+
+
+def bubble_fractions(events: Sequence[TimelineEvent]) -> dict[int, float]:
+    """Per rank: 1 - busy time / (last end - first start)."""
+    by_rank: dict[int, list[TimelineEvent]] = {}
+    for event in events:
+        by_rank.setdefault(event.rank, []).append(event)
+    out = {}
+    for rank, mine in sorted(by_rank.items()):
+        span = max(e.end for e in mine) - min(e.start for e in mine)
+        busy = sum(e.end - e.start for e in mine if e.kind in BUSY)
+        out[rank] = 1.0 - busy / span if span > 0 else 0.0
+    return out
+
+
+def chrome_trace(events: Sequence[TimelineEvent]) -> dict[str, object]:
+    """The Trace Event Format: one thread per rank, times in microseconds from the first start."""
+    origin = min((e.start for e in events), default=0.0)
+    trace = [
+        {
+            "name": event.action,
+            "cat": event.kind,
+            "ph": "X",
+            "pid": 0,
+            "tid": event.rank,
+            "ts": (event.start - origin) * 1e6,
+            "dur": (event.end - event.start) * 1e6,
+        }
+        for event in events
+    ]
+    ranks = sorted({e.rank for e in events})
+    trace += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in ranks
+    ]
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_trace(events: Sequence[TimelineEvent], path: str | Path) -> dict[int, float]:
+    """Write the trace JSON to ``path``; return the bubble fraction per rank."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events)))
+    return bubble_fractions(events)

@@ -42,11 +42,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import StageExecutor
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.timeline import write_trace
 from pl_pipedream.schedule.rules import SYNC_MODES
+from pl_pipedream.strategy.autoplan import plan_at_setup
 from pl_pipedream.strategy.checkpoint import META_FILE, shard_name
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.stage import LocalStage, PipelineSetupError, cut_stage, pipeline_layers
@@ -66,6 +68,10 @@ class PipeDreamStrategy(ParallelStrategy):
         balance: layers per stage of a straight pipeline (``sum(balance)`` must equal the number
             of layers ``configure_pipeline()`` returns and ``len(balance)`` the device count).
         plan: a ``Plan`` (replicated stages); its layer ids are the pipeline indices "0", "1", ...
+            With neither ``balance`` nor ``plan``, rank 0 profiles the layers at setup and plans
+            with PipeDream's optimizer for ``topology``.
+        topology: the cluster the planner optimises for (``Topology``); by default one level
+            whose bandwidth is measured between ranks 0 and 1 at setup.
         timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
         timeline: a path; every executed action is recorded with its start and end, and at the
             end of training rank 0 writes them there as a Chrome trace (open it in Perfetto) and
@@ -81,6 +87,7 @@ class PipeDreamStrategy(ParallelStrategy):
         microbatches: int = 1,
         balance: list[int] | None = None,
         plan: Plan | None = None,
+        topology: Topology | None = None,
         timeout: float = 300.0,
         timeline: str | os.PathLike | None = None,
         start_method: str = "popen",
@@ -115,6 +122,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
         self.plan = plan
+        self.topology = topology
+        self.setup_seconds = 0.0
         self.timeout = float(timeout)
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
@@ -196,7 +205,7 @@ class PipeDreamStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         self._check_trainer(trainer)
-        plan = self._resolve_plan(module)
+        plan = self._resolve_plan(trainer, module)
         self.local_stage = cut_stage(module, pipeline_layers(module), plan, self.global_rank)
         self.plan = plan
         self._move_to_device(module)
@@ -246,20 +255,20 @@ class PipeDreamStrategy(ParallelStrategy):
                 "PipeDreamStrategy(sync='flush') or raise microbatches instead"
             )
 
-    def _resolve_plan(self, module: pl.LightningModule) -> Plan:
+    def _resolve_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
         if self.plan is not None and self.balance is not None:
             raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
-        if self.plan is None and self.balance is None:
-            raise PipelineSetupError(
-                f"PipeDreamStrategy needs a pipeline: pass balance= (layers per stage, one entry "
-                f"per device) or plan= (devices: {self.world_size})"
-            )
-        if self.plan is None:
-            assert self.balance is not None
-            count = len(pipeline_layers(module))
-            plan = Plan.from_balance(self.balance, [str(i) for i in range(count)])
-        else:
+        layers = pipeline_layers(module)
+        if self.plan is not None:
             plan = self.plan
+        elif self.balance is not None:
+            plan = Plan.from_balance(self.balance, [str(i) for i in range(len(layers))])
+        else:
+            sample = self._sample_input(trainer, module) if self.global_rank == 0 else None
+            plan, self.setup_seconds = plan_at_setup(
+                layers, sample, self.topology, self.root_device
+            )
+            self._announce(trainer, plan)
         if plan.num_workers != self.world_size:
             raise PipelineSetupError(
                 f"the plan needs one process per worker (plan workers: {plan.num_workers}, "
@@ -267,6 +276,37 @@ class PipeDreamStrategy(ParallelStrategy):
                 f"plan for {self.world_size} workers"
             )
         return plan
+
+    def _sample_input(self, trainer: pl.Trainer, module: pl.LightningModule) -> Any:
+        """One microbatch of the first stage's input: from the first training batch, else
+        from ``example_input_array``."""
+        batch = None
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if trainer.state.fn == TrainerFn.FITTING and source is not None and source.is_defined():
+            batch = next(iter(source.dataloader()))
+            batch = self.batch_to_device(batch)
+        if batch is not None:
+            inputs, _ = self._split(batch)
+            return inputs[0]
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise PipelineSetupError(
+                "planning at setup needs a sample input: fit with a training dataloader, set "
+                "example_input_array on the LightningModule, or pass balance= or plan="
+            )
+        return example.to(self.root_device) if isinstance(example, Tensor) else example
+
+    def _announce(self, trainer: pl.Trainer, plan: Plan) -> None:
+        """Rank 0 prints the plan and writes it beside the logs."""
+        if self.global_rank != 0:
+            return
+        rank_zero_info(
+            f"PipeDream plan ({self.setup_seconds:.1f} s to profile and plan):\n{plan.render()}"
+        )
+        # trainer.log_dir broadcasts from rank 0: only rank 0 is here, so ask the logger itself.
+        folder = Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "pipedream_plan.json").write_text(plan.to_json())
 
     def _move_to_device(self, module: pl.LightningModule) -> None:
         """Move the stage's layers and the module's non-pipeline state to this rank's device."""

@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=None)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--strategy-name", action="store_true", help='use strategy="pipedream"')
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=2, help="with --balance 0")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for config in args.configs:
@@ -64,7 +66,10 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
     batches = make_batches(m)
     data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     loader = DataLoader(data, batch_size=2 * m, shuffle=False)
-    if args.replicas:
+    if args.balance == [0]:  # plan automatically at setup
+        strategy = PipeDreamStrategy(sync=sync, microbatches=m, timeout=60)
+        devices = args.devices
+    elif args.replicas:
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
         strategy = PipeDreamStrategy(sync=sync, plan=plan, microbatches=m, timeout=60)
         devices = plan.num_workers
@@ -73,7 +78,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         devices = len(args.balance)
     trainer = Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=devices,
         max_epochs=1,
         use_distributed_sampler=False,

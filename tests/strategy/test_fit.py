@@ -36,7 +36,9 @@ CASES = {
 }
 
 
-def launch(tmp_path: Path, balance, replicas, m, configs) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+def launch(
+    tmp_path: Path, balance, replicas, m, configs, accelerator="cpu"
+) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
     command = [
         sys.executable,
         str(SCRIPT),
@@ -47,7 +49,7 @@ def launch(tmp_path: Path, balance, replicas, m, configs) -> subprocess.Complete
     ]
     if replicas:
         command += ["--replicas", *map(str, replicas)]
-    command += ["--configs", *configs, "--out", str(tmp_path)]
+    command += ["--configs", *configs, "--out", str(tmp_path), "--accelerator", accelerator]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600

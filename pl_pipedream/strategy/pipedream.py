@@ -43,8 +43,8 @@ from typing_extensions import override
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.executor import StageExecutor, as_tensors
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.timeline import write_trace
 from pl_pipedream.schedule.rules import SYNC_MODES
@@ -56,6 +56,8 @@ from pl_pipedream.strategy.stage import LocalStage, PipelineSetupError, cut_stag
 __all__ = ["PipeDreamStrategy"]
 
 FLUSHED = ("flush", "gpipe")
+TAG_EVALUATION = 3
+TAG_PREDICTIONS = 4
 
 
 class PipeDreamStrategy(ParallelStrategy):
@@ -239,6 +241,19 @@ class PipeDreamStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._keep_local_parameters()
         self.setup_precision_plugin()
+        module.forward = _shape_forward(pipeline_layers(module))  # type: ignore[method-assign]
+        # torchmetrics would gather metric states over every rank on compute(); only the last
+        # stage's first replica evaluates, so that gather must not happen.
+        for sub in module.modules():
+            if hasattr(sub, "sync_on_compute") and hasattr(sub, "compute"):
+                sub.sync_on_compute = False
+        # Evaluation metrics are logged on the last stage; every rank must see them (callbacks
+        # such as ModelCheckpoint and EarlyStopping monitor them on every rank).
+        connector = trainer._logger_connector
+        epoch_metrics = connector.update_eval_epoch_metrics
+        connector.update_eval_epoch_metrics = lambda: self._share_evaluation_metrics(  # type: ignore[method-assign]
+            trainer, epoch_metrics()
+        )
         if self.sync in FLUSHED:
             # Lightning clips by the norm of this rank's gradients; a flushed pipeline clips by
             # the norm over all stages, as single-device training would.
@@ -469,6 +484,94 @@ class PipeDreamStrategy(ParallelStrategy):
         if self.runner is not None:
             self.runner.drain()
 
+    # ----- evaluation: forward-only through the first replica of every stage -----------------
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._evaluate("predict_step", *args, **kwargs)
+        return self._predictions_to_rank_zero(result, args[1] if len(args) > 1 else 0)
+
+    def _evaluate(
+        self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kwargs: Any
+    ) -> Any:
+        """Run this stage's layers on the batch; the last stage runs the user's ``hook``."""
+        assert self.local_stage is not None and self.runner is not None and self.plan is not None
+        stage = self.local_stage.stage
+        if self.global_rank != stage.ranks[0]:
+            return None
+        channel = self.runner.executor.channel
+        what = f"the {hook.split('_')[0]} activations of batch {batch_idx}"
+        with torch.no_grad():
+            if stage.index == 0:
+                inputs = as_tensors(self._split_one(batch))
+            else:
+                source = self.plan.stages[stage.index - 1].ranks[0]
+                inputs = channel.recv(source, TAG_EVALUATION, what).tensors
+            output = self.local_stage.module(*inputs)
+            if stage.index < self.plan.num_stages - 1:
+                target = self.plan.stages[stage.index + 1].ranks[0]
+                channel.send(Message(as_tensors(output)), target, TAG_EVALUATION, what)
+                return None
+            module = self.lightning_module
+            with _forward_returns(module, output):
+                return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
+
+    def _split_one(self, batch: Any) -> Any:
+        split = getattr(self.lightning_module, "pipeline_split_batch", None)
+        if split is not None:
+            return split(batch)[0]
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+    def _predictions_to_rank_zero(self, result: Any, batch_idx: int) -> Any:
+        """The last stage's predictions travel to rank 0, which returns them to the user."""
+        assert self.plan is not None and self.runner is not None
+        last = self.plan.stages[-1].ranks[0]
+        if last == 0:
+            return result
+        channel = self.runner.executor.channel
+        what = f"the predictions of batch {batch_idx}"
+        if self.global_rank == last:
+            channel.send(Message(as_tensors(result)), 0, TAG_PREDICTIONS, what)
+            return None
+        if self.global_rank == 0:
+            tensors = channel.recv(last, TAG_PREDICTIONS, what).tensors
+            return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        return None
+
+    def _share_evaluation_metrics(
+        self, trainer: pl.Trainer, outputs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Every rank adopts the metrics the last stage logged (a broadcast per evaluation)."""
+        assert self.plan is not None and self.runner is not None
+        self.runner.executor.channel.flush()
+        connector = trainer._logger_connector
+        source = self.plan.stages[-1].ranks[0]
+        box: list[Any] = [None]
+        if self.global_rank == source:
+            box[0] = _cpu(
+                (
+                    outputs,
+                    connector.callback_metrics,
+                    connector.progress_bar_metrics,
+                    connector.logged_metrics,
+                )
+            )
+        dist.broadcast_object_list(box, src=source)
+        shared, callback, progress, logged = box[0]
+        if self.global_rank != source:
+            connector._callback_metrics.update(callback)
+            connector._progress_bar_metrics.update(progress)
+            connector._logged_metrics.update(logged)
+        return shared
+
     @override
     def on_validation_start(self) -> None:
         self.drain()
@@ -645,8 +748,47 @@ def _slice_batch(batch: Any, m: int) -> list[Any]:
 @contextmanager
 def _forward_returns(module: torch.nn.Module, output: Any):  # type: ignore[no-untyped-def]
     """Make ``module(x)`` return ``output`` (the pipeline's result) for the duration."""
+    previous = module.__dict__.get("forward")
     module.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del module.forward
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous  # type: ignore[method-assign]
+
+
+def _shape_forward(layers: torch.nn.Sequential) -> Callable[..., Any]:
+    """A forward for calls outside the pipeline (Lightning's model summary): it runs every
+    layer on the ``meta`` device, so it yields the right shapes without the other stages'
+    weights."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        value: Any = tuple(_to_meta(a) for a in args)
+        for layer in layers:
+            state = {n: _to_meta(t) for n, t in (*layer.named_parameters(), *layer.named_buffers())}
+            value = torch.func.functional_call(
+                layer, state, value if isinstance(value, tuple) else (value,)
+            )
+        return value
+
+    return forward
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cpu(v) for v in value)
+    return value
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value

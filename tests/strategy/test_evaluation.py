@@ -1,0 +1,87 @@
+"""Pipelined validation, test and predict; metrics on every rank for callbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchmetrics
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pl_pipedream import PipeDreamStrategy
+
+
+class Classifier(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.head = nn.Linear(16, 3)
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+        self.example_input_array = torch.zeros(2, 8)
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return nn.Sequential(*self.body, self.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        logits = self(x)
+        self.accuracy(logits, y)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", self.accuracy, prog_bar=True)
+
+    def test_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("test_acc", (self(x).argmax(1) == y).float().mean())
+
+    def predict_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return self(batch[0]).argmax(1)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def data(n: int = 96) -> DataLoader:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=generator)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    return DataLoader(TensorDataset(x, y), batch_size=12)
+
+
+@pytest.mark.slow
+def test_fit_validate_test_predict_on_three_stages(tmp_path) -> None:
+    model = Classifier()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1)
+    stopping = EarlyStopping(monitor="val_loss", patience=5)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=3,
+        strategy=PipeDreamStrategy(
+            sync="async", balance=[2, 2, 1], microbatches=3, start_method="spawn", timeout=60
+        ),
+        max_epochs=3,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[checkpoint, stopping],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, data(), data(48))
+    assert "val_acc" in trainer.callback_metrics
+    assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").iterdir())
+    best = checkpoint.best_model_path
+    assert best and (tmp_path / "ckpt" / best.split("/")[-1] / "pipeline.json").is_file()
+    assert 0.0 <= float(trainer.callback_metrics["val_acc"]) <= 1.0
+    tested = trainer.test(model, data(48))
+    assert tested[0]["test_acc"] > 0.5
+    # Lightning returns no predictions from spawned processes; the script test checks them.
+    trainer.predict(model, data(48), return_predictions=False)

@@ -49,7 +49,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.timeline import write_trace
 from pl_pipedream.schedule.rules import SYNC_MODES
 from pl_pipedream.strategy.autoplan import plan_at_setup
-from pl_pipedream.strategy.checkpoint import META_FILE, shard_name
+from pl_pipedream.strategy.checkpoint import META_FILE, read_shards, shard_name
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.stage import LocalStage, PipelineSetupError, cut_stage, pipeline_layers
 
@@ -135,6 +135,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.local_stage: LocalStage | None = None
         self.runner: PipelineRunner | None = None
         self._handover: dict[str, Tensor] = {}
+        self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
         self._batch_losses: list[float] = []
 
     # ----- topology of the launch -------------------------------------------------------------
@@ -276,6 +277,8 @@ class PipeDreamStrategy(ParallelStrategy):
         layers = pipeline_layers(module)
         if self.plan is not None:
             plan = self.plan
+        elif self.balance is None and self._resume is not None:
+            plan = Plan.from_dict(self._resume[0]["plan"])  # resume under the saved plan
         elif self.balance is not None:
             plan = Plan.from_balance(self.balance, [str(i) for i in range(len(layers))])
         else:
@@ -657,6 +660,44 @@ class PipeDreamStrategy(ParallelStrategy):
                 "shards": [shard_name(s.index) for s in self.plan.stages],
             }
             (root / META_FILE).write_text(json.dumps(meta, indent=1))
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Read a sharded checkpoint: every stage's weights merged, the rest from stage 0."""
+        if not (Path(checkpoint_path) / META_FILE).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        meta, shards = read_shards(checkpoint_path)
+        self._resume = (meta, shards)
+        checkpoint = dict(shards[0])
+        merged: dict[str, Tensor] = {}
+        for shard in shards:
+            for name, tensor in shard["state_dict"].items():
+                merged.setdefault(name, tensor)
+        checkpoint["state_dict"] = merged
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes the optimizer state its own stage saved."""
+        if self._resume is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        assert self.local_stage is not None and self.plan is not None
+        meta, shards = self._resume
+        saved = Plan.from_dict(meta["plan"])
+        layout = [(s.nodes, s.replicas) for s in saved.stages]
+        if layout != [(s.nodes, s.replicas) for s in self.plan.stages]:
+            raise PipelineSetupError(
+                f"a checkpoint resumes only under the plan that saved it (saved: {saved.shape} "
+                f"with layers {[list(s.nodes) for s in saved.stages]}, now: {self.plan.shape} with "
+                f"layers {[list(s.nodes) for s in self.plan.stages]}); resume with "
+                f"PipeDreamStrategy(plan=...) from the checkpoint's pipeline.json, or load only "
+                "the weights with consolidate_checkpoint()"
+            )
+        states = shards[self.local_stage.stage.index]["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -55,16 +55,16 @@ def loader(m: int) -> DataLoader:
 
 
 def trainer(**kwargs) -> Trainer:  # type: ignore[no-untyped-def]
-    return Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        **kwargs,
-    )
+    settings = {
+        "accelerator": "cpu",
+        "max_epochs": 1,
+        "use_distributed_sampler": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+        "enable_checkpointing": "callbacks" in kwargs,
+    }
+    return Trainer(**{**settings, **kwargs})
 
 
 @pytest.mark.slow

@@ -1,0 +1,38 @@
+"""A pipelined run that goes wrong on purpose: ``--fail nan`` (the loss becomes NaN on step 2)
+or ``--fail die`` (the last stage's process exits in step 2). Used by test_errors.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from pl_pipedream import PipeDreamStrategy  # noqa: E402
+from tests.strategy.test_lightning_features import Net, loader, trainer  # noqa: E402
+
+
+class Failing(Net):
+    def __init__(self, fail: str) -> None:
+        super().__init__(optimizer="sgd")
+        self.fail = fail
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 2 and self.fail == "nan":
+            return loss * torch.tensor(float("nan"))
+        if batch_idx == 2 and self.fail == "die":
+            os._exit(3)
+        return loss
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail", choices=["nan", "die"], required=True)
+    args = parser.parse_args()
+    strategy = PipeDreamStrategy(sync="async", balance=[3, 3], microbatches=2, timeout=20)
+    trainer(devices=2, strategy=strategy).fit(Failing(args.fail), loader(2))

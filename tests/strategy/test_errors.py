@@ -1,0 +1,86 @@
+"""Bad input stops with a message that names the rule, the values and the fix; no hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.planner.plan import Plan, PlanError
+from pl_pipedream.schedule import SegmentStream
+from pl_pipedream.strategy.pipedream import _slice_batch
+from pl_pipedream.strategy.stage import PipelineSetupError, pipeline_layers
+from tests.strategy.test_lightning_features import Net, loader, trainer
+
+SCRIPT = Path(__file__).with_name("failing_script.py")
+
+
+def test_unknown_sync_mode() -> None:
+    with pytest.raises(ValueError, match=r"sync must be one of async, .* \(sync: 'fast'\)"):
+        PipeDreamStrategy(sync="fast")
+
+
+def test_balance_that_does_not_cover_the_layers() -> None:
+    with pytest.raises(PlanError, match=r"layers: 6, sum of balance: 5\); change balance"):
+        Plan.from_balance([3, 2], [str(i) for i in range(6)])
+
+
+def test_module_without_configure_pipeline() -> None:
+    with pytest.raises(PipelineSetupError, match="has no configure_pipeline"):
+        pipeline_layers(nn.Linear(2, 2))
+
+
+def test_batch_that_does_not_split_into_microbatches() -> None:
+    with pytest.raises(ValueError, match=r"batch size: 5, microbatches: 2\)"):
+        _slice_batch((torch.zeros(5, 3), torch.zeros(5)), 2)
+
+
+def test_too_few_microbatches_for_2bw() -> None:
+    with pytest.raises(ValueError, match="2bw"):
+        SegmentStream(Plan.from_balance([1, 1, 1]), "2bw", 2)
+
+
+@pytest.mark.slow
+def test_devices_different_from_the_plan() -> None:
+    strategy = PipeDreamStrategy(balance=[2, 2, 2], start_method="spawn", timeout=30)
+    with pytest.raises(Exception, match=r"plan workers: 3, devices: 2\); use Trainer\(devices=3\)"):
+        trainer(devices=2, strategy=strategy).fit(Net(), loader(2))
+
+
+def _run(fail: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--fail", fail],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return result, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_naming_the_step_and_stage(tmp_path: Path) -> None:
+    result, _ = _run("nan", tmp_path)
+    assert result.returncode != 0
+    assert (
+        "the training loss is not finite (loss: nan, rank 1, stage 1, global step 2)"
+        in result.stderr
+    )
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_named_by_the_others(tmp_path: Path) -> None:
+    result, seconds = _run("die", tmp_path)
+    assert result.returncode != 0
+    assert "rank 0 (stage 0) could not" in result.stderr
+    assert "from rank 1" in result.stderr
+    assert seconds < 150

@@ -1,0 +1,13 @@
+"""Example LightningModules for ``pl-pipedream-train``: classifiers that list their layers.
+
+Each model hands its layers to the strategy in order through ``configure_pipeline()``; the rest
+(steps, metrics, optimizer) is shared by ``PipelineClassifier``.
+"""
+
+from __future__ import annotations
+
+from pl_pipedream.models.classifier import PipelineClassifier
+from pl_pipedream.models.cnn import DigitsCNN
+from pl_pipedream.models.mlp import MLP
+
+__all__ = ["MLP", "DigitsCNN", "PipelineClassifier"]

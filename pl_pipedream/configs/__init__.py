@@ -1,0 +1,1 @@
+"""Hydra configs of ``pl-pipedream-train`` (a package so that Hydra finds them when installed)."""

@@ -1,0 +1,235 @@
+"""The Hydra app ``pl-pipedream-train``: every config composes, the pieces build, runs work.
+
+Composition and construction run in-process (no training). The slow tests run the app as a
+user would, in a subprocess (the app starts its other ranks by re-running itself, which must not
+happen inside pytest), and check what it prints and writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.utils import get_class, get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pl_pipedream import PipeDreamStrategy, Topology
+from pl_pipedream.planner.topology import TopologyError
+from pl_pipedream.ranks import child_command
+from pl_pipedream.train import num_processes, topology_for_devices
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "pl_pipedream" / "configs"
+GROUPS = ("data", "model", "cluster", "sync", "trainer")
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIGS / group).glob("*.yaml"))
+
+
+def composed(*overrides: str, output_dir: str = "/tmp/pl-pipedream-test") -> DictConfig:
+    with initialize_config_module("pl_pipedream.configs", version_base="1.3"):
+        return compose("train", overrides=[f"output_dir={output_dir}", *overrides])
+
+
+def test_every_group_has_its_options() -> None:
+    assert options("model") == ["cnn", "mlp"]
+    assert options("data") == ["digits", "synthetic"]
+    assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
+    assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
+    assert options("trainer") == ["cpu", "gpu"]
+
+
+def test_every_combination_composes_and_resolves() -> None:
+    combinations = list(itertools.product(*(options(group) for group in GROUPS)))
+    with initialize_config_module("pl_pipedream.configs", version_base="1.3"):
+        for choice in combinations:
+            overrides = [f"{group}={option}" for group, option in zip(GROUPS, choice, strict=True)]
+            cfg = compose("train", overrides=["output_dir=/tmp/x", *overrides])
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+            assert isinstance(resolved, dict)
+            for node in ("data", "model", "strategy", "trainer"):
+                get_class(cfg[node]._target_)
+            assert cfg.strategy.sync == choice[GROUPS.index("sync")]
+            assert cfg.data.batch_size % cfg.strategy.microbatches == 0
+            assert cfg.strategy.timeline == "/tmp/x/timeline.json"
+    assert len(combinations) == 2 * 2 * 4 * 5 * 2
+
+
+def test_defaults_are_the_main_job() -> None:
+    cfg = composed()
+    assert cfg.data._target_.endswith("DigitsDataModule")
+    assert cfg.model._target_.endswith("MLP")
+    assert cfg.cluster.topology is None
+    assert (cfg.strategy.sync, cfg.strategy.balance) == ("async", None)
+    assert (cfg.trainer.accelerator, num_processes(cfg.trainer)) == ("cpu", 2)
+    assert cfg.trainer.use_distributed_sampler is False
+    assert cfg.trainer.logger.save_dir == "/tmp/pl-pipedream-test"
+
+
+@pytest.mark.parametrize("data", options("data"))
+@pytest.mark.parametrize("model", options("model"))
+def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
+    cfg = composed(f"data={data}", f"model={model}")
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    net = instantiate(
+        cfg.model, input_shape=list(datamodule.input_shape), num_classes=datamodule.num_classes
+    )
+    x, y = next(iter(datamodule.train_dataloader()))
+    assert x.shape == (cfg.data.batch_size, *datamodule.input_shape)
+    logits = net(x)
+    assert logits.shape == (cfg.data.batch_size, datamodule.num_classes)
+    assert torch.equal(net.pipeline(x), logits)
+    assert net.example_input_array.shape[1:] == x.shape[1:]
+    assert net.predict_step((x, y), 0).shape == y.shape
+    assert len(net.configure_pipeline()) >= 2
+
+
+def test_the_split_is_the_same_in_every_process_and_disjoint() -> None:
+    cfg = composed()
+    first, second = instantiate(cfg.data), instantiate(cfg.data)
+    first.setup("fit")
+    second.setup("fit")
+    assert first.splits["val"].indices == second.splits["val"].indices
+    seen = [set(first.splits[name].indices) for name in ("train", "val", "test")]
+    assert sum(len(s) for s in seen) == len(set().union(*seen)) == 1797
+    batches = [next(iter(dm.train_dataloader()))[1] for dm in (first, second)]
+    assert torch.equal(*batches)
+
+
+@pytest.mark.parametrize("sync", options("sync"))
+def test_every_sync_mode_builds_the_strategy(sync: str) -> None:
+    cfg = composed(f"sync={sync}")
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, PipeDreamStrategy)
+    assert (strategy.sync, strategy.microbatches) == (sync, 4)
+
+
+@pytest.mark.parametrize("cluster", ["cluster_a", "cluster_b", "cluster_c"])
+def test_every_cluster_gives_a_topology_the_processes_fit_on(cluster: str) -> None:
+    cfg = composed(f"cluster={cluster}")
+    topology = instantiate(cfg.cluster.topology)
+    assert isinstance(topology, Topology)
+    two = topology_for_devices(topology, 2)
+    assert two == Topology.flat(2, topology.levels[0].bandwidth)
+    assert topology_for_devices(topology, topology.num_workers) == topology
+
+
+def test_processes_fill_the_cluster_innermost_first() -> None:
+    cluster_a = Topology.from_lists([4, 4], [1.2e10, 1.25e9])
+    assert topology_for_devices(cluster_a, 1) == Topology.flat(1, 1.2e10)
+    assert topology_for_devices(cluster_a, 4) == Topology.flat(4, 1.2e10)
+    assert topology_for_devices(cluster_a, 8) == Topology.from_lists([4, 2], [1.2e10, 1.25e9])
+    with pytest.raises(TopologyError, match="fill whole machines"):
+        topology_for_devices(cluster_a, 6)
+    with pytest.raises(TopologyError, match="must fit on the cluster"):
+        topology_for_devices(cluster_a, 32)
+
+
+def test_cpu_trainer_builds_with_the_strategy(tmp_path: Path) -> None:
+    cfg = composed(output_dir=str(tmp_path))
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
+    assert isinstance(trainer.strategy, PipeDreamStrategy)
+    assert trainer.num_devices == 2
+    assert Path(trainer.logger.log_dir) == tmp_path
+
+
+def test_a_child_reruns_exactly_this_job_in_its_output_dir() -> None:
+    folder = "/runs/multirun/2024-01-01/12-00-00/1 a=b'c"
+    command = child_command(
+        ["sync=flush", "model.hidden=[32,32]"],
+        ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/runs/m", "hydra.verbose=true"],
+        folder,
+        "train",
+        ["/extra/configs"],
+    )
+    assert command[:3] == [sys.executable, "-m", "pl_pipedream.train"]
+    overrides = command[3:]
+    assert "--config-name=train" in overrides and "--config-dir=/extra/configs" in overrides
+    assert "hydra.verbose=true" in overrides
+    assert not any(o.startswith(("hydra.mode", "hydra.sweep", "--multirun")) for o in overrides)
+    parsed = OverridesParser.create().parse_overrides(
+        [o for o in overrides if not o.startswith("--")]
+    )
+    values = {o.key_or_group: o.value() for o in parsed}
+    assert values["hydra.run.dir"] == folder
+    assert values["hydra.output_subdir"] is None
+    assert values["sync"] == "flush" and values["model.hidden"] == [32, 32]
+
+
+def test_main_is_a_hydra_app_over_the_package_configs() -> None:
+    main = get_method("pl_pipedream.train.main")
+    assert callable(main)
+    assert (CONFIGS / "train.yaml").is_file()
+    assert (REPO / "configs" / "train.yaml").is_file()  # the top-level configs/ link
+
+
+# ----- end to end (subprocess) ------------------------------------------------------------------
+
+
+def run_app(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pl_pipedream.train", *arguments],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def final_val_acc(output: str) -> float:
+    line = next(line for line in output.splitlines() if "Final metrics:" in line)
+    return float(line.split("val_acc=")[1].split(",")[0])
+
+
+@pytest.mark.slow
+def test_main_job_trains_validates_and_writes_its_outputs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_app(
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=16",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert 0.4 < final_val_acc(output) <= 1.0  # chance: 0.1
+    for name in ("metrics.csv", "timeline.json", "pipedream_plan.json", ".hydra/config.yaml"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "train_rank1.log").is_file()  # rank 1 wrote into rank 0's folder
+    assert "val_acc" in (run_dir / "metrics.csv").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray output folders
+
+
+@pytest.mark.slow
+def test_multirun_runs_each_job_with_its_own_ranks(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    done = run_app(
+        "--multirun",
+        "sync=async,flush",
+        "data=synthetic",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6",
+        f"hydra.sweep.dir={sweep_dir}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (done.stdout + done.stderr).count("Final metrics:") == 2
+    for job, sync in enumerate(("async", "flush")):
+        folder = sweep_dir / str(job)
+        plan = (folder / "pipedream_plan.json").read_text()
+        assert '"num_workers": 2' in plan
+        assert (folder / "train_rank1.log").is_file()
+        assert f"sync: {sync}" in (folder / ".hydra" / "config.yaml").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]

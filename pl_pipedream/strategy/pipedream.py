@@ -123,7 +123,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.sync = sync
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
-        self.plan = plan
+        self.plan = plan  # the plan in use; set at setup when planned or built from balance
+        self._given_plan = plan
         self.topology = topology
         self.setup_seconds = 0.0
         self.timeout = float(timeout)
@@ -272,11 +273,13 @@ class PipeDreamStrategy(ParallelStrategy):
             )
 
     def _resolve_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
-        if self.plan is not None and self.balance is not None:
+        if self._given_plan is not None and self.balance is not None:
             raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
         layers = pipeline_layers(module)
-        if self.plan is not None:
-            plan = self.plan
+        if self._given_plan is not None:
+            plan = self._given_plan
+        elif self.plan is not None:
+            plan = self.plan  # a later trainer.validate/test/predict keeps the training layout
         elif self.balance is None and self._resume is not None:
             plan = Plan.from_dict(self._resume[0]["plan"])  # resume under the saved plan
         elif self.balance is not None:
@@ -461,7 +464,8 @@ class PipeDreamStrategy(ParallelStrategy):
             grad = self._handover.get(name)
             if grad is None:
                 continue
-            grad = grad * scale
+            if scale != 1.0:  # a copy of the stage's gradients costs as much as a small backward
+                grad = grad * scale
             param.grad = grad if param.grad is None else param.grad + grad
         self._handover = {}
         return closure_loss

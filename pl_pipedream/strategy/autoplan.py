@@ -57,8 +57,14 @@ def plan_at_setup(
     sample: Any,
     topology: Topology | None,
     device: torch.device,
+    num_microbatches: int = 1,
 ) -> tuple[Plan, float]:
-    """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took."""
+    """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
+
+    Replicas of a stage share each batch's microbatches round robin, so every replica count
+    must divide ``num_microbatches``; when the best plan breaks that, a straight pipeline is
+    planned instead and the plan says why (``meta["note"]``).
+    """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
         raise ValueError(
@@ -74,6 +80,15 @@ def plan_at_setup(
         try:
             profile = profile_layers(layers, sample, device=device)
             planned = make_plan(profile, topology)
+            if any(num_microbatches % stage.replicas for stage in planned.stages):
+                best = planned.shape
+                planned = make_plan(profile, topology, straight=True)
+                planned.meta["note"] = (
+                    f"the best plan ({best}) replicates stages, but replicas must divide the "
+                    f"microbatches per batch ({num_microbatches}); planned a straight pipeline. "
+                    "Use PipeDreamStrategy(microbatches=...) with a multiple of the replica counts "
+                    "to allow replication."
+                )
             box[0] = _by_layer_index(planned).to_dict()
         except Exception as error:  # noqa: BLE001 - every rank must learn of it
             box[0] = {"error": f"{type(error).__name__}: {error}"}

@@ -287,7 +287,7 @@ class PipeDreamStrategy(ParallelStrategy):
         else:
             sample = self._sample_input(trainer, module) if self.global_rank == 0 else None
             plan, self.setup_seconds = plan_at_setup(
-                layers, sample, self.topology, self.root_device
+                layers, sample, self.topology, self.root_device, self.microbatches
             )
             self._announce(trainer, plan)
         if plan.num_workers != self.world_size:
@@ -321,8 +321,10 @@ class PipeDreamStrategy(ParallelStrategy):
         """Rank 0 prints the plan and writes it beside the logs."""
         if self.global_rank != 0:
             return
+        note = f"\n{plan.meta['note']}" if plan.meta.get("note") else ""
         rank_zero_info(
-            f"PipeDream plan ({self.setup_seconds:.1f} s to profile and plan):\n{plan.render()}"
+            f"PipeDream plan ({self.setup_seconds:.1f} s to profile and plan):\n"
+            f"{plan.render()}{note}"
         )
         # trainer.log_dir broadcasts from rank 0: only rank 0 is here, so ask the logger itself.
         folder = Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)

@@ -67,7 +67,11 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
     data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     loader = DataLoader(data, batch_size=2 * m, shuffle=False)
     if args.balance == [0]:  # plan automatically at setup
-        strategy = PipeDreamStrategy(sync=sync, microbatches=m, timeout=60)
+        strategy = (
+            "pipedream"
+            if args.strategy_name
+            else PipeDreamStrategy(sync=sync, microbatches=m, timeout=60)
+        )
         devices = args.devices
     elif args.replicas:
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)

@@ -37,7 +37,7 @@ CASES = {
 
 
 def launch(
-    tmp_path: Path, balance, replicas, m, configs, accelerator="cpu"
+    tmp_path: Path, balance, replicas, m, configs, accelerator="cpu", extra=()
 ) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
     command = [
         sys.executable,
@@ -49,7 +49,7 @@ def launch(
     ]
     if replicas:
         command += ["--replicas", *map(str, replicas)]
-    command += ["--configs", *configs, "--out", str(tmp_path), "--accelerator", accelerator]
+    command += ["--configs", *configs, "--out", str(tmp_path), "--accelerator", accelerator, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
@@ -76,3 +76,17 @@ def test_fit_then_consolidate_equals_the_oracle(tmp_path: Path, label: str) -> N
             for key, tensor in expected.items():
                 diff = (got[f"net.{key}"] - tensor).abs().max().item()
                 assert diff <= 1e-5, f"{label} {sync}/{name} {key}: {diff}"
+
+
+@pytest.mark.slow
+def test_strategy_by_name_plans_automatically(tmp_path: Path) -> None:
+    """``Trainer(strategy="pipedream")``: defaults (async, one microbatch), planned at setup."""
+    command_extra = ["--strategy-name"]
+    result = launch(tmp_path, [0], None, 1, ["async:sgd"], extra=command_extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PipeDream plan" in result.stderr + result.stdout
+    assert (tmp_path / "pipedream_plan.json").is_file()
+    out = tmp_path / "async-sgd"
+    assert json.loads((out / "done.json").read_text())["global_step"] == NUM_BATCHES
+    weights = torch.load(out / "weights.pt")
+    assert sorted(weights) == sorted(f"net.{k}" for k in make_model().state_dict())

@@ -16,6 +16,15 @@ Rows of the DP are the start of a segment (row 0: the model's input; row ``a + 1
 ``a``). The outermost level needs only row 0; an inner level needs every row, because the level
 above treats "this segment on one whole component" as one machine.
 
+Two deliberate choices. Ties: among plans of equal time the DP keeps the single stage unless a
+split is strictly better, then takes the lowest replica count and the earliest cut; PipeDream's
+optimizer breaks ties in the iteration order of Python sets, which varies between runs, so on
+ties the two may print different shapes of the same time. Inner rows: a segment that starts
+after state ``a`` may only be split at states that follow ``a``; PipeDream's optimizer also tries
+states unrelated to ``a`` and can then under-price an inner segment (never seen to change a final
+answer). Compared with PipeDream's own optimizer on its published profiles (476 flat, straight,
+memory-limited and two-level cases), the slowest-stage time agreed to 1e-15 in every case.
+
 The arithmetic is vectorised over all (cut, cut) pairs of a row with numpy; no torch import.
 """
 

@@ -114,6 +114,7 @@ class StageExecutor:
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
         self._accumulated: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()  # names whose sum is a tensor this executor allocated
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
@@ -273,15 +274,12 @@ class StageExecutor:
             found = torch.autograd.grad(roots, wanted, grads, allow_unused=True)
         else:
             found = []
+        shared = _repeated_ids(found)
         for name, grad in zip(
             [n for n, p in params.items() if p.requires_grad], found[: len(leaves)], strict=True
         ):
-            if grad is None:
-                continue
-            if name in self._accumulated:
-                self._accumulated[name] += grad
-            else:
-                self._accumulated[name] = grad.clone()
+            if grad is not None:
+                self._accumulate(name, grad, copy=id(grad) in shared)
         for tensor, grad in zip(
             [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
         ):
@@ -291,6 +289,22 @@ class StageExecutor:
         if self.stage == 0:
             self._flight.pop(i)
         self._release()
+
+    def _accumulate(self, name: str, grad: torch.Tensor, copy: bool) -> None:
+        """Add ``grad`` to the update's sum. Autograd returns a fresh tensor, so the first one is
+        kept without a copy (a copy of a large gradient costs as much as a small backward); it
+        is changed in place only once the sum is a tensor this executor made. ``copy`` is for a
+        tensor autograd also returned elsewhere (the same gradient for two leaves)."""
+        held = self._accumulated.get(name)
+        if held is None:
+            self._accumulated[name] = grad.clone() if copy else grad
+            if copy:
+                self._owned.add(name)
+        elif name in self._owned:
+            held += grad
+        else:
+            self._accumulated[name] = held + grad
+            self._owned.add(name)
 
     # ----- updates ----------------------------------------------------------------------------
 
@@ -317,6 +331,7 @@ class StageExecutor:
                     continue
                 size = p.numel()
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
+                self._owned.add(n)
                 offset += size
 
     def _step(self, action: Action) -> None:
@@ -324,8 +339,12 @@ class StageExecutor:
         if self._last_use.get(live, -1) > self.position:
             self.versions.get(live)
         count = self.update_size
-        gradients = {name: grad / count for name, grad in self._accumulated.items()}
-        self._accumulated = {}
+        gradients: dict[str, torch.Tensor] = {}
+        for name, grad in self._accumulated.items():
+            if count != 1:
+                grad = grad.div_(count) if name in self._owned else grad / count
+            gradients[name] = grad
+        self._accumulated, self._owned = {}, set()
         if self.apply_update is None:
             raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
         self.apply_update(gradients, action.version)
@@ -355,3 +374,13 @@ class StageExecutor:
 
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+
+def _repeated_ids(tensors: Sequence[torch.Tensor | None]) -> set[int]:
+    """Ids of the tensor objects that occur more than once in ``tensors``."""
+    seen: set[int] = set()
+    repeated: set[int] = set()
+    for tensor in tensors:
+        if tensor is not None:
+            (repeated if id(tensor) in seen else seen).add(id(tensor))
+    return repeated

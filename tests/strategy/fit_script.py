@@ -15,32 +15,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from lightning.pytorch import LightningModule, Trainer  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
 from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
-from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model  # noqa: E402
-
-
-class PipeMLP(LightningModule):
-    def __init__(self, optimizer: str) -> None:
-        super().__init__()
-        self.net = make_model()
-        self.optimizer_name = optimizer
-
-    def configure_pipeline(self) -> torch.nn.Sequential:
-        return self.net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        return loss_fn(self(x), y)
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return OPTIMIZERS[self.optimizer_name](self.parameters())
+from tests.runtime.test_executor import make_batches  # noqa: E402
+from tests.strategy.test_lightning_features import Net  # noqa: E402
 
 
 def main() -> None:
@@ -91,7 +72,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(PipeMLP(optimizer), loader)
+    trainer.fit(Net(optimizer), loader)
     trainer.save_checkpoint(out / "run.ckpt")
     if trainer.is_global_zero:
         torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")

@@ -1,0 +1,655 @@
+"""Throughput of PipeDreamStrategy on 2 CPU ranks, against torch's pipelining and one process.
+
+Run: python benchmarks/pipeline_throughput.py --repeats 3
+
+One MLP (``--depth`` Linear layers of ``--width`` with ReLU between them, half the layers per
+stage), one fixed set of samples, plain SGD, every process on one thread. Configurations,
+interleaved, each run ``--repeats`` times in fresh processes:
+
+* ``single``: a plain PyTorch loop in one process, the reference for efficiency;
+  ``lightning-1``: the same model and samples through a one-process Lightning ``Trainer``;
+  ``single-x2``: two independent copies of ``single`` at once (what sharing the 2 cores costs).
+* ``ours-<sync>-<m>``: ``Trainer(strategy=PipeDreamStrategy(sync=..., balance=[4, 4],
+  microbatches=m), accelerator="cpu", devices=2)``; Lightning's script launcher re-runs this file
+  for rank 1.
+* ``torch-<schedule>-8``: ``torch.distributed.pipelining`` (``PipelineStage`` over gloo,
+  ``Schedule1F1B`` or ``ScheduleGPipe`` with 8 microbatches), one optimizer step per batch.
+
+Time is rank 0's wall clock from the end of batch ``--warmup - 1`` to the end of the
+second-to-last batch (the last one also drains an async pipeline). Efficiency is the one-process
+time per sample over twice the pipeline's. The simulator predicts each pipeline's time per batch
+from per-stage forward, backward and step times measured in one process and from the bandwidth of
+gloo on loopback measured at each message size. For our configurations the executor's timeline
+splits each rank's time per batch by action kind.
+"""
+
+# Measured on the project machine (2 cores AMD EPYC, torch 2.13 CPU, lightning 2.6.6), shared with
+# other jobs (load 1.3-4.9 during the run), executor at commit 49676bd:
+#
+# $ OMP_NUM_THREADS=1 python benchmarks/pipeline_throughput.py --repeats 3
+# one process, ms per minibatch, stage 0 | stage 1 (forward / backward / step / stash copy):
+#   m=1 (128 rows, 1.05 MB message, gloo 1.58 GB/s): 45.6/81.9/4.0/3.6 | 46.8/92.5/3.9/3.7
+#   m=4 ( 32 rows, 0.26 MB message, gloo 0.32 GB/s): 15.3/25.8/3.8/3.6 | 15.6/29.5/3.7/3.7
+#   m=8 ( 16 rows, 0.13 MB message, gloo 0.22 GB/s): 10.2/17.1/3.8/3.7 | 10.4/19.5/3.6/3.6
+# config        samples/s ms/batch cores kflt work effic. sim ms ratio sim(run) ratio  repeats
+# single            457.5    279.8  1.00  6.4 1.00                                458/420/488
+# single-x2         928.6    137.8  1.99  9.9 1.02  1.015                         929/597/957
+# lightning-1       482.9    265.1  1.00  2.1 1.06                                483/473/485
+# ours-async-1      756.7    169.2  1.92 25.8 0.86  0.827  143.3  1.18  161.6 1.05  731/765/757
+# ours-async-4      401.4    318.9  1.68 72.1 0.52  0.439  195.4  1.63  300.9 1.06  408/387/401
+# ours-flush-8      318.3    402.2  1.63 10.0 0.43  0.348  271.4  1.48  354.6 1.13  318/317/330
+# ours-gpipe-8      310.1    412.8  1.61 13.4 0.42  0.339  271.4  1.52  338.6 1.22  305/310/321
+# torch-1F1B-8      336.5    380.4  1.65 37.0 0.44  0.368  271.4  1.40              184/337/340
+# torch-GPipe-8     325.5    393.2  1.67 36.6 0.43  0.356  271.4  1.45              194/327/326
+# (torch's first repeat ran while another job loaded the machine: 0.98 cores busy.)
+# targets: async-1 efficiency 0.827 < 0.9 MISSED; async-4 efficiency 0.439 MISSED;
+#   async-1 / torch best 2.25 >= 1.1 met; async-4 / torch best 1.19 met;
+#   flush-8 / torch-1F1B-8 0.946 < 1.0 MISSED. lightning-1 / single 1.06.
+# ms per batch in the steady window (median), rank: fwd bwd step recv-act recv-grad outside:
+#   async-1  0: 54.3 100.4  6.9   0.0   7.1  1.8 | 1: 48.5 101.4  6.1  4.5   0.0  9.2
+#   async-4  0: 88.7 183.4 28.8   0.0  13.5  4.0 | 1: 70.6 134.3 20.3 64.0   0.0 30.5
+#   flush-8  0: 90.8 197.4  2.4   0.0 101.5  6.9 | 1: 96.8 218.2  2.4 66.9   0.0 10.3
+# Where the time goes:
+# * Page faults. Every fresh 16 MB tensor (a weight stash, a layer's gradient) is new memory from
+#   the kernel once glibc has trimmed the freed one: 72k faults per batch in async-4 (one stash
+#   and one set of gradients per 32-row minibatch) against 6k in one process. The same run with
+#   MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 (1 repeat): single 483,
+#   async-1 854 (efficiency 0.88), async-4 583 (0.60, 1.94 cores busy), flush-8 336, torch-1F1B-8
+#   361 samples/s; faults under 1k per batch everywhere.
+# * Compute is slower inside the pipeline than alone: async-1 backward 100 ms per batch on each
+#   rank against 82/93 ms in one process; two independent processes lose nothing (single-x2 1.015).
+# * Waiting: flush-8/gpipe-8 wait 67-120 ms per batch per rank for messages (the flush bubble and
+#   message latency; each message is a header, then the tensors, in separate gloo transfers).
+# * Simulator: the measurement is 5-22% above its prediction from the run's own action times and
+#   18-63% above its prediction from one-process times (the 15% target holds only for the former,
+#   and only for async-1, async-4 and flush-8).
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from torch import nn  # noqa: E402
+
+from pl_pipedream import PipeDreamStrategy  # noqa: E402
+from pl_pipedream.planner.plan import Plan  # noqa: E402
+from pl_pipedream.schedule import build, simulate  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()
+NUM_STAGES = 2
+MICROBATCH_COUNTS = (1, 4, 8)
+CONFIGS = (
+    "single",
+    "single-x2",
+    "lightning-1",
+    "ours-async-1",
+    "ours-async-4",
+    "ours-flush-8",
+    "ours-gpipe-8",
+    "torch-1F1B-8",
+    "torch-GPipe-8",
+)
+TORCH_AS_OURS = {"1F1B": "flush", "GPipe": "gpipe"}  # the schedule the simulator builds for it
+KINDS = (
+    "FORWARD",
+    "BACKWARD",
+    "STEP",
+    "RECV_ACTIVATION",
+    "RECV_GRAD",
+    "SEND_ACTIVATION",
+    "SEND_GRAD",
+)
+
+Result = dict[str, Any]
+
+
+# ----- the workload, identical in every process -----------------------------------------------
+
+
+def make_layers(width: int, depth: int) -> nn.Sequential:
+    """``depth`` blocks, Linear + ReLU except the last (plain Linear); the same seed everywhere."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)]
+    return nn.Sequential(*blocks, nn.Sequential(nn.Linear(width, width)))
+
+
+def make_batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    shape = (args.steps, args.batch, args.width)
+    inputs, targets = (
+        torch.randn(shape, generator=generator),
+        torch.randn(shape, generator=generator),
+    )
+    return list(zip(inputs.unbind(), targets.unbind(), strict=True))
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def stage_layers(layers: nn.Sequential, stage: int) -> nn.Sequential:
+    size = len(layers) // NUM_STAGES
+    return layers[stage * size : (stage + 1) * size]
+
+
+def worker_rank() -> int:
+    """RANK for the processes this script starts, LOCAL_RANK for the ones Lightning starts."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+# ----- workers: one configuration, in this process and its peers ------------------------------
+
+
+def run_single(args: argparse.Namespace) -> Result:
+    layers = make_layers(args.width, args.depth)
+    optimizer = make_optimizer(layers.parameters())
+    clock = BatchClock()
+    for x, y in make_batches(args):
+        loss = F.mse_loss(layers(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        clock.on_train_batch_end()
+    return clock.result()
+
+
+class LightningMLP(LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.net = make_layers(width, depth)
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.parameters())
+
+
+class BatchClock(Callback):
+    """Wall clock and this process's CPU time at every batch end; the executor's timeline."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.faults: list[int] = []
+        self.timeline: list[tuple[str, float, float]] = []
+
+    def result(self) -> Result:
+        return {
+            "times": self.times,
+            "cpu": self.cpu,
+            "faults": self.faults,
+            "timeline": self.timeline,
+        }
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        runner = getattr(trainer.strategy, "runner", None)
+        if runner is not None:
+            runner.executor.record_timeline = True
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        runner = getattr(trainer.strategy, "runner", None)
+        if runner is not None:
+            self.timeline = [(e.kind, e.start, e.end) for e in runner.executor.timeline]
+
+
+def run_lightning(args: argparse.Namespace) -> Result:
+    """A one-process Trainer, or our pipeline on 2 ranks when ``--sync`` is given."""
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    devices: dict[str, Any] = {"devices": 1}
+    if args.sync:
+        balance = [args.depth // NUM_STAGES] * NUM_STAGES
+        strategy = PipeDreamStrategy(sync=args.sync, balance=balance, microbatches=args.m)
+        devices = {"devices": NUM_STAGES, "strategy": strategy}
+    clock = BatchClock()
+    trainer = Trainer(
+        accelerator="cpu",
+        **devices,
+        max_epochs=1,
+        callbacks=[clock],
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    loader = DataLoader(make_batches(args), batch_size=None, shuffle=False)
+    trainer.fit(LightningMLP(args.width, args.depth), loader)
+    return clock.result()
+
+
+def run_torch(args: argparse.Namespace) -> Result:
+    """One rank of ``torch.distributed.pipelining`` with ``--schedule`` and ``--m``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank = worker_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    module = stage_layers(make_layers(args.width, args.depth), rank)
+    stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
+    kind = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[args.schedule]
+    schedule = kind(stage, n_microbatches=args.m, loss_fn=F.mse_loss)
+    optimizer = make_optimizer(module.parameters())
+    clock = BatchClock()
+    for x, y in make_batches(args):
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.on_train_batch_end()
+    dist.destroy_process_group()
+    return clock.result()
+
+
+def run_bandwidth(args: argparse.Namespace) -> Result:
+    """Ping-pong over gloo on loopback: bytes/s for one activation message per microbatch count."""
+    rank = worker_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    out = {}
+    for m in MICROBATCH_COUNTS:
+        buffer = torch.zeros(args.batch // m, args.width)
+        for _ in range(3):
+            ping(buffer, rank)
+        count = 20
+        start = time.perf_counter()
+        for _ in range(count):
+            ping(buffer, rank)
+        one_way = (time.perf_counter() - start) / (2 * count)
+        out[str(m)] = buffer.numel() * buffer.element_size() / one_way
+    dist.destroy_process_group()
+    return out
+
+
+def ping(buffer: torch.Tensor, rank: int) -> None:
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(buffer, peer)
+        dist.recv(buffer, peer)
+    else:
+        dist.recv(buffer, peer)
+        dist.send(buffer, peer)
+
+
+def run_stage_costs(args: argparse.Namespace) -> Result:
+    """Per microbatch count and stage, in one process: ms of forward, backward, step, copy."""
+    layers = make_layers(args.width, args.depth)
+    out = {}
+    for m in MICROBATCH_COUNTS:
+        x, y = torch.randn(2, args.batch // m, args.width)
+        out[str(m)] = [
+            stage_cost(stage_layers(layers, s), x, y, last=s == NUM_STAGES - 1)
+            for s in range(NUM_STAGES)
+        ]
+    return out
+
+
+def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) -> dict[str, float]:
+    """What the executor does per minibatch: the first stage's input needs no gradient, the
+    last stage computes the loss and the gradient of its input; ``copy`` is one weight stash."""
+    params = list(module.parameters())
+    optimizer = make_optimizer(params)
+    samples: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "copy": []}
+    for _ in range(7):
+        marks = [time.perf_counter()]
+        inputs = x.clone().requires_grad_(True) if last else x
+        output = module(inputs)
+        root, seed = (F.mse_loss(output, y), None) if last else (output, torch.ones_like(output))
+        marks.append(time.perf_counter())
+        grads = torch.autograd.grad(root, params + ([inputs] if last else []), seed)
+        marks.append(time.perf_counter())
+        for param, grad in zip(params, grads, strict=False):
+            param.grad = grad
+        optimizer.step()
+        marks.append(time.perf_counter())
+        _ = [p.detach().clone() for p in params]
+        marks.append(time.perf_counter())
+        for name, begin, end in zip(samples, marks[:-1], marks[1:], strict=True):
+            samples[name].append(1e3 * (end - begin))
+    return {name: statistics.median(values[2:]) for name, values in samples.items()}
+
+
+WORKERS: dict[str, Callable[[argparse.Namespace], Result]] = {
+    "single": run_single,
+    "lightning": run_lightning,
+    "torch": run_torch,
+    "bandwidth": run_bandwidth,
+    "stage-costs": run_stage_costs,
+}
+
+
+# ----- the driver: every configuration, interleaved, in fresh processes ------------------------
+
+
+def launch(
+    args: argparse.Namespace, worker: str, extra: list[str], ranks: int, expected: int = 0
+) -> list[Result]:
+    """Run ``worker`` in ``ranks`` processes that this script starts; return the results of
+    ``expected`` ranks (default ``ranks``; Lightning starts our pipeline's rank 1 itself)."""
+    expected = expected or ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, str(SCRIPT), "--worker", worker, "--out", str(out)]
+        command += [*workload_args(args), *extra]
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        procs = []
+        for rank in range(ranks):
+            log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115
+            rank_env = {**env, "RANK": str(rank)} if ranks > 1 else env
+            procs.append((subprocess.Popen(command, env=rank_env, stdout=log, stderr=log), log))
+        for proc, log in procs:
+            code = proc.wait(timeout=args.timeout)
+            log.close()
+            if code != 0:
+                text = Path(log.name).read_text()[-3000:]
+                sys.exit(f"worker {shlex.join(command)} failed (exit {code}):\n{text}")
+        paths = [out] + [Path(f"{out}.rank{rank}") for rank in range(1, expected)]
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+            time.sleep(0.1)  # Lightning's rank 1 may still be writing when rank 0 exits
+        return [json.loads(path.read_text()) for path in paths]
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def workload_args(args: argparse.Namespace) -> list[str]:
+    return [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "batch", "steps")]
+
+
+def run_config(args: argparse.Namespace, config: str) -> list[Result]:
+    if config == "single":
+        return launch(args, "single", [], 1)
+    if config == "single-x2":  # two independent copies at once: what sharing the machine costs
+        return launch(args, "single", [], 2)
+    if config == "lightning-1":
+        return launch(args, "lightning", [], 1)
+    owner, name, m = config.split("-")
+    if owner == "ours":
+        return launch(args, "lightning", [f"--sync={name}", f"--m={m}"], 1, NUM_STAGES)
+    return launch(args, "torch", [f"--schedule={name}", f"--m={m}"], NUM_STAGES)
+
+
+def steady_window(args: argparse.Namespace, times: list[float]) -> tuple[float, float, int]:
+    """(start, end, batches): from the end of warm-up to the end of the second-to-last batch."""
+    if len(times) != args.steps:
+        raise RuntimeError(
+            f"a run must time every batch (batches: {len(times)}, steps: {args.steps})"
+        )
+    return times[args.warmup - 1], times[-2], args.steps - 1 - args.warmup
+
+
+def time_by_kind(results: list[Result], window: tuple[float, float, int]) -> list[dict[str, float]]:
+    """Per rank, ms per batch spent in each action kind inside the window; the rest is 'outside'
+    (Lightning's loop, data, splitting between segments)."""
+    start, end, batches = window
+    table = []
+    for result in results:
+        spent = dict.fromkeys(KINDS, 0.0)
+        for kind, begin, finish in result.get("timeline", []):
+            if begin >= start and finish <= end:
+                spent[kind] += finish - begin
+        row = {kind: 1e3 * value / batches for kind, value in spent.items()}
+        row["outside"] = 1e3 * (end - start) / batches - sum(row.values())
+        table.append(row)
+    return table
+
+
+def predict_ms_per_batch(
+    args: argparse.Namespace, sync: str, m: int, costs: list[dict[str, float]], bandwidth: float
+) -> float:
+    """The simulator's steady-state time per batch for this pipeline."""
+    plan = Plan.from_balance([args.depth // NUM_STAGES] * NUM_STAGES)
+    message = args.batch // m * args.width * 4
+    stages = tuple(replace(s, output_bytes=message if s.index == 0 else 0.0) for s in plan.stages)
+    schedule = build(replace(plan, stages=stages), sync, 16, m)
+    result = simulate(
+        schedule,
+        forward_ms=[c["forward"] for c in costs],
+        backward_ms=[c["backward"] for c in costs],
+        bandwidth=bandwidth,
+        step_ms=max(c["step"] for c in costs),
+    )
+    return result.time_per_minibatch_ms * m
+
+
+def run_costs(results: list[Result], m: int, sync: str) -> list[dict[str, float]]:
+    """Per stage, ms per minibatch of forward, backward and step as the pipeline ran them
+    (median over repeats): the simulator fed these checks the schedule model by itself."""
+    updates = m if sync in ("async", "vertical_sync") else 1
+    costs = []
+    for rank in range(NUM_STAGES):
+        spent = {k: statistics.median(r["kinds"][rank][k] for r in results) for k in KINDS}
+        costs.append(
+            {
+                "forward": spent["FORWARD"] / m,
+                "backward": spent["BACKWARD"] / m,
+                "step": spent["STEP"] / updates,
+            }
+        )
+    return costs
+
+
+def median_costs(runs: list[Result]) -> Result:
+    """Field-wise median over repeats of the stage costs (or of the bandwidths)."""
+    first = runs[0]
+    if isinstance(first, dict) and all(isinstance(v, float) for v in first.values()):
+        return {k: statistics.median(r[k] for r in runs) for k in first}
+    if isinstance(first, list):
+        return [median_costs([r[i] for r in runs]) for i in range(len(first))]  # type: ignore[return-value]
+    return {k: median_costs([r[k] for r in runs]) for k in first}
+
+
+def drive(args: argparse.Namespace) -> None:
+    print(f"$ {shlex.join(['OMP_NUM_THREADS=1', 'python', *sys.argv])}")
+    print(
+        f"{os.cpu_count()} cores, torch {torch.__version__}; MLP {args.depth} x "
+        f"Linear({args.width}), batch {args.batch}, {args.steps} batches of which the first "
+        f"{args.warmup} are not timed, SGD, 1 thread per process"
+    )
+    runs: dict[str, list[Result]] = {c: [] for c in args.configs}
+    cost_runs, bandwidth_runs = [], []
+    for repeat in range(args.repeats):
+        cost_runs.append(launch(args, "stage-costs", [], 1)[0])
+        bandwidth_runs.append(launch(args, "bandwidth", [], NUM_STAGES)[0])
+        for config in args.configs:
+            results = run_config(args, config)
+            runs[config].append(measure(args, results, independent=config == "single-x2"))
+            print(
+                f"  repeat {repeat}: {config:<14} {runs[config][-1]['samples']:8.1f} samples/s, "
+                f"{runs[config][-1]['cores']:.2f} cores busy, load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    costs, bandwidth = median_costs(cost_runs), median_costs(bandwidth_runs)
+    print_costs(args, costs, bandwidth)
+    print_table(args, runs, costs, bandwidth)
+    print_profile(runs)
+
+
+def measure(args: argparse.Namespace, results: list[Result], independent: bool) -> Result:
+    """Samples/s in rank 0's steady window (summed over the ranks of ``independent`` copies),
+    CPU cores the ranks kept busy, page faults per batch and rank, time by action kind."""
+    first, last = args.warmup - 1, args.steps - 2
+    window = steady_window(args, results[0]["times"])
+    cores, faults, rates = 0.0, [], []
+    for result in results:
+        wall = result["times"][last] - result["times"][first]
+        cores += (result["cpu"][last] - result["cpu"][first]) / wall
+        faults.append((result["faults"][last] - result["faults"][first]) / (last - first))
+        rates.append((last - first) * args.batch / wall)
+    return {
+        "samples": sum(rates) if independent else rates[0],
+        "cores": cores,
+        "faults": faults,
+        "kinds": time_by_kind(results, window),
+    }
+
+
+def print_costs(args: argparse.Namespace, costs: Result, bandwidth: Result) -> None:
+    print("\none process, ms per minibatch and stage (forward / backward / step / stash copy):")
+    for m in MICROBATCH_COUNTS:
+        parts = [
+            f"stage {s}: "
+            + " / ".join(f"{c[k]:.1f}" for k in ("forward", "backward", "step", "copy"))
+            for s, c in enumerate(costs[str(m)])
+        ]
+        megabytes = args.batch // m * args.width * 4 / 1e6
+        print(
+            f"  m={m} ({args.batch // m} rows; a {megabytes:.2f} MB message over gloo loopback at "
+            f"{bandwidth[str(m)] / 1e9:.2f} GB/s): " + "; ".join(parts)
+        )
+
+
+def print_table(
+    args: argparse.Namespace, runs: dict[str, list[Result]], costs: Result, bandwidth: Result
+) -> None:
+    median = {c: statistics.median(r["samples"] for r in rs) for c, rs in runs.items()}
+    single = median.get("single")
+    cores = {c: statistics.median(r["cores"] for r in rs) for c, rs in runs.items()}
+    print(
+        f"\n{'config':<14} {'samples/s':>9} {'ms/batch':>8} {'cores':>5} {'kflt':>5} {'work':>5} "
+        f"{'effic.':>6} {'sim ms':>6} {'ratio':>5} {'sim(run)':>8} {'ratio':>5}  every repeat"
+    )
+    for config, results in runs.items():
+        ms = 1e3 * args.batch / median[config]
+        faults = statistics.median(sum(r["faults"]) for r in results) / 1e3
+        cells = [f"{config:<14} {median[config]:9.1f} {ms:8.1f} {cores[config]:5.2f} {faults:5.1f}"]
+        if single:  # CPU time per sample of one process over this configuration's
+            cells.append(f"{cores['single'] / single / (cores[config] / median[config]):5.2f}")
+        piped = config.startswith(("ours", "torch")) or config == "single-x2"
+        cells.append(f"{median[config] / (2 * single):6.3f}" if single and piped else " " * 6)
+        for predicted in simulated(args, config, results, costs, bandwidth):
+            cells.append(f"{predicted:6.1f} {ms / predicted:5.2f}" if predicted else " " * 12)
+        values = ", ".join(f"{r['samples']:.1f}" for r in results)
+        print(" ".join(cells) + f"  {values}")
+    print(
+        "cores: CPU seconds of all ranks per wall second; kflt: thousands of page faults per\n"
+        "batch (all ranks); work: one process's CPU time per sample over this one's; sim:\n"
+        "predicted ms per batch from one-process stage costs; sim(run):\n"
+        "from the action times of this run; ratio: measured / predicted"
+    )
+    if set(CONFIGS) <= set(runs):
+        print_targets(median)
+
+
+def simulated(
+    args: argparse.Namespace, config: str, results: list[Result], costs: Result, bandwidth: Result
+) -> tuple[float | None, float | None]:
+    """Predicted ms per batch from one-process costs, and from this run's action times."""
+    if not config.startswith(("ours", "torch")):
+        return None, None
+    owner, name, m = config.split("-")
+    sync = name if owner == "ours" else TORCH_AS_OURS[name]
+    alone = predict_ms_per_batch(args, sync, int(m), costs[m], bandwidth[m])
+    if owner != "ours":
+        return alone, None
+    in_run = run_costs(results, int(m), sync)
+    return alone, predict_ms_per_batch(args, sync, int(m), in_run, bandwidth[m])
+
+
+def print_targets(median: dict[str, float]) -> None:
+    single = median["single"]
+    torch_best = max(median["torch-1F1B-8"], median["torch-GPipe-8"])
+    checks = [
+        ("async-1 efficiency >= 0.9", median["ours-async-1"] / (2 * single), 0.9),
+        ("async-4 efficiency >= 0.9", median["ours-async-4"] / (2 * single), 0.9),
+        ("async-1 / torch best >= 1.1", median["ours-async-1"] / torch_best, 1.1),
+        ("async-4 / torch best >= 1.1", median["ours-async-4"] / torch_best, 1.1),
+        ("flush-8 / torch-1F1B-8 >= 1.0", median["ours-flush-8"] / median["torch-1F1B-8"], 1.0),
+    ]
+    print(f"\nlightning-1 / single: {median['lightning-1'] / single:.3f}")
+    for label, value, goal in checks:
+        print(f"  {label:<30} {value:6.3f}  {'met' if value >= goal else 'MISSED'}")
+
+
+def print_profile(runs: dict[str, list[Result]]) -> None:
+    print("\nour pipeline, ms per batch and rank in the steady window (median over repeats):")
+    short = ("fwd", "bwd", "step", "recv-act", "recv-grad", "send-act", "send-grad", "outside")
+    print(f"  {'config':<14} rank " + " ".join(f"{s:>9}" for s in short))
+    for config, results in runs.items():
+        if not config.startswith("ours"):
+            continue
+        for rank in range(NUM_STAGES):
+            values = [
+                statistics.median(r["kinds"][rank][kind] for r in results)
+                for kind in (*KINDS, "outside")
+            ]
+            print(f"  {config:<14} {rank:>4} " + " ".join(f"{v:9.1f}" for v in values))
+
+
+# ----- entry point -----------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64, help="batches per run")
+    parser.add_argument("--warmup", type=int, default=5, help="batches not timed")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--sync", help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", help=argparse.SUPPRESS)
+    parser.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker is None:
+        drive(args)
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    result = WORKERS[args.worker](args)
+    rank = worker_rank()
+    Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -31,6 +32,11 @@ class PipelineSpawnLauncher(_MultiProcessingLauncher):
         best = getattr(callback, "best_model_path", None) if callback else None
         fitted = trainer.state.fn == TrainerFn.FITTING
         state = self._strategy.full_state_dict() if fitted else None  # type: ignore[attr-defined]
+        # This worker process ends next: close the process group first, so that no gloo thread
+        # is still running when the interpreter exits (that aborts the process).
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

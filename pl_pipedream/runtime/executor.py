@@ -108,8 +108,8 @@ class StageExecutor:
         self.versions = WeightVersions(module, self.describe)
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
-        self.losses: dict[int, float] = {}
         self.newest_loss: float | None = None  # of the highest minibatch this rank has seen
+        self._newest_minibatch = -1
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
@@ -156,9 +156,9 @@ class StageExecutor:
         self.channel.flush()
 
     def _record_loss(self, minibatch: int, value: float) -> None:
-        if minibatch >= max(self.losses, default=-1):
+        if minibatch >= self._newest_minibatch:
+            self._newest_minibatch = minibatch
             self.newest_loss = value
-        self.losses[minibatch] = value
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
@@ -168,7 +168,7 @@ class StageExecutor:
                 f"{sorted(self._flight)}); drain it first"
             )
         self.versions.reset(0)
-        self.losses = {}
+        self._newest_minibatch = -1
 
     # ----- messages ---------------------------------------------------------------------------
 

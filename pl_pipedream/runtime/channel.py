@@ -1,10 +1,23 @@
 """Point-to-point messages between pipeline ranks over torch.distributed.
 
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
-plus a few float64 scalars riding along (the loss on its way back to the first stage). It goes
-out as a fixed-size int64 header that describes the tensors, then each tensor. Sends are
-non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer rank and
-what was awaited instead of hanging. gloo on CPU, NCCL on GPU (tensors on the rank's device).
+plus a few float64 scalars riding along (the loss on its way back to the first stage). It travels
+as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
+tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
+until its receive is posted, so every extra transfer is one more round trip between the ranks.
+
+A receive must name its size in advance. Both ends of a stream (one peer, one tag, one direction)
+remember the size of its last frame, and the receiver posts a receive of that size. When the size
+changes, the sender first fills a frame of the old size with a notice of the new one. Training
+repeats its shapes, so after the first minibatch every message is one transfer, and ``expect``
+can post the next receive early, letting the bytes move while this rank computes. A receive posted
+early and never matched (training stopped) stays posted: give each run of a pipeline its own
+process group. NCCL runs a peer's operations in order on one stream, where a receive posted
+early would hold up a later send to that peer, so under NCCL receives are posted when awaited.
+
+Sends are non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer
+rank and what was awaited instead of hanging. gloo on CPU, NCCL on GPU (frames on the rank's
+device).
 """
 
 from __future__ import annotations
@@ -18,8 +31,11 @@ import torch.distributed as dist
 
 __all__ = ["Channel", "Message", "PeerError"]
 
-HEADER_SIZE = 64
+HEADER_SIZE = 64  # int64 values
+HEADER_BYTES = HEADER_SIZE * 8
 MAX_DIMS = 8
+ALIGNMENT = 64  # bytes; every tensor in a frame starts at a multiple of this
+DATA, RESIZE = 1, 2  # the first header value: a message, or the size of the stream's next frame
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -33,6 +49,7 @@ _DTYPES = [
     torch.bool,
 ]
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+Stream = tuple[int, int]  # (peer rank, tag)
 
 
 class PeerError(RuntimeError):
@@ -47,8 +64,8 @@ class Message:
     scalars: list[float] = field(default_factory=list)
 
 
-def _header(message: Message) -> torch.Tensor:
-    values = [len(message.tensors), len(message.scalars)]
+def _header(message: Message) -> list[int]:
+    values = [DATA, len(message.tensors), len(message.scalars)]
     for tensor in message.tensors:
         if tensor.dtype not in _CODES:
             raise PeerError(
@@ -66,25 +83,64 @@ def _header(message: Message) -> torch.Tensor:
             f"a pipeline message describes at most {HEADER_SIZE} header values (needed: "
             f"{len(values)}); send fewer or flatter tensors between stages"
         )
-    return torch.tensor(values + [0] * (HEADER_SIZE - len(values)), dtype=torch.int64)
+    return values + [0] * (HEADER_SIZE - len(values))
 
 
-def _parse(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, list[int]]], int]:
-    values = header.tolist()
-    count, num_scalars = values[0], values[1]
+def _layout(specs: list[tuple[torch.dtype, list[int]]]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors in a frame, and where the scalars start."""
+    offsets, position = [], HEADER_BYTES
+    for dtype, shape in specs:
+        offsets.append(position)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        position += -(-nbytes // ALIGNMENT) * ALIGNMENT
+    return offsets, position
+
+
+def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return frame[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _pack(message: Message, device: torch.device) -> torch.Tensor:
+    """One frame holding the header, every tensor and the scalars."""
+    header = _header(message)
+    specs = [(t.dtype, list(t.shape)) for t in message.tensors]
+    offsets, end = _layout(specs)
+    frame = torch.empty(end + 8 * len(message.scalars), dtype=torch.uint8, device=device)
+    frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    for tensor, offset, (dtype, shape) in zip(message.tensors, offsets, specs, strict=True):
+        _view(frame, offset, dtype, shape).copy_(tensor.detach())
+    if message.scalars:
+        frame[end:].view(torch.float64).copy_(torch.tensor(message.scalars, dtype=torch.float64))
+    return frame
+
+
+def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
+    """A frame of ``size`` bytes that only says the stream's next frame has ``new_size``."""
+    frame = torch.zeros(size, dtype=torch.uint8)
+    frame[:16].view(torch.int64).copy_(torch.tensor([RESIZE, new_size]))
+    return frame.to(device)
+
+
+def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
+    """The message in ``frame``; its tensors are views of the frame's bytes."""
+    count, num_scalars = header[1], header[2]
     specs = []
-    position = 2
+    position = 3
     for _ in range(count):
-        dtype, ndim = _DTYPES[values[position]], values[position + 1]
-        specs.append((dtype, values[position + 2 : position + 2 + ndim]))
+        dtype, ndim = _DTYPES[header[position]], header[position + 1]
+        specs.append((dtype, header[position + 2 : position + 2 + ndim]))
         position += 2 + ndim
-    return specs, num_scalars
+    offsets, end = _layout(specs)
+    tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
+    scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist() if num_scalars else []
+    return Message(tensors, scalars)
 
 
 class Channel:
     """Tagged point-to-point messages for one rank, with deadlines.
 
-    ``describe`` names this rank in errors (``"rank 1 (stage 1)"``). Headers travel on the CPU
+    ``describe`` names this rank in errors (``"rank 1 (stage 1)"``). Frames travel on the CPU
     for gloo and on ``device`` for NCCL.
     """
 
@@ -101,43 +157,45 @@ class Channel:
         self.timeout = timeout
         self.describe = describe or f"rank {rank}"
         self.group = group
-        self._pending: list[tuple[dist.Work, int, str, list[torch.Tensor]]] = []
+        self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+        self._posted: dict[Stream, tuple[dist.Work, torch.Tensor]] = {}
+        self._send_sizes: dict[Stream, int] = {}
+        self._recv_sizes: dict[Stream, int] = {}
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+        self._wire = device if backend == "nccl" else torch.device("cpu")
         self._nccl = backend == "nccl"
-
-    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device) if self._nccl else tensor.cpu()
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
-        parts = [self._wire(_header(message))]
-        parts += [self._wire(t.detach()).contiguous() for t in message.tensors]
-        if message.scalars:
-            parts.append(self._wire(torch.tensor(message.scalars, dtype=torch.float64)))
-        for part in parts:
-            try:
-                work = dist.isend(part, peer, group=self.group, tag=tag)
-            except RuntimeError as error:
-                raise self._error("send", what, peer, error) from error
-            self._pending.append((work, peer, what, [part]))
+        frame = _pack(message, self._wire)
+        size = self._send_sizes.get((peer, tag), HEADER_BYTES)
+        if frame.numel() != size:
+            self._isend(_notice(size, frame.numel(), self._wire), peer, tag, what)
+            self._send_sizes[(peer, tag)] = frame.numel()
+        self._isend(frame, peer, tag, what)
         self._reap()
+
+    def expect(self, peer: int, tag: int) -> None:
+        """Post the receive of the next message from ``peer`` on ``tag`` now, so that its bytes
+        can arrive while this rank computes. A no-op if that receive is already posted."""
+        if self._nccl or (peer, tag) in self._posted:
+            return
+        self._posted[(peer, tag)] = self._post(peer, tag)
+
+    def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
+        size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
+        frame = torch.empty(size, dtype=torch.uint8, device=self._wire)
+        return dist.irecv(frame, peer, group=self.group, tag=tag), frame
 
     def recv(self, peer: int, tag: int, what: str) -> Message:
         """Receive one message from ``peer``; raise ``PeerError`` after the deadline."""
-        header = self._wire(torch.zeros(HEADER_SIZE, dtype=torch.int64))
-        self._wait(dist.irecv(header, peer, group=self.group, tag=tag), peer, what)
-        specs, num_scalars = _parse(header.cpu())
-        tensors = []
-        for dtype, shape in specs:
-            buffer = self._wire(torch.empty(shape, dtype=dtype))
-            self._wait(dist.irecv(buffer, peer, group=self.group, tag=tag), peer, what)
-            tensors.append(buffer)
-        scalars: list[float] = []
-        if num_scalars:
-            buffer = self._wire(torch.empty(num_scalars, dtype=torch.float64))
-            self._wait(dist.irecv(buffer, peer, group=self.group, tag=tag), peer, what)
-            scalars = buffer.cpu().tolist()
-        return Message(tensors, scalars)
+        while True:
+            work, frame = self._posted.pop((peer, tag), None) or self._post(peer, tag)
+            self._wait(work, peer, what)
+            header = frame[:HEADER_BYTES].view(torch.int64).tolist()
+            if header[0] != RESIZE:
+                return _unpack(frame, header)
+            self._recv_sizes[(peer, tag)] = header[1]
 
     def flush(self) -> None:
         """Wait until every message this rank started sending has left."""
@@ -145,8 +203,24 @@ class Channel:
             work, peer, what, _ = self._pending.pop(0)
             self._wait(work, peer, what, sending=True)
 
+    def close(self) -> None:
+        """Flush, then destroy the channel's process group (made for this channel alone), and
+        with it any receive posted early that no message matched."""
+        self.flush()
+        self._posted.clear()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        try:
+            work = dist.isend(frame, peer, group=self.group, tag=tag)
+        except RuntimeError as error:
+            raise self._error("send", what, peer, error) from error
+        self._pending.append((work, peer, what, frame))
+
     def _reap(self) -> None:
-        """Forget sends that already completed, so buffers do not pile up."""
+        """Forget sends that already completed, so their frames are freed."""
         self._pending = [p for p in self._pending if not p[0].is_completed()]
 
     def _wait(self, work: dist.Work, peer: int, what: str, sending: bool = False) -> None:

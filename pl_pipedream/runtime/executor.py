@@ -123,9 +123,14 @@ class StageExecutor:
 
     # ----- running ----------------------------------------------------------------------------
 
-    def execute(self, actions: Sequence[Action], lookahead: Sequence[Action] = ()) -> None:
+    def execute(
+        self, actions: Sequence[Action], lookahead: Sequence[Action] = (), flush: bool = True
+    ) -> None:
         """Run ``actions`` in order. ``lookahead`` (the actions that will follow, as far as
-        they are known) decides which weight versions must outlive these actions."""
+        they are known) decides which weight versions must outlive these actions, and the
+        first receive of each stream in either is posted at once. With ``flush``, return only
+        once every message sent has left; without it the sends complete while later actions
+        run, so this rank does not wait for its peer to post its receive."""
         self.actions = tuple(actions)
         self._last_use = {}
         self._steps = []
@@ -134,6 +139,9 @@ class StageExecutor:
                 self._last_use[action.version] = index
             elif action.kind is ActionKind.STEP:
                 self._steps.append(index)
+        first, following = _receives_ahead((*self.actions, *lookahead))
+        for stream in first:
+            self.channel.expect(*stream)
         for position, action in enumerate(self.actions):
             self.position = position
             start = time.perf_counter()
@@ -152,8 +160,11 @@ class StageExecutor:
                 self.timeline.append(
                     TimelineEvent(self.rank, str(action), action.kind.value, start, end)
                 )
+            if position in following:
+                self.channel.expect(*following[position])
         self.position = len(self.actions)
-        self.channel.flush()
+        if flush:
+            self.channel.flush()
 
     def _record_loss(self, minibatch: int, value: float) -> None:
         if minibatch >= self._newest_minibatch:
@@ -285,6 +296,7 @@ class StageExecutor:
         ):
             tensor.grad = grad
         flight.outputs = []
+        flight.params = {}
         flight.loss = None
         if self.stage == 0:
             self._flight.pop(i)
@@ -357,8 +369,14 @@ class StageExecutor:
         self._release()
 
     def _release(self) -> None:
-        """Drop the snapshots that no later action of the loaded list uses."""
-        done = [v for v in self.versions.kept() if self._last_use.get(v, -1) <= self.position]
+        """Drop the snapshots that no later action of the loaded list uses and no forward pass
+        still holds for its backward (a dropped snapshot's tensors are reused)."""
+        held = {flight.version for flight in self._flight.values() if flight.params}
+        done = [
+            v
+            for v in self.versions.kept()
+            if self._last_use.get(v, -1) <= self.position and v not in held
+        ]
         self.versions.release(done)
 
     _handlers: dict[ActionKind, Callable[..., None]] = {
@@ -374,6 +392,25 @@ class StageExecutor:
 
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+_TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
+
+
+def _receives_ahead(
+    actions: Sequence[Action],
+) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int]]]:
+    """The streams (peer, tag) that ``actions`` receive from, and, for each receive that has a
+    successor on its stream, that stream keyed by the receive's position: once a receive is
+    done, the next one on its stream can be posted. A posted receive takes the stream's next
+    message, whichever action awaits it, so posting early never changes what is received."""
+    last: dict[tuple[int, int], int] = {}
+    following: dict[int, tuple[int, int]] = {}
+    for position, action in enumerate(actions):
+        if action.kind in _TAGS:
+            stream = (action.peer, _TAGS[action.kind])
+            if stream in last:
+                following[last[stream]] = stream
+            last[stream] = position
+    return list(last), following
 
 
 def _repeated_ids(tensors: Sequence[torch.Tensor | None]) -> set[int]:

@@ -55,7 +55,7 @@ class PipelineRunner:
         upcoming: list[Action] = []
         for later in range(self.step + 1, self.step + 1 + self.lookahead):
             upcoming.extend(self.stream.segment(rank, later))
-        self.executor.execute(self.stream.segment(rank, self.step), upcoming)
+        self.executor.execute(self.stream.segment(rank, self.step), upcoming, flush=False)
         self.step += 1
 
     def drain(self) -> None:

@@ -6,6 +6,11 @@ taken while the live version is the one the schedule asks for. The backward pass
 minibatch reuses that snapshot, so autograd never sees a tensor change under it, and a snapshot
 is dropped as soon as the schedule no longer names its version. Buffers (BatchNorm running
 statistics) are not versioned: they live in the module and every forward updates them.
+
+A dropped snapshot's tensors are kept for the next one: copying into them costs the same as a
+fresh copy, without asking the allocator for (and the kernel to fault in) a stage's worth of new
+memory every minibatch. The spares never outnumber the peak of live snapshots, and ``reset``
+frees them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class WeightVersions:
         self.names = [name for name, _ in module.named_parameters()]
         self.live_version = 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._spares: list[dict[str, torch.Tensor]] = []
         self.peak_count = 0
         self.peak_bytes = 0
 
@@ -53,13 +59,21 @@ class WeightVersions:
                 f"version {self.live_version} and no copy of version {version} was kept "
                 f"(kept: {sorted(self._snapshots)}); the schedule and the updates disagree"
             )
-        snapshot = {
-            name: param.detach().clone().requires_grad_(param.requires_grad)
-            for name, param in self.module.named_parameters()
-        }
+        snapshot = self._copy_live()
         self._snapshots[version] = snapshot
         self._track()
         return snapshot
+
+    def _copy_live(self) -> dict[str, torch.Tensor]:
+        """The live values in a spare snapshot's tensors, or in new ones."""
+        live = self.module.named_parameters()
+        if self._spares:
+            snapshot = self._spares.pop()
+            with torch.no_grad():
+                for name, param in live:
+                    snapshot[name].copy_(param)
+            return snapshot
+        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in live}
 
     def mark_stepped(self) -> None:
         self.live_version += 1
@@ -67,11 +81,14 @@ class WeightVersions:
     def reset(self, version: int = 0) -> None:
         """Forget every snapshot and call the live weights ``version`` (after a drain)."""
         self._snapshots.clear()
+        self._spares.clear()
         self.live_version = version
 
     def release(self, versions: Iterable[int]) -> None:
         for version in versions:
-            self._snapshots.pop(version, None)
+            snapshot = self._snapshots.pop(version, None)
+            if snapshot is not None:
+                self._spares.append(snapshot)
 
     def kept(self) -> list[int]:
         return sorted(self._snapshots)

@@ -45,6 +45,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import StageExecutor, as_tensors
+from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.timeline import write_trace
 from pl_pipedream.schedule.rules import SYNC_MODES
@@ -79,6 +80,10 @@ class PipeDreamStrategy(ParallelStrategy):
             end of training rank 0 writes them there as a Chrome trace (open it in Perfetto) and
             prints the measured bubble fraction per rank.
         start_method: ``"popen"`` (re-run the script per rank, like DDP) or ``"spawn"``.
+        retain_freed_memory: on CPU with glibc, each rank keeps the memory it frees instead of
+            returning it to the kernel (``pl_pipedream.runtime.memory``): a stage frees and
+            allocates tensors of a layer's size every minibatch, and fresh pages cost a fault
+            each. The process keeps its peak memory. ``False`` leaves the allocator alone.
     """
 
     strategy_name = "pipedream"
@@ -93,6 +98,7 @@ class PipeDreamStrategy(ParallelStrategy):
         timeout: float = 300.0,
         timeline: str | os.PathLike | None = None,
         start_method: str = "popen",
+        retain_freed_memory: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -131,6 +137,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
         self._start_method = start_method
+        self.retain_freed_memory = retain_freed_memory
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.local_stage: LocalStage | None = None
@@ -196,6 +203,8 @@ class PipeDreamStrategy(ParallelStrategy):
             "nccl" if self.root_device.type == "cuda" else "gloo"
         )
         self._process_group_backend = backend
+        if self.retain_freed_memory and self.root_device.type == "cpu":
+            retain_freed_memory()
         _init_dist_connection(
             self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
         )
@@ -218,6 +227,9 @@ class PipeDreamStrategy(ParallelStrategy):
             for stage in plan.stages
         ]
         stage = self.local_stage.stage
+        # Pipeline messages get a process group of their own for each setup: a receive posted
+        # ahead that training never matched stays posted and must not take a later run's message.
+        messages = dist.new_group(list(range(self.world_size)))
         executor = StageExecutor(
             self.local_stage.module,
             self.global_rank,
@@ -228,6 +240,7 @@ class PipeDreamStrategy(ParallelStrategy):
                 self.root_device,
                 self.timeout,
                 f"rank {self.global_rank} (stage {stage.index})",
+                group=messages,
             ),
             replica_group=groups[stage.index],
             num_replicas=stage.replicas,
@@ -750,7 +763,8 @@ class PipeDreamStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.runner is not None:
-            self.runner.executor.channel.flush()
+            self.runner.executor.channel.close()
+            self.runner = None
         module = self.lightning_module
         if module is not None:
             for param in module.parameters():

@@ -92,6 +92,7 @@ from torch import nn  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
+from pl_pipedream.runtime.memory import retain_freed_memory  # noqa: E402
 from pl_pipedream.schedule import build, simulate  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
@@ -232,7 +233,12 @@ def run_lightning(args: argparse.Namespace) -> Result:
     devices: dict[str, Any] = {"devices": 1}
     if args.sync:
         balance = [args.depth // NUM_STAGES] * NUM_STAGES
-        strategy = PipeDreamStrategy(sync=args.sync, balance=balance, microbatches=args.m)
+        strategy = PipeDreamStrategy(
+            sync=args.sync,
+            balance=balance,
+            microbatches=args.m,
+            retain_freed_memory=not args.default_allocator,
+        )
         devices = {"devices": NUM_STAGES, "strategy": strategy}
     clock = BatchClock()
     trainer = Trainer(
@@ -395,7 +401,8 @@ def free_port() -> int:
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:
-    return [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "batch", "steps")]
+    given = [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "batch", "steps")]
+    return given + (["--default-allocator"] if args.default_allocator else [])
 
 
 def run_config(args: argparse.Namespace, config: str) -> list[Result]:
@@ -486,7 +493,8 @@ def drive(args: argparse.Namespace) -> None:
     print(
         f"{os.cpu_count()} cores, torch {torch.__version__}; MLP {args.depth} x "
         f"Linear({args.width}), batch {args.batch}, {args.steps} batches of which the first "
-        f"{args.warmup} are not timed, SGD, 1 thread per process"
+        f"{args.warmup} are not timed, SGD, 1 thread per process; allocator: "
+        + ("glibc's defaults" if args.default_allocator else "freed memory kept, every process")
     )
     runs: dict[str, list[Result]] = {c: [] for c in args.configs}
     cost_runs, bandwidth_runs = [], []
@@ -631,6 +639,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=64, help="batches per run")
     parser.add_argument("--warmup", type=int, default=5, help="batches not timed")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's allocator as it is in every process, ours included (by default every "
+        "process keeps freed memory, as PipeDreamStrategy's ranks do)",
+    )
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--sync", help=argparse.SUPPRESS)
@@ -646,6 +660,8 @@ def main() -> None:
         return
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    if not args.default_allocator:
+        retain_freed_memory()
     result = WORKERS[args.worker](args)
     rank = worker_rank()
     Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps(result))

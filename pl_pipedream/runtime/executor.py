@@ -7,8 +7,11 @@ replicas, apply an update. What comes from outside is injected: the first stage'
 (``apply_update(gradients, count)``; by default the stage's own optimizer steps).
 
 Gradients of an update are summed over its backward passes (and, through ``ALLREDUCE``, over
-the stage's replicas), then divided by the number of minibatches they came from, so an update
-sees the mean gradient, as single-device training on the same minibatches would.
+the stage's replicas), then divided by ``update_size``, so an update sees the mean gradient, as
+single-device training on the same minibatches would. Where every update averages the same
+number of microbatches (the batch-mean modes), the last stage can instead scale the seed of its
+backward pass by ``loss_scale``: every stage then sums gradients that are already divided, and
+no stage spends a pass over its gradients on the division.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class StageExecutor:
         loss: Callable[[Any, int], torch.Tensor] | None = None,
         apply_update: Callable[[dict[str, torch.Tensor], int], None] | None = None,
         update_size: int = 1,
+        loss_scale: float = 1.0,
         device: torch.device | None = None,
         record_timeline: bool = False,
     ) -> None:
@@ -103,6 +107,7 @@ class StageExecutor:
         self.loss = loss
         self.apply_update = apply_update
         self.update_size = update_size
+        self.loss_scale = loss_scale
         self.device = device or torch.device("cpu")
         self.describe = f"rank {rank} (stage {stage})"
         self.versions = WeightVersions(module, self.describe)
@@ -266,7 +271,8 @@ class StageExecutor:
             )
         params = flight.params
         if flight.loss is not None:
-            roots, grads = [flight.loss], [None]
+            seed = None if self.loss_scale == 1.0 else torch.full_like(flight.loss, self.loss_scale)
+            roots, grads = [flight.loss], [seed]
         else:
             message = self._gradients.pop(i)
             flight.scalars = message.scalars

@@ -245,9 +245,8 @@ class PipeDreamStrategy(ParallelStrategy):
             replica_group=groups[stage.index],
             num_replicas=stage.replicas,
             apply_update=self._apply_update,
-            update_size=stage.replicas
-            if self.sync in ("async", "vertical_sync")
-            else self.microbatches,
+            update_size=stage.replicas if self.sync in ("async", "vertical_sync") else 1,
+            loss_scale=1.0 if self.sync in ("async", "vertical_sync") else 1 / self.microbatches,
             device=self.root_device,
             record_timeline=self.timeline is not None,
         )

@@ -18,9 +18,10 @@ interleaved, each run ``--repeats`` times in fresh processes:
 Time is rank 0's wall clock from the end of batch ``--warmup - 1`` to the end of the
 second-to-last batch (the last one also drains an async pipeline). Efficiency is the one-process
 time per sample over twice the pipeline's. The simulator predicts each pipeline's time per batch
-from per-stage forward, backward and step times measured in one process and from the bandwidth of
-gloo on loopback measured at each message size. For our configurations the executor's timeline
-splits each rank's time per batch by action kind.
+from per-stage forward, backward, step, stash-copy and gradient-sum times, each stage measured
+alone in its own process while the other stage is measured in another (both cores busy, as in
+the pipeline), and from the bandwidth of gloo on loopback measured at each message size. For our
+configurations the executor's timeline splits each rank's time per batch by action kind.
 """
 
 # Measured on the project machine (2 cores AMD EPYC, torch 2.13 CPU, lightning 2.6.6), shared with
@@ -311,24 +312,42 @@ def ping(buffer: torch.Tensor, rank: int) -> None:
 
 
 def run_stage_costs(args: argparse.Namespace) -> Result:
-    """Per microbatch count and stage, in one process: ms of forward, backward, step, copy."""
-    layers = make_layers(args.width, args.depth)
+    """Per microbatch count, this rank's stage alone in its process (ms of forward, backward,
+    step, copy, gradient sum) while the other rank measures the other stage: both cores busy,
+    as in a pipeline, where small matrix products on both cores share the memory bandwidth."""
+    rank = worker_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    module = stage_layers(make_layers(args.width, args.depth), rank)
     out = {}
     for m in MICROBATCH_COUNTS:
         x, y = torch.randn(2, args.batch // m, args.width)
-        out[str(m)] = [
-            stage_cost(stage_layers(layers, s), x, y, last=s == NUM_STAGES - 1)
-            for s in range(NUM_STAGES)
-        ]
+        dist.barrier()
+        out[str(m)] = stage_cost(module, x, y, last=rank == NUM_STAGES - 1)
+    dist.destroy_process_group()
     return out
+
+
+def stage_costs_of(results: list[Result]) -> Result:
+    """{m: [stage 0's costs, stage 1's, ...]} from the ranks' results."""
+    return {m: [result[m] for result in results] for m in results[0]}
 
 
 def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) -> dict[str, float]:
     """What the executor does per minibatch: the first stage's input needs no gradient, the
-    last stage computes the loss and the gradient of its input; ``copy`` is one weight stash."""
+    last stage computes the loss and the gradient of its input; ``copy`` is one weight stash
+    (into the tensors of an earlier one), ``accumulate`` one addition of a minibatch's gradients
+    into an update's sum."""
     params = list(module.parameters())
     optimizer = make_optimizer(params)
-    samples: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "copy": []}
+    spare = [p.detach().clone() for p in params]
+    total = [p.detach().clone() for p in params]
+    samples: dict[str, list[float]] = {
+        "forward": [],
+        "backward": [],
+        "step": [],
+        "copy": [],
+        "accumulate": [],
+    }
     for _ in range(7):
         marks = [time.perf_counter()]
         inputs = x.clone().requires_grad_(True) if last else x
@@ -341,7 +360,12 @@ def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) 
             param.grad = grad
         optimizer.step()
         marks.append(time.perf_counter())
-        _ = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for stash, param in zip(spare, params, strict=True):
+                stash.copy_(param)
+        marks.append(time.perf_counter())
+        for held, grad in zip(total, grads, strict=False):
+            held += grad
         marks.append(time.perf_counter())
         for name, begin, end in zip(samples, marks[:-1], marks[1:], strict=True):
             samples[name].append(1e3 * (end - begin))
@@ -446,15 +470,26 @@ def time_by_kind(results: list[Result], window: tuple[float, float, int]) -> lis
 def predict_ms_per_batch(
     args: argparse.Namespace, sync: str, m: int, costs: list[dict[str, float]], bandwidth: float
 ) -> float:
-    """The simulator's steady-state time per batch for this pipeline."""
+    """The simulator's steady-state time per batch for this pipeline. A forward pass of a stage
+    that stashes its weights (every stage but the last in the asynchronous modes) includes one
+    copy; where an update averages a batch, every backward pass but one in m adds its
+    gradients into the sum (costs without ``copy``/``accumulate`` were measured in the run,
+    where those are inside the action times already)."""
     plan = Plan.from_balance([args.depth // NUM_STAGES] * NUM_STAGES)
     message = args.batch // m * args.width * 4
     stages = tuple(replace(s, output_bytes=message if s.index == 0 else 0.0) for s in plan.stages)
     schedule = build(replace(plan, stages=stages), sync, 16, m)
+    stashes = sync in ("async", "vertical_sync")
+    forward = [
+        c["forward"] + (c.get("copy", 0.0) if stashes and s < NUM_STAGES - 1 else 0.0)
+        for s, c in enumerate(costs)
+    ]
+    adds = 0.0 if stashes else (m - 1) / m
+    backward = [c["backward"] + adds * c.get("accumulate", 0.0) for c in costs]
     result = simulate(
         schedule,
-        forward_ms=[c["forward"] for c in costs],
-        backward_ms=[c["backward"] for c in costs],
+        forward_ms=forward,
+        backward_ms=backward,
         bandwidth=bandwidth,
         step_ms=max(c["step"] for c in costs),
     )
@@ -499,7 +534,7 @@ def drive(args: argparse.Namespace) -> None:
     runs: dict[str, list[Result]] = {c: [] for c in args.configs}
     cost_runs, bandwidth_runs = [], []
     for repeat in range(args.repeats):
-        cost_runs.append(launch(args, "stage-costs", [], 1)[0])
+        cost_runs.append(stage_costs_of(launch(args, "stage-costs", [], NUM_STAGES)))
         bandwidth_runs.append(launch(args, "bandwidth", [], NUM_STAGES)[0])
         for config in args.configs:
             results = run_config(args, config)
@@ -535,11 +570,16 @@ def measure(args: argparse.Namespace, results: list[Result], independent: bool) 
 
 
 def print_costs(args: argparse.Namespace, costs: Result, bandwidth: Result) -> None:
-    print("\none process, ms per minibatch and stage (forward / backward / step / stash copy):")
+    print(
+        "\neach stage alone in its process, both at once; ms per minibatch (forward / backward / "
+        "step / stash copy / gradient sum):"
+    )
     for m in MICROBATCH_COUNTS:
         parts = [
             f"stage {s}: "
-            + " / ".join(f"{c[k]:.1f}" for k in ("forward", "backward", "step", "copy"))
+            + " / ".join(
+                f"{c[k]:.1f}" for k in ("forward", "backward", "step", "copy", "accumulate")
+            )
             for s, c in enumerate(costs[str(m)])
         ]
         megabytes = args.batch // m * args.width * 4 / 1e6
@@ -574,7 +614,7 @@ def print_table(
     print(
         "cores: CPU seconds of all ranks per wall second; kflt: thousands of page faults per\n"
         "batch (all ranks); work: one process's CPU time per sample over this one's; sim:\n"
-        "predicted ms per batch from one-process stage costs; sim(run):\n"
+        "predicted ms per batch from stage costs measured alone; sim(run):\n"
         "from the action times of this run; ratio: measured / predicted"
     )
     if set(CONFIGS) <= set(runs):
@@ -584,7 +624,8 @@ def print_table(
 def simulated(
     args: argparse.Namespace, config: str, results: list[Result], costs: Result, bandwidth: Result
 ) -> tuple[float | None, float | None]:
-    """Predicted ms per batch from one-process costs, and from this run's action times."""
+    """Predicted ms per batch from stage costs measured alone, and from this run's action
+    times."""
     if not config.startswith(("ours", "torch")):
         return None, None
     owner, name, m = config.split("-")

@@ -5,6 +5,10 @@ its segment ``t`` of the schedule (every forward of batch ``t`` and whatever bac
 and updates the schedule interleaves with them). In the asynchronous modes nothing is flushed
 between steps; when training stops, or before validation or a checkpoint, ``drain`` runs the
 remaining backward passes and updates, and the next step starts a new run.
+
+A step does not wait for its messages to leave (a gloo send completes only once the peer has
+posted its receive, which would tie the ranks together at every step); the sends of one step
+complete during the next, and a drain waits for all of them.
 """
 
 from __future__ import annotations

@@ -103,6 +103,12 @@ class WeightVersions:
             t.numel() * t.element_size() for snap in self._snapshots.values() for t in snap.values()
         )
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every snapshot tensor this stage holds, kept or spare."""
+        spares = sum(t.numel() * t.element_size() for snap in self._spares for t in snap.values())
+        return self.nbytes + spares
+
     def _track(self) -> None:
         self.peak_count = max(self.peak_count, self.count)
         self.peak_bytes = max(self.peak_bytes, self.nbytes)

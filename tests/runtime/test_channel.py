@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pl_pipedream.runtime.channel import Channel, Message, PeerError
 from tests.runtime.distributed import run
@@ -75,3 +76,69 @@ def test_unsupported_dtype_is_refused() -> None:
 
     with pytest.raises(PeerError, match="complex64"):
         _header(Message([torch.zeros(2, dtype=torch.complex64)]))
+
+
+SHAPES = [(40, 3), (40, 3), (2, 3), (2, 3), (3, 2), (3, 2)]  # 480, 480, 24, 24, 24, 24 bytes
+
+
+def _resizing_stream(rank: int, world: int) -> list:
+    sent: list[str] = []
+    original = dist.isend
+
+    def counted(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append("frame")
+        return original(tensor, *args, **kwargs)
+
+    dist.isend = counted  # counts this worker's transfers; gloo still carries them
+    channel = Channel(rank, torch.device("cpu"), timeout=30.0)
+    if rank == 0:
+        counts = []
+        for step, shape in enumerate(SHAPES):
+            before = len(sent)
+            channel.send(Message([torch.full(shape, float(step))], [step / 2]), 1, 1, "x")
+            counts.append(len(sent) - before)
+        channel.flush()
+        return counts
+    channel.expect(0, 1)  # posted before anything was sent, at the stream's first size
+    got = []
+    for _ in SHAPES:
+        message = channel.recv(0, 1, "x")
+        channel.expect(0, 1)  # the next one, early; the last stays posted, unmatched
+        tensor = message.tensors[0]
+        got.append((tuple(tensor.shape), tensor.mean().item(), message.scalars))
+    return got
+
+
+def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
+    results = run(2, _resizing_stream)
+    status, counts = results[0]
+    assert status == "ok", counts
+    # a new frame size costs a notice at the old size, then the frame; a repeated size (the
+    # fifth message: another shape, the same bytes) costs the frame alone
+    assert counts == [2, 1, 2, 1, 1, 1]
+    status, got = results[1]
+    assert status == "ok", got
+    assert got == [(shape, float(step), [step / 2]) for step, shape in enumerate(SHAPES)]
+
+
+def _receive_left_posted(rank: int, world: int) -> list:
+    """A receive posted and never matched goes with its channel's group: a later channel on a
+    group of its own gets every message."""
+    first = Channel(rank, torch.device("cpu"), timeout=30.0, group=dist.new_group([0, 1]))
+    if rank == 1:
+        first.expect(0, 1)
+    first.close()
+    second = Channel(rank, torch.device("cpu"), timeout=30.0, group=dist.new_group([0, 1]))
+    if rank == 0:
+        second.send(Message([torch.tensor([7.0])]), 1, 1, "x")
+        second.close()
+        return []
+    value = second.recv(0, 1, "x").tensors[0].tolist()
+    second.close()
+    return value
+
+
+def test_a_receive_left_posted_does_not_take_a_later_channels_message() -> None:
+    results = run(2, _receive_left_posted)
+    assert results[0][0] == "ok", results[0]
+    assert results[1] == ("ok", [7.0])

@@ -7,13 +7,17 @@ tensor's bytes, then the scalars. One transfer per message matters: a gloo send 
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
 
 A receive must name its size in advance. Both ends of a stream (one peer, one tag, one direction)
-remember the size of its last frame, and the receiver posts a receive of that size. When the size
-changes, the sender first fills a frame of the old size with a notice of the new one. Training
-repeats its shapes, so after the first minibatch every message is one transfer, and ``expect``
-can post the next receive early, letting the bytes move while this rank computes. A receive posted
-early and never matched (training stopped) stays posted: give each run of a pipeline its own
-process group. NCCL runs a peer's operations in order on one stream, where a receive posted
-early would hold up a later send to that peer, so under NCCL receives are posted when awaited.
+remember the stream's frame size, and the receiver posts a receive of that size. A message that
+fits travels padded to it, unless it needs less than half (the header says what the frame holds);
+otherwise the sender first fills a frame of the old size with a notice of the new one. So shapes
+that vary (a smaller last batch, sequences of several lengths) settle at one size, and training
+that repeats its shapes sends every message after the first as one transfer; ``expect`` can post
+the next receive early, letting the bytes move while this rank computes. A receive posted early
+and never matched (training stopped) stays posted: give each run of a pipeline its own process
+group. NCCL runs a peer's operations in order on one stream, where a receive posted early would
+hold up a later send to that peer, so under NCCL receives are posted when awaited. NCCL also
+ignores tags: between two ranks, messages match in the order they were sent, which holds because
+training, evaluation and prediction messages never overlap (evaluation starts after a drain).
 
 Sends are non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer
 rank and what was awaited instead of hanging. gloo on CPU, NCCL on GPU (frames on the rank's
@@ -101,18 +105,26 @@ def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]
     return frame[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _pack(message: Message, device: torch.device) -> torch.Tensor:
-    """One frame holding the header, every tensor and the scalars."""
+def _pack(message: Message, device: torch.device, size: int = 0) -> torch.Tensor:
+    """One frame holding the header, every tensor and the scalars, ``size`` bytes at least."""
     header = _header(message)
     specs = [(t.dtype, list(t.shape)) for t in message.tensors]
     offsets, end = _layout(specs)
-    frame = torch.empty(end + 8 * len(message.scalars), dtype=torch.uint8, device=device)
+    needed = end + 8 * len(message.scalars)
+    frame = torch.empty(max(size, needed), dtype=torch.uint8, device=device)
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
     for tensor, offset, (dtype, shape) in zip(message.tensors, offsets, specs, strict=True):
         _view(frame, offset, dtype, shape).copy_(tensor.detach())
     if message.scalars:
-        frame[end:].view(torch.float64).copy_(torch.tensor(message.scalars, dtype=torch.float64))
+        scalars = torch.tensor(message.scalars, dtype=torch.float64)
+        frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
+
+
+def _frame_bytes(message: Message) -> int:
+    """The bytes a frame of ``message`` needs."""
+    _, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
+    return end + 8 * len(message.scalars)
 
 
 def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
@@ -167,12 +179,12 @@ class Channel:
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
-        frame = _pack(message, self._wire)
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
-        if frame.numel() != size:
-            self._isend(_notice(size, frame.numel(), self._wire), peer, tag, what)
-            self._send_sizes[(peer, tag)] = frame.numel()
-        self._isend(frame, peer, tag, what)
+        needed = _frame_bytes(message)
+        if not size // 2 < needed <= size:
+            self._isend(_notice(size, needed, self._wire), peer, tag, what)
+            self._send_sizes[(peer, tag)] = size = needed
+        self._isend(_pack(message, self._wire, size), peer, tag, what)
         self._reap()
 
     def expect(self, peer: int, tag: int) -> None:
@@ -203,14 +215,19 @@ class Channel:
             work, peer, what, _ = self._pending.pop(0)
             self._wait(work, peer, what, sending=True)
 
-    def close(self) -> None:
-        """Flush, then destroy the channel's process group (made for this channel alone), and
-        with it any receive posted early that no message matched."""
-        self.flush()
-        self._posted.clear()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+    def close(self, flush: bool = True) -> None:
+        """Flush (unless training failed: a peer that stopped would never take the messages),
+        then destroy the channel's process group, made for this channel alone, and with it any
+        receive posted early that no message matched."""
+        try:
+            if flush:
+                self.flush()
+        finally:
+            self._pending.clear()
+            self._posted.clear()
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
 
     def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> None:
         try:

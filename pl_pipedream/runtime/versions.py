@@ -71,7 +71,7 @@ class WeightVersions:
             snapshot = self._spares.pop()
             with torch.no_grad():
                 for name, param in live:
-                    snapshot[name].copy_(param)
+                    snapshot[name].copy_(param).requires_grad_(param.requires_grad)
             return snapshot
         return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in live}
 

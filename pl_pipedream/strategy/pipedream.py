@@ -142,6 +142,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.local_stage: LocalStage | None = None
         self.runner: PipelineRunner | None = None
+        self._groups: list[Any] = []  # replica groups of this setup, destroyed at teardown
         self._handover: dict[str, Tensor] = {}
         self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
         self._batch_losses: list[float] = []
@@ -226,10 +227,15 @@ class PipeDreamStrategy(ParallelStrategy):
             dist.new_group(list(stage.ranks)) if stage.replicas > 1 else None
             for stage in plan.stages
         ]
+        self._groups = [group for group in groups if group is not None]
         stage = self.local_stage.stage
         # Pipeline messages get a process group of their own for each setup: a receive posted
         # ahead that training never matched stays posted and must not take a later run's message.
         messages = dist.new_group(list(range(self.world_size)))
+        # A batch-mean update divides by the microbatches through the loss seed when 1/m is
+        # exact in every float format (m a power of two), else after summing, at the update.
+        m = self.microbatches
+        scale, divide = (m, 1) if m & (m - 1) == 0 else (1, m)
         executor = StageExecutor(
             self.local_stage.module,
             self.global_rank,
@@ -245,8 +251,8 @@ class PipeDreamStrategy(ParallelStrategy):
             replica_group=groups[stage.index],
             num_replicas=stage.replicas,
             apply_update=self._apply_update,
-            update_size=stage.replicas if self.sync in ("async", "vertical_sync") else 1,
-            loss_scale=1.0 if self.sync in ("async", "vertical_sync") else 1 / self.microbatches,
+            update_size=stage.replicas if self.sync in ("async", "vertical_sync") else divide,
+            loss_scale=1.0 if self.sync in ("async", "vertical_sync") else 1 / scale,
             device=self.root_device,
             record_timeline=self.timeline is not None,
         )
@@ -762,8 +768,15 @@ class PipeDreamStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.runner is not None:
-            self.runner.executor.channel.close()
-            self.runner = None
+            runner, self.runner = self.runner, None
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            failed = trainer is not None and trainer.interrupted
+            groups, self._groups = self._groups, []
+            try:
+                runner.executor.channel.close(flush=not failed)
+            finally:
+                for group in groups:
+                    dist.destroy_process_group(group)
         module = self.lightning_module
         if module is not None:
             for param in module.parameters():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,7 +80,9 @@ def test_unsupported_dtype_is_refused() -> None:
         _header(Message([torch.zeros(2, dtype=torch.complex64)]))
 
 
-SHAPES = [(40, 3), (40, 3), (2, 3), (2, 3), (3, 2), (3, 2)]  # 480, 480, 24, 24, 24, 24 bytes
+# frames (a 512-byte header, tensors at 64-byte offsets, one float64): 1032, 1032, 584, 4168,
+# 584, 584 bytes
+SHAPES = [(40, 3), (40, 3), (2, 3), (300, 3), (2, 3), (3, 2)]
 
 
 def _resizing_stream(rank: int, world: int) -> list:
@@ -113,9 +117,10 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     results = run(2, _resizing_stream)
     status, counts = results[0]
     assert status == "ok", counts
-    # a new frame size costs a notice at the old size, then the frame; a repeated size (the
-    # fifth message: another shape, the same bytes) costs the frame alone
-    assert counts == [2, 1, 2, 1, 1, 1]
+    # a frame that does not fit the stream's size, or needs less than half of it, costs a
+    # notice at the old size and then the frame; one that fits is padded to the stream's size
+    # (the third) or is just that size (the second and the last: another shape, the same bytes)
+    assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]
     assert status == "ok", got
     assert got == [(shape, float(step), [step / 2]) for step, shape in enumerate(SHAPES)]
@@ -142,3 +147,31 @@ def test_a_receive_left_posted_does_not_take_a_later_channels_message() -> None:
     results = run(2, _receive_left_posted)
     assert results[0][0] == "ok", results[0]
     assert results[1] == ("ok", [7.0])
+
+
+def _close_with_a_send_nobody_takes(rank: int, world: int) -> list:
+    out: list = []
+    for flush in (False, True):
+        group = dist.new_group([0, 1])
+        channel = Channel(rank, torch.device("cpu"), timeout=1.0, group=group)
+        if rank == 0:
+            channel.send(Message([torch.ones(1000)]), 1, 1, "the activations of minibatch 0")
+            start = time.perf_counter()
+            try:
+                channel.close(flush=flush)
+                out.append(("closed", flush))
+            except PeerError as error:
+                out.append(("raised", flush, "could not send" in str(error)))
+            out.append(time.perf_counter() - start < 0.5 if not flush else channel.group is None)
+        else:
+            channel.close(flush=False)
+        dist.barrier()
+    return out
+
+
+def test_closing_after_a_failure_does_not_wait_for_sends() -> None:
+    """A failed run closes without flushing: its peer may never receive. A flushing close still
+    gives the process group back when the deadline passes."""
+    results = run(2, _close_with_a_send_nobody_takes)
+    assert results[1][0] == "ok", results[1]
+    assert results[0] == ("ok", [("closed", False), True, ("raised", True, True), True])

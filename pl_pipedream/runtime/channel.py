@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Message", "PeerError"]
+__all__ = ["Channel", "Message", "PeerError", "Stream"]
 
 HEADER_SIZE = 64  # int64 values
 HEADER_BYTES = HEADER_SIZE * 8
@@ -105,26 +105,25 @@ def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]
     return frame[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _pack(message: Message, device: torch.device, size: int = 0) -> torch.Tensor:
-    """One frame holding the header, every tensor and the scalars, ``size`` bytes at least."""
-    header = _header(message)
-    specs = [(t.dtype, list(t.shape)) for t in message.tensors]
-    offsets, end = _layout(specs)
-    needed = end + 8 * len(message.scalars)
-    frame = torch.empty(max(size, needed), dtype=torch.uint8, device=device)
-    frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    for tensor, offset, (dtype, shape) in zip(message.tensors, offsets, specs, strict=True):
-        _view(frame, offset, dtype, shape).copy_(tensor.detach())
+def _layout_of(message: Message) -> tuple[list[int], int, int]:
+    """Where ``message``'s tensors and scalars go in a frame, and the bytes it needs."""
+    offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
+    return offsets, end, end + 8 * len(message.scalars)
+
+
+def _pack(
+    message: Message, layout: tuple[list[int], int, int], size: int, device: torch.device
+) -> torch.Tensor:
+    """A frame of ``size`` bytes holding the header, every tensor and the scalars."""
+    offsets, end, needed = layout
+    frame = torch.empty(size, dtype=torch.uint8, device=device)
+    frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
+    for tensor, offset in zip(message.tensors, offsets, strict=True):
+        _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
     if message.scalars:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
         frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
-
-
-def _frame_bytes(message: Message) -> int:
-    """The bytes a frame of ``message`` needs."""
-    _, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
-    return end + 8 * len(message.scalars)
 
 
 def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
@@ -180,11 +179,12 @@ class Channel:
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
-        needed = _frame_bytes(message)
+        layout = _layout_of(message)
+        needed = layout[2]
         if not size // 2 < needed <= size:
             self._isend(_notice(size, needed, self._wire), peer, tag, what)
             self._send_sizes[(peer, tag)] = size = needed
-        self._isend(_pack(message, self._wire, size), peer, tag, what)
+        self._isend(_pack(message, layout, size, self._wire), peer, tag, what)
         self._reap()
 
     def expect(self, peer: int, tag: int) -> None:

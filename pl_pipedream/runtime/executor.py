@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.channel import Channel, Message, Stream
 from pl_pipedream.runtime.versions import WeightVersions
 from pl_pipedream.schedule.actions import Action, ActionKind
 
@@ -137,14 +137,15 @@ class StageExecutor:
         once every message sent has left; without it the sends complete while later actions
         run, so this rank does not wait for its peer to post its receive."""
         self.actions = tuple(actions)
+        ahead = (*self.actions, *lookahead)
         self._last_use = {}
         self._steps = []
-        for index, action in enumerate((*self.actions, *lookahead)):
+        for index, action in enumerate(ahead):
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
             elif action.kind is ActionKind.STEP:
                 self._steps.append(index)
-        first, following = _receives_ahead((*self.actions, *lookahead))
+        first, following = _receives_ahead(ahead)
         for stream in first:
             self.channel.expect(*stream)
         for position, action in enumerate(self.actions):
@@ -401,15 +402,13 @@ _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
 
 
-def _receives_ahead(
-    actions: Sequence[Action],
-) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int]]]:
+def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Stream], dict[int, Stream]]:
     """The streams (peer, tag) that ``actions`` receive from, and, for each receive that has a
     successor on its stream, that stream keyed by the receive's position: once a receive is
     done, the next one on its stream can be posted. A posted receive takes the stream's next
     message, whichever action awaits it, so posting early never changes what is received."""
-    last: dict[tuple[int, int], int] = {}
-    following: dict[int, tuple[int, int]] = {}
+    last: dict[Stream, int] = {}
+    following: dict[int, Stream] = {}
     for position, action in enumerate(actions):
         if action.kind in _TAGS:
             stream = (action.peer, _TAGS[action.kind])

@@ -29,11 +29,12 @@ def retain_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        version = libc.gnu_get_libc_version  # only glibc has it; musl's mallopt does nothing
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del version
+    # only glibc has gnu_get_libc_version; musl's mallopt does nothing
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(

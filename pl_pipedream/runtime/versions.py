@@ -99,16 +99,17 @@ class WeightVersions:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for snap in self._snapshots.values() for t in snap.values()
-        )
+        return _bytes(self._snapshots.values())
 
     @property
     def held_bytes(self) -> int:
         """Bytes of every snapshot tensor this stage holds, kept or spare."""
-        spares = sum(t.numel() * t.element_size() for snap in self._spares for t in snap.values())
-        return self.nbytes + spares
+        return self.nbytes + _bytes(self._spares)
 
     def _track(self) -> None:
         self.peak_count = max(self.peak_count, self.count)
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+
+def _bytes(snapshots: Iterable[dict[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for snap in snapshots for t in snap.values())

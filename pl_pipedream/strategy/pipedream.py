@@ -236,6 +236,7 @@ class PipeDreamStrategy(ParallelStrategy):
         # exact in every float format (m a power of two), else after summing, at the update.
         m = self.microbatches
         scale, divide = (m, 1) if m & (m - 1) == 0 else (1, m)
+        per_minibatch = self.sync in ("async", "vertical_sync")  # one update per minibatch
         executor = StageExecutor(
             self.local_stage.module,
             self.global_rank,
@@ -251,8 +252,8 @@ class PipeDreamStrategy(ParallelStrategy):
             replica_group=groups[stage.index],
             num_replicas=stage.replicas,
             apply_update=self._apply_update,
-            update_size=stage.replicas if self.sync in ("async", "vertical_sync") else divide,
-            loss_scale=1.0 if self.sync in ("async", "vertical_sync") else 1 / scale,
+            update_size=stage.replicas if per_minibatch else divide,
+            loss_scale=1.0 if per_minibatch else 1 / scale,
             device=self.root_device,
             record_timeline=self.timeline is not None,
         )

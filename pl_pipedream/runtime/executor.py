@@ -4,7 +4,9 @@ There is no schedule in here. Each action kind has one handler: receive or send 
 run a forward or backward pass on a weight version, average gradients among the stage's
 replicas, apply an update. What comes from outside is injected: the first stage's inputs
 (``inputs(i)``), the last stage's loss (``loss(output, i)``), and what an update does
-(``apply_update(gradients, count)``; by default the stage's own optimizer steps).
+(``apply_update(gradients, version, fresh)``: the stage's optimizer steps through
+``runtime.update.step``, which writes the parameters named in ``fresh`` into those tensors, since
+a kept weight version shares their storage; it returns the bytes it had to copy for that).
 
 Gradients of an update are summed over its backward passes (and, through ``ALLREDUCE``, over
 the stage's replicas), then divided by ``update_size``, so an update sees the mean gradient, as
@@ -16,7 +18,6 @@ no stage spends a pass over its gradients on the division.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ class StageExecutor:
         num_replicas: int = 1,
         inputs: Callable[[int], Any] | None = None,
         loss: Callable[[Any, int], torch.Tensor] | None = None,
-        apply_update: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+        apply_update: Callable[..., int | None] | None = None,
         update_size: int = 1,
         loss_scale: float = 1.0,
         device: torch.device | None = None,
@@ -123,8 +124,8 @@ class StageExecutor:
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
-        self._steps: list[int] = []
         self.peak_in_flight = 0
+        self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -139,12 +140,9 @@ class StageExecutor:
         self.actions = tuple(actions)
         ahead = (*self.actions, *lookahead)
         self._last_use = {}
-        self._steps = []
         for index, action in enumerate(ahead):
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
-            elif action.kind is ActionKind.STEP:
-                self._steps.append(index)
         first, following = _receives_ahead(ahead)
         for stream in first:
             self.channel.expect(*stream)
@@ -253,13 +251,8 @@ class StageExecutor:
         self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
 
     def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The tensors of ``version`` for a forward pass. The live parameters serve directly
-        when no update comes before the version's last use; otherwise a stashed copy."""
-        if version == self.versions.live_version and version not in self.versions.kept():
-            next_step = bisect.bisect_right(self._steps, self.position)
-            last = self._last_use.get(version, self.position)
-            if next_step == len(self._steps) or last < self._steps[next_step]:
-                return self.versions.live()
+        """The tensors of ``version`` for a forward pass: a snapshot, which shares the live
+        parameters' storage while they are that version."""
         return self.versions.get(version)
 
     def _backward(self, action: Action) -> None:
@@ -366,7 +359,10 @@ class StageExecutor:
         self._accumulated, self._owned = {}, set()
         if self.apply_update is None:
             raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
-        self.apply_update(gradients, action.version)
+        self._release()
+        fresh = self.versions.fresh(gradients)
+        self.copied_bytes += self.apply_update(gradients, action.version, fresh) or 0
+        self._check_fresh(fresh)
         self.versions.mark_stepped()
         if self.versions.live_version != action.version:
             raise ExecutorError(
@@ -374,6 +370,16 @@ class StageExecutor:
                 f"{self.versions.live_version}; the schedule and the updates disagree"
             )
         self._release()
+
+    def _check_fresh(self, fresh: dict[str, torch.Tensor]) -> None:
+        live = dict(self.module.named_parameters())
+        for name, tensor in fresh.items():
+            if live[name].data_ptr() != tensor.data_ptr():
+                raise ExecutorError(
+                    f"an update must leave the storage that a kept weight version shares as it was "
+                    f"and give the parameter the fresh tensor ({self.describe}, parameter: "
+                    f"{name}); apply updates with pl_pipedream.runtime.update.step"
+                )
 
     def _release(self) -> None:
         """Drop the snapshots that no later action of the loaded list uses and no forward pass

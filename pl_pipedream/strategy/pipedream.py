@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.runtime import update
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import StageExecutor, as_tensors
 from pl_pipedream.runtime.memory import retain_freed_memory
@@ -455,13 +456,17 @@ class PipeDreamStrategy(ParallelStrategy):
         )
         return loss
 
-    def _apply_update(self, gradients: dict[str, Tensor], version: int) -> None:
-        """Called by the executor at each update of this stage."""
+    def _apply_update(
+        self, gradients: dict[str, Tensor], version: int, fresh: dict[str, Tensor]
+    ) -> int:
+        """Called by the executor at each update of this stage; returns the bytes copied to keep
+        a stashed weight version intact (none for plain SGD)."""
         assert self.local_stage is not None
         params = dict(self.local_stage.module.named_parameters())
         if self.sync in FLUSHED:
             self._handover = gradients
-            return
+            # Lightning steps later, in place: a stashed version keeps a copy
+            return update.move_storage({params[n]: t for n, t in fresh.items()})
         trainer = self.lightning_module.trainer
         for name, param in params.items():
             param.grad = gradients.get(name)
@@ -472,9 +477,12 @@ class PipeDreamStrategy(ParallelStrategy):
                 torch.nn.utils.clip_grad_value_(grads, clip)
             else:
                 torch.nn.utils.clip_grad_norm_(grads, clip)
+        targets = {params[name]: tensor for name, tensor in fresh.items()}
+        copied = 0
         for optimizer in self.optimizers:
-            optimizer.step()
+            copied += update.step(optimizer, targets)
             optimizer.zero_grad(set_to_none=True)
+        return copied
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime import update
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import StageExecutor
 from pl_pipedream.schedule import build
@@ -58,13 +59,15 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
     xs = [x for batch in batches for x in batch[0].chunk(m)]
     ys = [y for batch in batches for y in batch[1].chunk(m)]
 
-    def apply_update(gradients: dict[str, torch.Tensor], version: int) -> None:
+    def apply_update(gradients: dict[str, torch.Tensor], version: int, fresh) -> int:  # type: ignore[no-untyped-def]
         if optimizer is None:  # a stage without parameters
-            return
-        for name, param in module.named_parameters():
+            return 0
+        params = dict(module.named_parameters())
+        for name, param in params.items():
             param.grad = gradients.get(name)
-        optimizer.step()
+        copied = update.step(optimizer, {params[n]: t for n, t in fresh.items()})
         optimizer.zero_grad(set_to_none=True)
+        return copied
 
     executor = StageExecutor(
         module,
@@ -80,9 +83,8 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
         update_size=stage.replicas if sync in ("async", "vertical_sync") else m,
     )
     executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank])
-    return {
-        k: v.detach().clone() for k, v in module.state_dict().items()
-    }, executor.versions.peak_count
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return weights, executor.versions.peak_count, executor.copied_bytes
 
 
 def _all_modes(rank: int, world: int, plan_dict: dict, m: int) -> dict:
@@ -117,12 +119,16 @@ def test_pipeline_weights_equal_the_oracle(label: str) -> None:
             )
             for stage in plan.stages:
                 for rank in stage.ranks:
-                    got, peak = results[rank][1][sync, name]
+                    got, peak, copied = results[rank][1][sync, name]
                     for key, tensor in got.items():
                         diff = (tensor - expected[key]).abs().max().item()
                         assert diff <= 1e-5, f"{sync}/{name} rank {rank} {key}: {diff}"
                     if sync == "async":
                         assert peak <= stage.weight_versions
+                    if name == "sgd":  # stashing SGD's weights copies nothing
+                        assert copied == 0, f"{sync} rank {rank}: {copied} bytes copied"
+                    elif sync == "async" and stage.index == 0 and stage.replicas == 1:
+                        assert copied > 0  # Adam steps in place on a copy of stashed weights
 
 
 def test_the_oracle_tells_the_modes_apart() -> None:

@@ -1,4 +1,5 @@
-"""Weight versions: snapshots in their own tensors, and a dropped snapshot's tensors reused."""
+"""Weight versions: a snapshot shares the live storage until an update moves the live weights to
+a fresh tensor, and a dropped snapshot's tensors are reused."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import pytest
 import torch
 from torch import nn
 
+from pl_pipedream.runtime import update
 from pl_pipedream.runtime.versions import VersionError, WeightVersions
 
 
 def _step(module: nn.Module, versions: WeightVersions) -> None:
+    """An in-place update that first moves the parameters a kept snapshot shares."""
+    params = dict(module.named_parameters())
+    update.move_storage({params[n]: t for n, t in versions.fresh(params).items()})
     with torch.no_grad():
         for param in module.parameters():
             param.add_(1.0)
@@ -20,6 +25,20 @@ def _pointers(snapshot: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: tensor.data_ptr() for name, tensor in snapshot.items()}
 
 
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_a_snapshot_shares_the_live_storage_and_costs_no_memory() -> None:
+    module = nn.Linear(3, 2)
+    versions = WeightVersions(module)
+    snapshot = versions.get(0)
+    assert _pointers(snapshot) == {n: p.data_ptr() for n, p in module.named_parameters()}
+    assert snapshot["weight"].is_leaf and snapshot["weight"].requires_grad
+    assert snapshot["weight"] is not module.weight
+    assert versions.count == 1 and versions.nbytes == 0
+
+
 def test_a_snapshot_keeps_its_values_while_the_live_weights_change() -> None:
     module = nn.Linear(3, 2)
     versions = WeightVersions(module)
@@ -27,21 +46,38 @@ def test_a_snapshot_keeps_its_values_while_the_live_weights_change() -> None:
     snapshot = versions.get(0)
     _step(module, versions)
     assert torch.equal(snapshot["weight"], before)
-    assert not torch.equal(module.weight, before)
-    assert snapshot["weight"].is_leaf and snapshot["weight"].requires_grad
+    assert torch.equal(module.weight, before + 1)
+    assert versions.nbytes == _size(module) == versions.peak_bytes
 
 
-def test_a_released_snapshot_is_reused_for_a_later_version() -> None:
+def test_fresh_names_only_the_parameters_a_kept_snapshot_shares() -> None:
     module = nn.Linear(3, 2)
     versions = WeightVersions(module)
-    first = _pointers(versions.get(0))
-    _step(module, versions)
+    assert versions.fresh(["weight", "bias"]) == {}
+    versions.get(0)
+    fresh = versions.fresh(["weight"])
+    assert list(fresh) == ["weight"] and fresh["weight"].shape == module.weight.shape
+    assert fresh["weight"].data_ptr() != module.weight.data_ptr()
+
+
+def test_a_released_snapshot_is_reused_for_a_later_update() -> None:
+    module = nn.Linear(3, 2)
+    versions = WeightVersions(module)
+    old = _pointers(versions.get(0))
+    _step(module, versions)  # the live weights move; version 0 keeps the old storage
+    versions.get(1)
     versions.release([0])
-    second = versions.get(1)
-    assert _pointers(second) == first
-    assert torch.equal(second["weight"], module.weight)
-    assert torch.equal(second["bias"], module.bias)
-    assert versions.count == 1 and versions.peak_count == 1
+    assert versions.held_bytes == _size(module)  # the old storage is a spare now
+    assert _pointers(versions.fresh(["weight", "bias"])) == old
+    assert versions.count == 1 and versions.peak_count == 2
+
+
+def test_releasing_a_snapshot_of_the_live_version_keeps_no_spare() -> None:
+    module = nn.Linear(3, 2)
+    versions = WeightVersions(module)
+    versions.get(0)
+    versions.release([0])
+    assert versions.count == 0 and versions.held_bytes == 0
 
 
 def test_kept_snapshots_never_share_tensors() -> None:
@@ -53,17 +89,15 @@ def test_kept_snapshots_never_share_tensors() -> None:
     assert set(_pointers(zero).values()).isdisjoint(_pointers(one).values())
     assert not torch.equal(zero["weight"], one["weight"])
     assert versions.peak_count == 2
-    assert versions.peak_bytes == 2 * sum(p.numel() * 4 for p in module.parameters())
 
 
-def test_spares_count_as_held_memory_until_reset() -> None:
+def test_reset_forgets_snapshots_and_spares() -> None:
     module = nn.Linear(3, 2)
     versions = WeightVersions(module)
-    size = sum(p.numel() * p.element_size() for p in module.parameters())
     versions.get(0)
+    _step(module, versions)
     versions.release([0])
-    assert versions.count == 0 and versions.nbytes == 0
-    assert versions.held_bytes == size
+    assert versions.held_bytes == _size(module)
     versions.reset(0)
     assert versions.held_bytes == 0
     _step(module, versions)

@@ -1,0 +1,294 @@
+"""Linear gradient sums: fused accumulation against plain autograd summed over microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from pl_pipedream.runtime.linear_sums import LinearGradientSums
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+Params = Mapping[str, torch.Tensor]
+Grads = dict[str, torch.Tensor | None]
+
+TOLERANCE: dict[torch.dtype, dict[str, Any]] = {
+    torch.float32: {"rtol": 1e-6, "atol": 1e-6},
+    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+}
+
+
+class _Twice(nn.Module):
+    """One Linear layer applied twice: its weight is used twice in one forward."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 5, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+def _mlp(dtype: torch.dtype, bias: bool = True) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(5, 7, bias=bias, dtype=dtype),
+        nn.Tanh(),
+        nn.Linear(7, 6, bias=bias, dtype=dtype),
+        nn.Tanh(),
+        nn.Linear(6, 3, bias=bias, dtype=dtype),
+    )
+
+
+def _inputs(
+    num: int, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = True
+) -> list[torch.Tensor]:
+    return [torch.randn(shape, dtype=dtype).requires_grad_(requires_grad) for _ in range(num)]
+
+
+def _snapshot(module: nn.Module) -> tuple[Params, Forward]:
+    """Detached copies of the parameters, run through ``functional_call`` (as the executor does)."""
+    params = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+    return params, lambda x: functional_call(module, params, (x,))
+
+
+def _run(
+    forward: Forward, params: Params, xs: list[torch.Tensor]
+) -> tuple[list[Grads], list[torch.Tensor | None]]:
+    """Per microbatch, what ``autograd.grad`` returns for the parameters and for the input."""
+    param_grads: list[Grads] = []
+    input_grads: list[torch.Tensor | None] = []
+    for x in xs:
+        loss = forward(x).square().sum()
+        wanted = [*params.values(), *([x] if x.requires_grad else [])]
+        found = torch.autograd.grad(loss, wanted, allow_unused=True)
+        param_grads.append(dict(zip(params, found[: len(params)], strict=True)))
+        input_grads.append(found[len(params)] if x.requires_grad else None)
+    return param_grads, input_grads
+
+
+def _captured(sums: LinearGradientSums, tensors: Params, forward: Forward) -> Forward:
+    """``forward`` inside ``sums.capture(tensors)``; the backward runs outside, as in a pipeline."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with sums.capture(tensors):
+            return forward(x)
+
+    return run
+
+
+def _summed(param_grads: list[Grads]) -> dict[str, torch.Tensor]:
+    """Each parameter's gradients (all given, by plain autograd) summed over microbatches."""
+    sums: dict[str, torch.Tensor] = {}
+    for grads in param_grads:
+        for name, grad in grads.items():
+            assert grad is not None, f"plain autograd gave no gradient for {name}"
+            sums[name] = sums[name] + grad if name in sums else grad
+    return sums
+
+
+def _assert_close(actual: object, expected: object, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("functional", [True, False], ids=["functional_call", "module"])
+def test_sums_equal_autograd_gradients_summed_over_microbatches(
+    dtype: torch.dtype, functional: bool
+) -> None:
+    torch.manual_seed(0)
+    module = _mlp(dtype)
+    params, forward = _snapshot(module) if functional else (dict(module.named_parameters()), module)
+    xs = _inputs(4, (3, 5), dtype)
+    expected, expected_inputs = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    found, found_inputs = _run(_captured(sums, params, forward), params, xs)
+    assert all(grad is None for grads in found for grad in grads.values())
+    _assert_close(found_inputs, expected_inputs, dtype)
+    assert sums.pending
+    _assert_close(sums.take(), _summed(expected), dtype)
+    assert not sums.pending
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_next_cycle_overwrites_the_buffers_it_handed_out(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    params, forward = _snapshot(_mlp(dtype))
+    sums = LinearGradientSums()
+    _run(_captured(sums, params, forward), params, _inputs(3, (4, 5), dtype))
+    first = sums.take()
+    for buffer in first.values():
+        buffer.fill_(float("nan"))
+    xs = _inputs(2, (4, 5), dtype)
+    expected, _ = _run(forward, params, xs)
+    _run(_captured(sums, params, forward), params, xs)
+    second = sums.take()
+    assert all(second[name] is first[name] for name in params)
+    _assert_close(second, _summed(expected), dtype)
+
+
+def test_inputs_with_leading_dimensions_are_flattened_to_rows() -> None:
+    torch.manual_seed(2)
+    params, forward = _snapshot(_mlp(torch.float64))
+    xs = _inputs(3, (2, 4, 5), torch.float64)
+    expected, expected_inputs = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    _, found_inputs = _run(_captured(sums, params, forward), params, xs)
+    _assert_close(found_inputs, expected_inputs, torch.float64)
+    _assert_close(sums.take(), _summed(expected), torch.float64)
+
+
+def test_layers_without_bias() -> None:
+    torch.manual_seed(3)
+    params, forward = _snapshot(_mlp(torch.float64, bias=False))
+    xs = _inputs(3, (4, 5), torch.float64)
+    expected, _ = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    _run(_captured(sums, params, forward), params, xs)
+    _assert_close(sums.take(), _summed(expected), torch.float64)
+
+
+def test_a_weight_used_twice_in_one_forward_sums_both_uses() -> None:
+    torch.manual_seed(4)
+    params, forward = _snapshot(_Twice(torch.float64))
+    xs = _inputs(3, (4, 5), torch.float64)
+    expected, expected_inputs = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    _, found_inputs = _run(_captured(sums, params, forward), params, xs)
+    _assert_close(found_inputs, expected_inputs, torch.float64)
+    _assert_close(sums.take(), _summed(expected), torch.float64)
+
+
+def test_an_uncaptured_bias_gets_its_gradient_from_autograd() -> None:
+    torch.manual_seed(5)
+    params, forward = _snapshot(_mlp(torch.float64))
+    weights = {name: tensor for name, tensor in params.items() if name.endswith("weight")}
+    xs = _inputs(3, (4, 5), torch.float64)
+    expected, _ = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    found, _ = _run(_captured(sums, weights, forward), params, xs)
+    for expected_grads, found_grads in zip(expected, found, strict=True):
+        for name in params:
+            if name in weights:
+                assert found_grads[name] is None
+            else:
+                _assert_close(found_grads[name], expected_grads[name], torch.float64)
+    _assert_close(sums.take(), {name: _summed(expected)[name] for name in weights}, torch.float64)
+
+
+def test_a_first_layer_whose_input_needs_no_grad_still_sums_its_weights() -> None:
+    torch.manual_seed(6)
+    params, forward = _snapshot(_mlp(torch.float64))
+    xs = _inputs(3, (4, 5), torch.float64, requires_grad=False)
+    expected, _ = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    _run(_captured(sums, params, forward), params, xs)
+    _assert_close(sums.take(), _summed(expected), torch.float64)
+
+
+def test_autograd_grad_skips_layers_that_lead_to_no_requested_tensor() -> None:
+    """Only the last layer's tensors are requested: autograd never runs the layers below it."""
+    torch.manual_seed(7)
+    params, forward = _snapshot(_mlp(torch.float64))
+    last = {name: params[name] for name in ("4.weight", "4.bias")}
+    sums = LinearGradientSums()
+    _run(_captured(sums, params, forward), last, _inputs(2, (4, 5), torch.float64, False))
+    assert sorted(sums.take()) == sorted(last)
+
+
+def test_calls_outside_the_context_are_untouched() -> None:
+    torch.manual_seed(8)
+    params, forward = _snapshot(_mlp(torch.float32))
+    xs = _inputs(2, (4, 5), torch.float32)
+    expected = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    with sums.capture(params):
+        pass
+    assert _equal(_run(forward, params, xs), expected)
+    assert not sums.pending
+
+
+def test_uncaptured_weights_get_their_gradients_from_autograd() -> None:
+    torch.manual_seed(9)
+    params, forward = _snapshot(_mlp(torch.float32))
+    xs = _inputs(2, (4, 5), torch.float32)
+    expected = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    strangers = {name: tensor.detach().clone().requires_grad_() for name, tensor in params.items()}
+    assert _equal(_run(_captured(sums, strangers, forward), params, xs), expected)
+    assert not sums.pending
+
+
+def test_backward_leaves_grad_unset_only_for_captured_parameters() -> None:
+    torch.manual_seed(10)
+    module = _mlp(torch.float64)
+    params = dict(module.named_parameters())
+    captured = {name: params[name] for name in ("0.weight", "0.bias")}
+    x = torch.randn(4, 5, dtype=torch.float64)
+    module(x).square().sum().backward()
+    expected = {name: param.grad for name, param in params.items()}
+    module.zero_grad(set_to_none=True)
+    sums = LinearGradientSums()
+    with sums.capture(captured):
+        out = module(x)
+    out.square().sum().backward()
+    found = {name: param.grad for name, param in params.items() if param.grad is not None}
+    _assert_close(found, {n: g for n, g in expected.items() if n not in captured}, torch.float64)
+    _assert_close(sums.take(), {name: expected[name] for name in captured}, torch.float64)
+
+
+def test_autocast_falls_back_to_autograd() -> None:
+    torch.manual_seed(11)
+    params, forward = _snapshot(_mlp(torch.float32))
+
+    def autocast(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(x)
+
+    xs = _inputs(2, (4, 5), torch.float32)
+    expected = _run(autocast, params, xs)
+    sums = LinearGradientSums()
+    found = _run(_captured(sums, params, autocast), params, xs)
+    assert not sums.pending
+    assert all(grad is not None for grads in found[0] for grad in grads.values())
+    assert _equal(found, expected)
+
+
+def test_no_grad_calls_are_not_fused() -> None:
+    params, forward = _snapshot(_mlp(torch.float32))
+    sums = LinearGradientSums()
+    with torch.no_grad(), sums.capture(params):
+        out = forward(torch.randn(4, 5))
+    assert not out.requires_grad and not sums.pending
+
+
+def test_a_sum_that_changes_shape_before_take_is_an_error() -> None:
+    sums = LinearGradientSums()
+    for rows in (3, 4):
+        weight = torch.randn(rows, 2, requires_grad=True)
+        with sums.capture({"weight": weight}):
+            out = nn.functional.linear(torch.randn(5, 2), weight)
+        if rows == 3:
+            torch.autograd.grad(out.sum(), [weight], allow_unused=True)
+        else:
+            with pytest.raises(ValueError, match=r"\(name: weight, .*call take\(\)"):
+                torch.autograd.grad(out.sum(), [weight], allow_unused=True)
+
+
+def _equal(actual: tuple[list[Grads], list], expected: tuple[list[Grads], list]) -> bool:
+    """Whether two ``_run`` results hold the same tensors bit for bit (None where None)."""
+    pairs = [
+        *(
+            (found[name], wanted[name])
+            for found, wanted in zip(actual[0], expected[0], strict=True)
+            for name in wanted
+        ),
+        *zip(actual[1], expected[1], strict=True),
+    ]
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in pairs
+    )

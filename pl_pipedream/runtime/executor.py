@@ -13,13 +13,17 @@ the stage's replicas), then divided by ``update_size``, so an update sees the me
 single-device training on the same minibatches would. Where every update averages the same
 number of microbatches (the batch-mean modes), the last stage can instead scale the seed of its
 backward pass by ``loss_scale``: every stage then sums gradients that are already divided, and
-no stage spends a pass over its gradients on the division.
+no stage spends a pass over its gradients on the division. Where an update sums several backward
+passes (``sum_linear_gradients``), Linear layers add their weight gradients into the sum inside
+the GEMM that computes them (``runtime.linear_sums``), saving a pass over the gradients per
+backward.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pl_pipedream.runtime.channel import Channel, Message, Stream
+from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.versions import WeightVersions
 from pl_pipedream.schedule.actions import Action, ActionKind
 
@@ -94,6 +99,7 @@ class StageExecutor:
         apply_update: Callable[..., int | None] | None = None,
         update_size: int = 1,
         loss_scale: float = 1.0,
+        sum_linear_gradients: bool = False,
         device: torch.device | None = None,
         record_timeline: bool = False,
     ) -> None:
@@ -109,6 +115,7 @@ class StageExecutor:
         self.apply_update = apply_update
         self.update_size = update_size
         self.loss_scale = loss_scale
+        self.linear_sums = LinearGradientSums() if sum_linear_gradients else None
         self.device = device or torch.device("cpu")
         self.describe = f"rank {rank} (stage {stage})"
         self.versions = WeightVersions(module, self.describe)
@@ -177,7 +184,8 @@ class StageExecutor:
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
-        if self._flight or self._received or self._gradients or self._accumulated:
+        pending = self.linear_sums is not None and self.linear_sums.pending
+        if self._flight or self._received or self._gradients or self._accumulated or pending:
             raise ExecutorError(
                 f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
                 f"{sorted(self._flight)}); drain it first"
@@ -237,7 +245,8 @@ class StageExecutor:
             inputs = self._received.pop(i).tensors
         params = self._weights(action.version)
         state = {**params, **dict(self.module.named_buffers())}
-        outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
+        with self._capture(params):
+            outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
         flight = _InFlight(action.version, params, inputs, outputs)
         if self.stage == self.num_stages - 1:
             if self.loss is None:
@@ -254,6 +263,11 @@ class StageExecutor:
         """The tensors of ``version`` for a forward pass: a snapshot, which shares the live
         parameters' storage while they are that version."""
         return self.versions.get(version)
+
+    def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
+        """Where several backward passes make one update, Linear layers sum their weight
+        gradients inside the GEMM (``linear_sums``) instead of returning them to be added."""
+        return nullcontext() if self.linear_sums is None else self.linear_sums.capture(params)
 
     def _backward(self, action: Action) -> None:
         i = action.minibatch
@@ -320,7 +334,19 @@ class StageExecutor:
 
     # ----- updates ----------------------------------------------------------------------------
 
+    def _take_linear_sums(self) -> None:
+        """Move the sums the Linear layers kept into the update's gradients."""
+        if self.linear_sums is None:
+            return
+        for name, total in self.linear_sums.take().items():
+            held = self._accumulated.get(name)
+            if held is not None:  # the same weight also reached autograd elsewhere
+                total += held
+            self._accumulated[name] = total
+            self._owned.add(name)
+
     def _allreduce(self, action: Action) -> None:
+        self._take_linear_sums()
         if self.num_replicas <= 1:
             return
         names = [n for n, p in self.module.named_parameters() if p.requires_grad]
@@ -347,6 +373,7 @@ class StageExecutor:
                 offset += size
 
     def _step(self, action: Action) -> None:
+        self._take_linear_sums()
         live = self.versions.live_version
         if self._last_use.get(live, -1) > self.position:
             self.versions.get(live)

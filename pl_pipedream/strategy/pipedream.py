@@ -255,6 +255,7 @@ class PipeDreamStrategy(ParallelStrategy):
             apply_update=self._apply_update,
             update_size=stage.replicas if per_minibatch else divide,
             loss_scale=1.0 if per_minibatch else 1 / scale,
+            sum_linear_gradients=not per_minibatch and m > 1,
             device=self.root_device,
             record_timeline=self.timeline is not None,
         )

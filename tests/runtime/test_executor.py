@@ -81,6 +81,7 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
         loss=lambda out, i: loss_fn(out, ys[i]),
         apply_update=apply_update,
         update_size=stage.replicas if sync in ("async", "vertical_sync") else m,
+        sum_linear_gradients=sync not in ("async", "vertical_sync"),
     )
     executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank])
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -468,23 +468,25 @@ def time_by_kind(results: list[Result], window: tuple[float, float, int]) -> lis
 
 
 def predict_ms_per_batch(
-    args: argparse.Namespace, sync: str, m: int, costs: list[dict[str, float]], bandwidth: float
+    args: argparse.Namespace,
+    sync: str,
+    m: int,
+    costs: list[dict[str, float]],
+    bandwidth: float,
+    ours: bool = True,
 ) -> float:
-    """The simulator's steady-state time per batch for this pipeline. A forward pass of a stage
-    that stashes its weights (every stage but the last in the asynchronous modes) includes one
-    copy; where an update averages a batch, every backward pass but one in m adds its
-    gradients into the sum (costs without ``copy``/``accumulate`` were measured in the run,
-    where those are inside the action times already)."""
+    """The simulator's steady-state time per batch for this pipeline. Our weight stashing copies
+    nothing with SGD (the update is written out of place) and our Linear layers sum a batch's
+    weight gradients inside the GEMM; torch's schedules add every microbatch's gradients into
+    ``.grad``, so for them every backward pass but one in m also pays one gradient sum (costs
+    without ``copy``/``accumulate`` were measured in the run, where those are inside the action
+    times already)."""
     plan = Plan.from_balance([args.depth // NUM_STAGES] * NUM_STAGES)
     message = args.batch // m * args.width * 4
     stages = tuple(replace(s, output_bytes=message if s.index == 0 else 0.0) for s in plan.stages)
     schedule = build(replace(plan, stages=stages), sync, 16, m)
-    stashes = sync in ("async", "vertical_sync")
-    forward = [
-        c["forward"] + (c.get("copy", 0.0) if stashes and s < NUM_STAGES - 1 else 0.0)
-        for s, c in enumerate(costs)
-    ]
-    adds = 0.0 if stashes else (m - 1) / m
+    forward = [c["forward"] for c in costs]
+    adds = 0.0 if ours else (m - 1) / m
     backward = [c["backward"] + adds * c.get("accumulate", 0.0) for c in costs]
     result = simulate(
         schedule,
@@ -630,7 +632,7 @@ def simulated(
         return None, None
     owner, name, m = config.split("-")
     sync = name if owner == "ours" else TORCH_AS_OURS[name]
-    alone = predict_ms_per_batch(args, sync, int(m), costs[m], bandwidth[m])
+    alone = predict_ms_per_batch(args, sync, int(m), costs[m], bandwidth[m], owner == "ours")
     if owner != "ours":
         return alone, None
     in_run = run_costs(results, int(m), sync)

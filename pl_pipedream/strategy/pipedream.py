@@ -479,7 +479,9 @@ class PipeDreamStrategy(ParallelStrategy):
             else:
                 torch.nn.utils.clip_grad_norm_(grads, clip)
         targets = {params[name]: tensor for name, tensor in fresh.items()}
-        copied = 0
+        stepped = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        # a parameter no optimizer steps keeps its values; it still leaves the shared storage
+        copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})
         for optimizer in self.optimizers:
             copied += update.step(optimizer, targets)
             optimizer.zero_grad(set_to_none=True)

@@ -110,3 +110,37 @@ def test_async_stops_at_max_steps_drained_and_rank_zero_sees_the_loss(tmp_path) 
         diff = (model.state_dict()[f"net.{key}"] - tensor).abs().max().item()
         assert diff <= 1e-5, f"{key}: {diff}"
     assert (tmp_path / "trace.json").is_file()
+
+
+def optimizer_without_first_weight(params) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    return OPTIMIZERS["sgd"]([p for p in params if p.shape != (8, 6)])
+
+
+class PartlyOptimized(Net):
+    """The first layer's weight gets gradients, but no optimizer steps it."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return optimizer_without_first_weight(self.parameters())
+
+
+@pytest.mark.slow
+def test_async_keeps_a_parameter_no_optimizer_steps_and_stashes_the_rest() -> None:
+    model = PartlyOptimized()
+    before = model.net[0].weight.detach().clone()
+    strategy = PipeDreamStrategy(
+        sync="async", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+    )
+    trainer(devices=2, strategy=strategy, max_steps=3).fit(model, loader(2))
+    expected = oracle.train(
+        make_model(),
+        Plan.from_balance([3, 3]),
+        "async",
+        make_batches(2)[:3],
+        2,
+        loss_fn,
+        optimizer_without_first_weight,
+    )
+    for key, tensor in expected.items():
+        diff = (model.state_dict()[f"net.{key}"] - tensor).abs().max().item()
+        assert diff <= 1e-5, f"{key}: {diff}"
+    assert torch.equal(model.net[0].weight, before)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,21 @@ from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.versions import WeightVersions
 from pl_pipedream.schedule.actions import Action, ActionKind
 
-__all__ = ["ExecutorError", "StageExecutor", "TimelineEvent"]
+__all__ = ["ApplyUpdate", "ExecutorError", "StageExecutor", "TimelineEvent"]
 
 TAG_ACTIVATION = 1
 TAG_GRAD = 2
+
+
+class ApplyUpdate(Protocol):
+    """Applies one update of a stage: ``gradients`` by parameter name (the mean over the
+    update's minibatches), the ``version`` it creates, and ``fresh``: tensors that must receive
+    the new values of those parameters and become their storage (``runtime.update.step``).
+    Returns the bytes it copied to do so."""
+
+    def __call__(
+        self, gradients: dict[str, torch.Tensor], version: int, fresh: dict[str, torch.Tensor]
+    ) -> int | None: ...
 
 
 class ExecutorError(RuntimeError):
@@ -96,7 +107,7 @@ class StageExecutor:
         num_replicas: int = 1,
         inputs: Callable[[int], Any] | None = None,
         loss: Callable[[Any, int], torch.Tensor] | None = None,
-        apply_update: Callable[..., int | None] | None = None,
+        apply_update: ApplyUpdate | None = None,
         update_size: int = 1,
         loss_scale: float = 1.0,
         sum_linear_gradients: bool = False,
@@ -188,7 +199,8 @@ class StageExecutor:
         if self._flight or self._received or self._gradients or self._accumulated or pending:
             raise ExecutorError(
                 f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
-                f"{sorted(self._flight)}); drain it first"
+                f"{sorted(self._flight)}, gradients not yet applied: "
+                f"{bool(self._accumulated) or pending}); drain it first"
             )
         self.versions.reset(0)
         self._newest_minibatch = -1

@@ -3,14 +3,17 @@
 When one update averages the gradients of several microbatches (flush, GPipe, 2BW), autograd
 computes each Linear layer's weight gradient ``g^T x`` into a fresh tensor and the caller then
 adds it into a running sum: one more pass of reads and writes over the whole gradient per
-microbatch. Here the running sum is the GEMM's output instead, ``sum.addmm_(g^T, x)`` with
-beta=1, and beta=0 for the first backward after ``take``, which overwrites whatever the buffer
-held (so no zeroing pass either).
+microbatch. Here the running sum is the GEMM's output instead: the first backward after ``take``
+computes a new tensor, as autograd would, and every later one adds into it inside the GEMM
+(``addmm_``, beta=1). ``take`` hands the sums over for good: whoever receives them (an
+optimizer's ``.grad``, Lightning's gradient handover) may keep them.
 
 Inside ``capture``, a torch function mode sends each ``F.linear`` call whose weight is a captured
 tensor through ``_SummedLinear``. Its backward returns the input's gradient as usual and None
 for the captured weight and bias, whose gradients go into the sums. A call that cannot be fused
-exactly (autocast, mixed dtypes or devices, grad disabled, tensor subclasses) runs unchanged.
+exactly (autocast, mixed dtypes or devices, grad disabled, tensor subclasses, saved-tensor hooks
+such as activation checkpointing, whose recomputation would not go through the mode) runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -30,13 +33,12 @@ __all__ = ["LinearGradientSums"]
 class LinearGradientSums:
     """Sums of Linear weight and bias gradients over several backward passes, fused into the GEMMs.
 
-    One buffer per name is allocated on first use and kept: ``take`` hands out the buffers and
-    marks them stale, and the next backward that writes a name overwrites its stale contents.
+    A name's sum is allocated by the first backward that writes it after ``take`` and handed
+    over by the next ``take``.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}
-        self._written: dict[str, None] = {}  # names written since the last take(), in order
+        self._sums: dict[str, torch.Tensor] = {}  # written since the last take(), in order
 
     def capture(self, tensors: Mapping[str, torch.Tensor]) -> _CaptureLinear:
         """A context in which ``F.linear`` calls on ``tensors`` (matched by identity) are fused.
@@ -48,50 +50,41 @@ class LinearGradientSums:
         return _CaptureLinear(self, tensors)
 
     def take(self) -> dict[str, torch.Tensor]:
-        """The sums written since the last ``take`` (name -> tensor), and start over.
-
-        The tensors are this object's buffers: they stay valid until the next backward pass that
-        writes them, which overwrites them (beta=0) instead of adding.
-        """
-        sums = {name: self._sums[name] for name in self._written}
-        self._written.clear()
+        """The sums written since the last ``take`` (name -> tensor), now the caller's."""
+        sums, self._sums = self._sums, {}
         return sums
 
     @property
     def pending(self) -> bool:
         """Whether some sum was written since the last ``take``."""
-        return bool(self._written)
+        return bool(self._sums)
 
     def add_product(self, name: str, left: torch.Tensor, right: torch.Tensor) -> None:
-        """Add ``left @ right`` into the sum ``name`` (overwrite it if stale)."""
-        shape = (left.shape[0], right.shape[1])
-        buffer = self._buffer(name, shape, left)
-        buffer.addmm_(left, right, beta=1.0 if name in self._written else 0.0)
-        self._written[name] = None
+        """Add ``left @ right`` into the sum ``name`` (start it if there is none)."""
+        held = self._held(name, (left.shape[0], right.shape[1]), left)
+        if held is None:
+            self._sums[name] = torch.mm(left, right)
+        else:
+            held.addmm_(left, right)
 
     def add_row_sum(self, name: str, rows: torch.Tensor) -> None:
         """Add the sum of ``rows`` over its first dimension into the sum ``name``."""
-        buffer = self._buffer(name, (rows.shape[1],), rows)
-        if name in self._written:
-            buffer.add_(rows.sum(0))
+        held = self._held(name, (rows.shape[1],), rows)
+        if held is None:
+            self._sums[name] = rows.sum(0)
         else:
-            torch.sum(rows, 0, out=buffer)
-        self._written[name] = None
+            held.add_(rows.sum(0))
 
-    def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """The buffer of ``name``, allocated (or replaced, if stale and unlike ``like``) here."""
-        buffer = self._sums.get(name)
-        if buffer is not None and _matches(buffer, shape, like):
-            return buffer
-        if buffer is not None and name in self._written:
+    def _held(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """The sum of ``name`` so far, if any; it must match the gradient about to be added."""
+        held = self._sums.get(name)
+        if held is not None and not _matches(held, shape, like):
             raise ValueError(
                 "a gradient sum changed shape, dtype or device before take() "
-                f"(name: {name}, sum: {tuple(buffer.shape)} {buffer.dtype} {buffer.device}, "
+                f"(name: {name}, sum: {tuple(held.shape)} {held.dtype} {held.device}, "
                 f"gradient: {shape} {like.dtype} {like.device}); call take() between them"
             )
-        buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._sums[name] = buffer
-        return buffer
+        return held
 
 
 def _matches(buffer: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> bool:
@@ -143,6 +136,7 @@ def _fusable(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tensors = (input, weight) if bias is None else (input, weight, bias)
     return (
         torch.is_grad_enabled()
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         and weight.dim() == 2
         and input.dim() >= 1
         and not torch.is_autocast_enabled(input.device.type)

@@ -5,9 +5,11 @@ A kept weight version shares the live parameters' storage until the next update 
 in the tensors it is given, which become the parameters' storage. ``torch.optim.SGD`` (momentum,
 dampening, Nesterov, weight decay, maximize) has an out-of-place form with the same arithmetic,
 one pass over the weights, as its in-place step: the new values are written there directly and
-weight stashing copies nothing. Every other optimizer, or an SGD with step hooks, a fused or
-differentiable step or a tensor learning rate, first gets the live values copied into the new
-tensors and steps in place on them.
+weight stashing copies nothing. The result equals torch's single-tensor step bit for bit (the
+default on CPU); torch's foreach kernels (its default on GPUs) may round differently in the last
+bit. Every other optimizer, or an SGD with step hooks, a patched ``step``, a fused or
+differentiable step, a tensor learning rate or weight decay, or sparse gradients, first gets the
+live values copied into the new tensors and steps in place on them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
+from torch.optim import optimizer as optim_base
 from torch.optim.optimizer import Optimizer
 
 __all__ = ["has_out_of_place_step", "move_storage", "step"]
@@ -58,11 +61,11 @@ def has_out_of_place_step(optimizer: Optimizer) -> bool:
     patched = vars(optimizer).get("step")
     if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
         return False
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    hooks = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    if any(getattr(optimizer, name, None) for name in hooks):
         return False
-    from torch.optim import optimizer as base
-
-    if base._global_optimizer_pre_hooks or base._global_optimizer_post_hooks:
+    global_hooks = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    if any(getattr(optim_base, name, None) for name in global_hooks):
         return False
     for group in optimizer.param_groups:
         if group.get("fused") or group.get("differentiable"):

@@ -1,9 +1,9 @@
 """Weight versions of one stage, each in its own tensors (weight stashing, SOSP'19 3.3).
 
-The optimizer owns the stage's live parameters. A forward pass whose weights must outlive the
-next update runs functionally on a snapshot of its version, and the backward pass of the same
-minibatch reuses that snapshot, so autograd never sees a tensor change under it; a snapshot is
-dropped as soon as the schedule no longer names its version. Buffers (BatchNorm running
+The optimizer owns the stage's live parameters. Every forward pass runs functionally on a
+snapshot of its weight version, and the backward pass of the same minibatch reuses that
+snapshot, so autograd never sees a tensor change under it; a snapshot is dropped as soon as the
+schedule no longer names its version. Buffers (BatchNorm running
 statistics) are not versioned: they live in the module and every forward updates them.
 
 A snapshot of the live version costs nothing when it is taken: its tensors share the live
@@ -12,7 +12,10 @@ parameters' storage. The copy, if any, is left to the update that would change t
 the update makes it the parameter's storage (``runtime.update``), so the snapshot keeps the old
 storage untouched. An update with an out-of-place form (plain SGD) writes its result straight
 into that tensor and no weights are ever copied; any other optimizer first copies the live
-values into it and steps in place there.
+values into it and steps in place there. So while a snapshot shares them, nothing but an update
+may write the live parameters: ``fresh`` raises if one was changed in place meanwhile (the
+parameter's version counter moved), rather than let a stashed version change under a backward
+pass.
 
 A dropped snapshot's tensors are kept as spares for the next ``fresh``: reusing them costs
 nothing, where new memory would cost the allocator (and the kernel, in page faults) a stage's
@@ -37,8 +40,8 @@ class WeightVersions:
     """Snapshots of a module's parameters keyed by version (number of updates applied).
 
     ``live_version`` counts the updates applied to the live parameters; ``mark_stepped`` raises
-    it after each optimizer step. ``count`` is the number of versions a forward pass still
-    holds (the live one included when it has a snapshot); ``nbytes`` the memory they take
+    it after each optimizer step. ``count`` is the number of versions kept for the actions
+    ahead (the live one included when it has a snapshot); ``nbytes`` the memory they take
     beyond the live parameters.
     """
 
@@ -47,6 +50,7 @@ class WeightVersions:
         self.describe = describe
         self.live_version = 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._counters: dict[int, dict[str, int]] = {}  # live version counters at each snapshot
         self._spares: dict[str, list[torch.Tensor]] = {}
         self.peak_count = 0
         self.peak_bytes = 0
@@ -66,11 +70,10 @@ class WeightVersions:
                 f"(kept: {sorted(self._snapshots)}); the schedule and the updates disagree"
             )
         # .data: the same storage under a version counter of its own, a leaf for autograd
-        snapshot = {
-            name: p.data.requires_grad_(p.requires_grad)
-            for name, p in self.module.named_parameters()
-        }
+        live = dict(self.module.named_parameters())
+        snapshot = {name: p.data.requires_grad_(p.requires_grad) for name, p in live.items()}
         self._snapshots[version] = snapshot
+        self._counters[version] = {name: p._version for name, p in live.items()}
         self._track()
         return snapshot
 
@@ -79,7 +82,7 @@ class WeightVersions:
         shape to hold the values of the next update (a spare, else new memory). The update must
         make it the parameter's storage instead of writing into the shared one."""
         live = dict(self.module.named_parameters())
-        shared = {t.data_ptr() for snap in self._snapshots.values() for t in snap.values()}
+        shared = self._shared(live)
         out = {}
         for name in names:
             param = live[name]
@@ -88,6 +91,26 @@ class WeightVersions:
                 out[name] = spares.pop() if spares else torch.empty_like(param.detach())
         return out
 
+    def _shared(self, live: dict[str, nn.Parameter]) -> set[int]:
+        """Storage addresses of the live parameters a kept snapshot shares; raises if one of
+        them was written in place since that snapshot was taken."""
+        shared = set()
+        for version, snapshot in self._snapshots.items():
+            for name, tensor in snapshot.items():
+                param = live[name]
+                if tensor.data_ptr() != param.data_ptr():
+                    continue
+                if param._version != self._counters[version][name]:
+                    raise VersionError(
+                        f"a parameter was changed in place while stashed weight version "
+                        f"{version} shares it ({self.describe}, parameter: {name}); during "
+                        "training only the optimizer may change the weights of a pipeline stage "
+                        "in the asynchronous modes: change them between fits, or use "
+                        "sync='flush'"
+                    )
+                shared.add(param.data_ptr())
+        return shared
+
     def mark_stepped(self) -> None:
         self.live_version += 1
         self._track()
@@ -95,16 +118,27 @@ class WeightVersions:
     def reset(self, version: int = 0) -> None:
         """Forget every snapshot and call the live weights ``version`` (after a drain)."""
         self._snapshots.clear()
+        self._counters.clear()
         self._spares.clear()
         self.live_version = version
 
     def release(self, versions: Iterable[int]) -> None:
-        live = {name: p.data_ptr() for name, p in self.module.named_parameters()}
+        """Drop the snapshots of ``versions``; a storage that neither the live parameters nor a
+        kept snapshot use any more becomes a spare."""
+        dropped = []
         for version in versions:
-            snapshot = self._snapshots.pop(version, None)
-            for name, tensor in (snapshot or {}).items():
-                if tensor.data_ptr() != live[name]:
-                    self._spares.setdefault(name, []).append(tensor.detach().requires_grad_(False))
+            if version in self._snapshots:
+                dropped.append(self._snapshots.pop(version))
+                del self._counters[version]
+        if not dropped:
+            return
+        in_use = {p.data_ptr() for p in self.module.parameters()}
+        in_use |= {t.data_ptr() for snap in self._snapshots.values() for t in snap.values()}
+        for snapshot in dropped:
+            for name, tensor in snapshot.items():
+                if tensor.data_ptr() not in in_use:
+                    in_use.add(tensor.data_ptr())  # two dropped snapshots may share it
+                    self._spares.setdefault(name, []).append(tensor.detach())
 
     def kept(self) -> list[int]:
         return sorted(self._snapshots)
@@ -115,14 +149,15 @@ class WeightVersions:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the kept snapshots that do not share the live parameters' storage."""
+        """Bytes of the kept snapshots' storage apart from the live parameters'."""
         live = {p.data_ptr() for p in self.module.parameters()}
-        return sum(
-            _size(t)
+        owned = {
+            t.data_ptr(): _size(t)
             for snap in self._snapshots.values()
             for t in snap.values()
             if t.data_ptr() not in live
-        )
+        }
+        return sum(owned.values())
 
     @property
     def held_bytes(self) -> int:

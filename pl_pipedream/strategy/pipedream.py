@@ -255,7 +255,7 @@ class PipeDreamStrategy(ParallelStrategy):
             apply_update=self._apply_update,
             update_size=stage.replicas if per_minibatch else divide,
             loss_scale=1.0 if per_minibatch else 1 / scale,
-            sum_linear_gradients=not per_minibatch and m > 1,
+            sum_linear_gradients=not per_minibatch and m > stage.replicas,  # backwards/update
             device=self.root_device,
             record_timeline=self.timeline is not None,
         )
@@ -461,7 +461,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self, gradients: dict[str, Tensor], version: int, fresh: dict[str, Tensor]
     ) -> int:
         """Called by the executor at each update of this stage; returns the bytes copied to keep
-        a stashed weight version intact (none for plain SGD)."""
+        a stashed weight version intact (none when SGD steps every parameter)."""
         assert self.local_stage is not None
         params = dict(self.local_stage.module.named_parameters())
         if self.sync in FLUSHED:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
@@ -114,20 +115,40 @@ def test_sums_equal_autograd_gradients_summed_over_microbatches(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_next_cycle_overwrites_the_buffers_it_handed_out(dtype: torch.dtype) -> None:
+def test_the_next_cycle_starts_new_sums_and_leaves_the_handed_out_ones_alone(
+    dtype: torch.dtype,
+) -> None:
     torch.manual_seed(1)
     params, forward = _snapshot(_mlp(dtype))
     sums = LinearGradientSums()
     _run(_captured(sums, params, forward), params, _inputs(3, (4, 5), dtype))
     first = sums.take()
-    for buffer in first.values():
-        buffer.fill_(float("nan"))
+    kept = {name: tensor.clone() for name, tensor in first.items()}
     xs = _inputs(2, (4, 5), dtype)
     expected, _ = _run(forward, params, xs)
     _run(_captured(sums, params, forward), params, xs)
     second = sums.take()
-    assert all(second[name] is first[name] for name in params)
+    assert all(second[name] is not first[name] for name in params)
     _assert_close(second, _summed(expected), dtype)
+    for name, tensor in first.items():  # a receiver may keep what it was handed
+        assert torch.equal(tensor, kept[name])
+
+
+def test_activation_checkpointing_is_not_fused() -> None:
+    """Its recomputation in backward would not go through the mode, so the forward does not
+    either: the gradients come back from autograd."""
+    torch.manual_seed(9)
+    layer = torch.nn.Linear(4, 4).double()
+    params = dict(layer.named_parameters())
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(layer(x).square().sum(), [x, *params.values()])
+    sums = LinearGradientSums()
+    with sums.capture(params):
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    found = torch.autograd.grad(out.square().sum(), [x, *params.values()])
+    assert not sums.pending
+    for a, b in zip(found, expected, strict=True):
+        assert torch.allclose(a, b)
 
 
 def test_inputs_with_leading_dimensions_are_flattened_to_rows() -> None:

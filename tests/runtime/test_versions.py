@@ -103,3 +103,44 @@ def test_reset_forgets_snapshots_and_spares() -> None:
     _step(module, versions)
     with pytest.raises(VersionError, match="no copy of version 5 was kept"):
         versions.get(5)
+
+
+def _sgd_update(module: nn.Module, versions: WeightVersions, optimizer, with_grad: bool) -> None:  # type: ignore[no-untyped-def]
+    """One SGD update through runtime.update; without a gradient nothing changes or moves."""
+    params = dict(module.named_parameters())
+    for param in params.values():
+        param.grad = torch.ones_like(param) if with_grad else None
+    names = list(params) if with_grad else []
+    update.step(optimizer, {params[n]: t for n, t in versions.fresh(names).items()})
+    versions.mark_stepped()
+
+
+def test_a_storage_two_versions_share_is_no_spare_while_one_of_them_is_kept() -> None:
+    module = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    versions = WeightVersions(module)
+    versions.get(0)
+    _sgd_update(module, versions, optimizer, with_grad=True)  # version 1 in new storage
+    versions.get(1)
+    _sgd_update(module, versions, optimizer, with_grad=False)  # version 2 = version 1's storage
+    two = versions.get(2)
+    values = {name: tensor.clone() for name, tensor in two.items()}
+    _sgd_update(module, versions, optimizer, with_grad=True)
+    versions.release([0, 1])
+    versions.get(3)
+    _sgd_update(module, versions, optimizer, with_grad=True)
+    for name, tensor in two.items():
+        assert torch.equal(tensor, values[name]), name
+    versions.release([2])
+    pointers = [t.data_ptr() for spares in versions._spares.values() for t in spares]
+    assert len(pointers) == len(set(pointers))
+
+
+def test_an_in_place_change_of_shared_weights_is_an_error_not_a_silent_one() -> None:
+    module = nn.Linear(3, 2)
+    versions = WeightVersions(module, "rank 0 (stage 0)")
+    versions.get(0)
+    with torch.no_grad():
+        module.weight.clamp_(-0.1, 0.1)
+    with pytest.raises(VersionError, match=r"rank 0 \(stage 0\), parameter: weight\)"):
+        versions.fresh(["weight", "bias"])

@@ -192,7 +192,10 @@ class Channel:
         can arrive while this rank computes. A no-op if that receive is already posted."""
         if self._nccl or (peer, tag) in self._posted:
             return
-        self._posted[(peer, tag)] = self._post(peer, tag)
+        try:
+            self._posted[(peer, tag)] = self._post(peer, tag)
+        except RuntimeError:  # the peer is gone: the receive, if awaited, fails naming it
+            return
 
     def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
@@ -202,7 +205,13 @@ class Channel:
     def recv(self, peer: int, tag: int, what: str) -> Message:
         """Receive one message from ``peer``; raise ``PeerError`` after the deadline."""
         while True:
-            work, frame = self._posted.pop((peer, tag), None) or self._post(peer, tag)
+            posted = self._posted.pop((peer, tag), None)
+            if posted is None:
+                try:
+                    posted = self._post(peer, tag)
+                except RuntimeError as error:
+                    raise self._error("receive", what, peer, error) from error
+            work, frame = posted
             self._wait(work, peer, what)
             header = frame[:HEADER_BYTES].view(torch.int64).tolist()
             if header[0] != RESIZE:

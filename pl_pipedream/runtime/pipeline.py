@@ -49,18 +49,31 @@ class PipelineRunner:
         self,
         inputs: Callable[[int], Any],
         loss: Callable[[Any, int], torch.Tensor],
+        drain: bool = False,
     ) -> None:
         """Run this rank's segment for the next batch; ``inputs``/``loss`` take the microbatch
-        index within the batch."""
+        index within the batch. With ``drain``, the pipeline drains right after it."""
         first = self.step * self.num_microbatches
         self.executor.inputs = lambda i: inputs(i - first)
         self.executor.loss = lambda output, i: loss(output, i - first)
+        self.executor.execute(
+            self.stream.segment(self.executor.rank, self.step), self._upcoming(drain), flush=False
+        )
+        self.step += 1
+        if drain:
+            self.drain()
+
+    def _upcoming(self, drain: bool) -> list[Action]:
+        """The actions after this step's segment: the drain, or the next segments. Only these
+        have their receives posted ahead, so none waits for a message that never comes (a peer
+        that finished and closed its connection fails such a receive at once)."""
         rank = self.executor.rank
+        if drain:
+            return list(self.stream.drain(rank, self.step))
         upcoming: list[Action] = []
         for later in range(self.step + 1, self.step + 1 + self.lookahead):
             upcoming.extend(self.stream.segment(rank, later))
-        self.executor.execute(self.stream.segment(rank, self.step), upcoming, flush=False)
-        self.step += 1
+        return upcoming
 
     def drain(self) -> None:
         """Finish every minibatch in flight and apply its update; the next batch starts a run."""

@@ -388,9 +388,7 @@ class PipeDreamStrategy(ParallelStrategy):
         def loss(output: Any, j: int) -> Tensor:
             return self._user_loss(microbatches[j], batch_idx, output)
 
-        self.runner.train_batch(lambda j: inputs[j], loss)
-        if self._must_drain(trainer):
-            self.runner.drain()
+        self.runner.train_batch(lambda j: inputs[j], loss, drain=self._must_drain(trainer))
         return self._report_loss()
 
     def _split(self, batch: Any) -> tuple[list[Any], list[Any]]:

@@ -175,3 +175,25 @@ def test_closing_after_a_failure_does_not_wait_for_sends() -> None:
     results = run(2, _close_with_a_send_nobody_takes)
     assert results[1][0] == "ok", results[1]
     assert results[0] == ("ok", [("closed", False), True, ("raised", True, True), True])
+
+
+def _expect_after_the_peer_left(rank: int, world: int) -> list:
+    """Rank 1 returns at once and its process ends; rank 0 then posts a receive from it."""
+    out: list = []
+    if rank == 0:
+        channel = Channel(rank, torch.device("cpu"), timeout=5.0, describe="rank 0 (stage 0)")
+        time.sleep(3.0)
+        channel.expect(1, 5)  # posted ahead for a message that never comes: no error here
+        out.append("expected")
+        try:
+            channel.recv(1, 5, "the gradients of minibatch 9")
+        except PeerError as error:
+            out.append("rank 1" in str(error) and "minibatch 9" in str(error))
+    return out
+
+
+def test_a_receive_posted_ahead_after_the_peer_left_fails_only_when_awaited() -> None:
+    """The last step of a run may post a receive whose message never comes; a peer that has
+    finished and closed its connection must not turn that into an error."""
+    results = run(2, _expect_after_the_peer_left)
+    assert results[0] == ("ok", ["expected", True]), results[0]

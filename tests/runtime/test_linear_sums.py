@@ -151,31 +151,19 @@ def test_activation_checkpointing_is_not_fused() -> None:
         assert torch.allclose(a, b)
 
 
-def test_inputs_with_leading_dimensions_are_flattened_to_rows() -> None:
+SHAPES = {
+    "inputs with leading dimensions, flattened to rows": (lambda: _mlp(torch.float64), (2, 4, 5)),
+    "layers without bias": (lambda: _mlp(torch.float64, bias=False), (4, 5)),
+    "a weight used twice in one forward, both uses summed": (lambda: _Twice(torch.float64), (4, 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_sums_and_input_gradients_equal_autograd(case: str) -> None:
+    make, shape = SHAPES[case]
     torch.manual_seed(2)
-    params, forward = _snapshot(_mlp(torch.float64))
-    xs = _inputs(3, (2, 4, 5), torch.float64)
-    expected, expected_inputs = _run(forward, params, xs)
-    sums = LinearGradientSums()
-    _, found_inputs = _run(_captured(sums, params, forward), params, xs)
-    _assert_close(found_inputs, expected_inputs, torch.float64)
-    _assert_close(sums.take(), _summed(expected), torch.float64)
-
-
-def test_layers_without_bias() -> None:
-    torch.manual_seed(3)
-    params, forward = _snapshot(_mlp(torch.float64, bias=False))
-    xs = _inputs(3, (4, 5), torch.float64)
-    expected, _ = _run(forward, params, xs)
-    sums = LinearGradientSums()
-    _run(_captured(sums, params, forward), params, xs)
-    _assert_close(sums.take(), _summed(expected), torch.float64)
-
-
-def test_a_weight_used_twice_in_one_forward_sums_both_uses() -> None:
-    torch.manual_seed(4)
-    params, forward = _snapshot(_Twice(torch.float64))
-    xs = _inputs(3, (4, 5), torch.float64)
+    params, forward = _snapshot(make())
+    xs = _inputs(3, shape, torch.float64)
     expected, expected_inputs = _run(forward, params, xs)
     sums = LinearGradientSums()
     _, found_inputs = _run(_captured(sums, params, forward), params, xs)

@@ -476,7 +476,7 @@ class PipeDreamStrategy(ParallelStrategy):
                 torch.nn.utils.clip_grad_value_(grads, clip)
             else:
                 torch.nn.utils.clip_grad_norm_(grads, clip)
-        targets = {params[name]: tensor for name, tensor in fresh.items()}
+        targets: dict[Tensor, Tensor] = {params[name]: t for name, t in fresh.items()}
         stepped = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
         # a parameter no optimizer steps keeps its values; it still leaves the shared storage
         copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})

@@ -255,7 +255,7 @@ class StageExecutor:
             inputs = [t.to(self.device) for t in as_tensors(self.inputs(i))]
         else:
             inputs = self._received.pop(i).tensors
-        params = self._weights(action.version)
+        params = self.versions.get(action.version)  # shares the live storage while current
         state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):
             outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
@@ -270,11 +270,6 @@ class StageExecutor:
             self._record_loss(i, loss_value)
         self._flight[i] = flight
         self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
-
-    def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The tensors of ``version`` for a forward pass: a snapshot, which shares the live
-        parameters' storage while they are that version."""
-        return self.versions.get(version)
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Where several backward passes make one update, Linear layers sum their weight

@@ -55,9 +55,6 @@ class WeightVersions:
         self.peak_count = 0
         self.peak_bytes = 0
 
-    def live(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_parameters())
-
     def get(self, version: int) -> dict[str, torch.Tensor]:
         """The parameters of ``version``; a snapshot of the live ones if they are that version."""
         snapshot = self._snapshots.get(version)

@@ -91,6 +91,7 @@ from torch import nn  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
+from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus  # noqa: E402
 from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
 from pl_pipedream.runtime.memory import retain_freed_memory  # noqa: E402
 from pl_pipedream.schedule import build, simulate  # noqa: E402
@@ -103,6 +104,7 @@ CONFIGS = (
     "single-x2",
     "lightning-1",
     "ours-async-1",
+    "ours-async-1-unbound",
     "ours-async-4",
     "ours-flush-8",
     "ours-gpipe-8",
@@ -150,6 +152,14 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 def stage_layers(layers: nn.Sequential, stage: int) -> nn.Sequential:
     size = len(layers) // NUM_STAGES
     return layers[stage * size : (stage + 1) * size]
+
+
+def bind_rank(rank: int) -> None:
+    """Bind this process to its own core, as PipeDreamStrategy binds a rank on CPU."""
+    pool = current_cpus()
+    share = cpu_share([pool] * NUM_STAGES, range(NUM_STAGES), rank)
+    if share is not None:
+        bind_threads(share)
 
 
 def worker_rank() -> int:
@@ -238,6 +248,7 @@ def run_lightning(args: argparse.Namespace) -> Result:
             balance=balance,
             microbatches=args.m,
             retain_freed_memory=not args.default_allocator,
+            bind_cpus=not args.unbound,
         )
         devices = {"devices": NUM_STAGES, "strategy": strategy}
     clock = BatchClock()
@@ -436,7 +447,8 @@ def free_port() -> int:
 
 def workload_args(args: argparse.Namespace) -> list[str]:
     given = [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "batch", "steps")]
-    return given + (["--default-allocator"] if args.default_allocator else [])
+    flags = {"--default-allocator": args.default_allocator, "--unbound": args.unbound}
+    return given + [flag for flag, on in flags.items() if on]
 
 
 def run_config(args: argparse.Namespace, config: str) -> list[Result]:
@@ -446,9 +458,10 @@ def run_config(args: argparse.Namespace, config: str) -> list[Result]:
         return launch(args, "single", [], 2)
     if config == "lightning-1":
         return launch(args, "lightning", [], 1)
-    owner, name, m = config.split("-")
+    owner, name, m, *unbound = config.split("-")
     if owner == "ours":
-        return launch(args, "lightning", [f"--sync={name}", f"--m={m}"], 1, NUM_STAGES)
+        extra = [f"--sync={name}", f"--m={m}"] + (["--unbound"] if unbound else [])
+        return launch(args, "lightning", extra, 1, NUM_STAGES)
     return launch(args, "torch", [f"--schedule={name}", f"--m={m}"], NUM_STAGES)
 
 
@@ -647,7 +660,7 @@ def simulated(
     times."""
     if not config.startswith(("ours", "torch")):
         return None, None
-    owner, name, m = config.split("-")
+    owner, name, m, *_ = config.split("-")
     sync = name if owner == "ours" else TORCH_AS_OURS[name]
     alone = predict_ms_per_batch(args, sync, int(m), costs[m], bandwidth[m], owner == "ours")
     if owner != "ours":
@@ -678,7 +691,13 @@ def print_targets(runs: dict[str, list[Result]]) -> None:
         ("flush-8 / torch-1F1B-8 >= 1.0", ratios(rate("ours-flush-8"), rate("torch-1F1B-8")), 1.0),
     ]
     lightning = statistics.median(ratios(rate("lightning-1"), single))
-    print(f"\nlightning-1 / single: {lightning:.3f}; targets, median of per-repeat ratios:")
+    bound = ratios(rate("ours-async-1"), rate("ours-async-1-unbound"))
+    print(
+        f"\nlightning-1 / single: {lightning:.3f}; ours-async-1 / ours-async-1-unbound (ranks "
+        f"bound to cores of their own or not): {statistics.median(bound):.3f} "
+        f"({', '.join(f'{v:.3f}' for v in bound)})"
+    )
+    print("targets, median of per-repeat ratios:")
     for label, values, goal in checks:
         value = statistics.median(values)
         each = ", ".join(f"{v:.3f}" for v in values)
@@ -719,6 +738,13 @@ def parse_args() -> argparse.Namespace:
         help="leave glibc's allocator as it is in every process, ours included (by default every "
         "process keeps freed memory, as PipeDreamStrategy's ranks do)",
     )
+    parser.add_argument(
+        "--unbound",
+        action="store_true",
+        help="leave every process where the kernel places it, ours included (by default each "
+        "rank of a configuration with 2 processes is bound to a core of its own, as "
+        "PipeDreamStrategy binds its ranks)",
+    )
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--sync", help=argparse.SUPPRESS)
@@ -736,6 +762,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if not args.default_allocator:
         retain_freed_memory()
+    if "RANK" in os.environ and not args.unbound:  # this script's ranks; Lightning's bind later
+        bind_rank(worker_rank())
     result = WORKERS[args.worker](args)
     rank = worker_rank()
     Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps(result))

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,6 +45,7 @@ from typing_extensions import override
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import update
+from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import StageExecutor, as_tensors
 from pl_pipedream.runtime.memory import retain_freed_memory
@@ -85,6 +87,11 @@ class PipeDreamStrategy(ParallelStrategy):
             returning it to the kernel (``pl_pipedream.runtime.memory``): a stage frees and
             allocates tensors of a layer's size every minibatch, and fresh pages cost a fault
             each. The process keeps its peak memory. ``False`` leaves the allocator alone.
+        bind_cpus: on CPU, each rank is bound to its own share of the cores while the strategy
+            is set up (``pl_pipedream.runtime.affinity``): the kernel can otherwise run two
+            stages on one core while another idles, and the pipeline then runs at that core's
+            pace. Ranks a launcher has already bound are left alone; teardown restores the
+            cores the process had. ``False`` leaves placement to the kernel.
     """
 
     strategy_name = "pipedream"
@@ -100,6 +107,7 @@ class PipeDreamStrategy(ParallelStrategy):
         timeline: str | os.PathLike | None = None,
         start_method: str = "popen",
         retain_freed_memory: bool = True,
+        bind_cpus: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,6 +147,9 @@ class PipeDreamStrategy(ParallelStrategy):
         self.bubbles: dict[int, float] = {}
         self._start_method = start_method
         self.retain_freed_memory = retain_freed_memory
+        self.bind_cpus = bind_cpus
+        self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
+        self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.local_stage: LocalStage | None = None
@@ -210,6 +221,30 @@ class PipeDreamStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
         )
+        if self.bind_cpus and self.root_device.type == "cpu":
+            self._bind_to_cpu_share()
+
+    def _bind_to_cpu_share(self) -> None:
+        """Bind this rank to its share of the cores its node's ranks may all use (one
+        all-gather of every rank's cores, once per setup)."""
+        pool = current_cpus()
+        pools: list[frozenset[int] | None] = [None] * self.world_size
+        dist.all_gather_object(pools, pool)
+        first = self.node_rank * self.num_processes
+        share = cpu_share(pools, range(first, first + self.num_processes), self.global_rank)
+        if share is None or pool is None:
+            return
+        try:
+            bind_threads(share)
+        except OSError as error:
+            warnings.warn(
+                f"Rank {self.global_rank} could not be bound to cores {sorted(share)} ({error}); "
+                "it runs where the kernel places it. PipeDreamStrategy(bind_cpus=False) "
+                "skips binding.",
+                stacklevel=2,
+            )
+            return
+        self._unbound_cpus, self.cpu_binding = pool, share
 
     # ----- setup, in the order Lightning calls it ---------------------------------------------
 
@@ -792,6 +827,9 @@ class PipeDreamStrategy(ParallelStrategy):
             for param in module.parameters():
                 if param.device.type != "meta":
                     param.data = param.data.cpu()
+        if self._unbound_cpus is not None:
+            bind_threads(self._unbound_cpus)
+            self._unbound_cpus = self.cpu_binding = None
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
@@ -40,6 +41,26 @@ def main() -> None:
     for config in args.configs:
         sync, optimizer = config.split(":")
         fit(args, sync, optimizer, Path(args.out) / f"{sync}-{optimizer}")
+
+
+class RecordCpus(Callback):
+    """Writes the cores each thread of this rank may use while training to ``cpus-rank{r}.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: Trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        record = {
+            "binding": sorted(trainer.strategy.cpu_binding or ()),
+            "threads": thread_cpus(),
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"cpus-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def thread_cpus() -> list[list[int]]:
+    """The cores of every thread of this process."""
+    return [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
 
 
 def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
@@ -71,6 +92,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         enable_model_summary=False,
         logger=False,
         enable_checkpointing=False,
+        callbacks=[RecordCpus(out)] if hasattr(os, "sched_getaffinity") else [],
     )
     trainer.fit(Net(optimizer), loader)
     trainer.save_checkpoint(out / "run.ckpt")
@@ -78,7 +100,13 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")
         loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
         (out / "done.json").write_text(
-            json.dumps({"global_step": trainer.global_step, "loss": loss})
+            json.dumps(
+                {
+                    "global_step": trainer.global_step,
+                    "loss": loss,
+                    "threads_after": thread_cpus() if hasattr(os, "sched_getaffinity") else [],
+                }
+            )
         )
 
 

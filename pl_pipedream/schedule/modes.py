@@ -1,0 +1,107 @@
+"""The sync modes and what each one implies, stated once.
+
+Every other module asks a ``SyncMode`` what it needs to know (does the pipeline flush after
+every batch, how many updates a batch makes, who applies them, how few microbatches a batch may
+have) instead of comparing mode names. The update rules themselves (which weight version a
+minibatch uses) are in ``rules``; the order of forwards and backwards in ``build``.
+
+Adding a mode: a member here with its properties, its row in ``rules.weight_version`` and
+``rules.stash_limit``, and its order in ``build.replica_order``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["SyncMode", "UpdateSettings", "update_settings"]
+
+
+class SyncMode(str, enum.Enum):
+    """How a pipeline keeps its stages' weights consistent (DESIGN.md, "Update rules")."""
+
+    ASYNC = "async"  # weight stashing, one update per minibatch (PipeDream, SOSP'19 3.3)
+    VERTICAL_SYNC = "vertical_sync"  # async, every stage on the input stage's version
+    TWO_BW = "2bw"  # double-buffered weights, one update per batch (PipeDream-2BW)
+    FLUSH = "flush"  # 1F1B, flushed after every batch (PipeDream-Flush)
+    GPIPE = "gpipe"  # every forward, then every backward, flushed after every batch
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value: str | SyncMode) -> SyncMode:
+        """The mode named ``value``; a ``ValueError`` naming the choices for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"sync must be one of {', '.join(m.value for m in cls)} (sync: {value!r}); "
+                "for example PipeDreamStrategy(sync='async')"
+            ) from None
+
+    @property
+    def updates_per_minibatch(self) -> bool:
+        """One update per minibatch (per replica round); otherwise one per batch."""
+        return self in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC)
+
+    @property
+    def flushes(self) -> bool:
+        """The pipeline drains after every batch, so each batch starts on the newest weights."""
+        return self in (SyncMode.FLUSH, SyncMode.GPIPE)
+
+    @property
+    def updates_in_pipeline(self) -> bool:
+        """The stages step their optimizers when the schedule says (inside a training step);
+        otherwise the batch's mean gradient is handed to the trainer, which steps as on one
+        device (clipping, accumulation and the optimizer hooks included)."""
+        return not self.flushes
+
+    @property
+    def forwards_first(self) -> bool:
+        """Every forward of a batch runs before its first backward (GPipe); otherwise 1F1B."""
+        return self is SyncMode.GPIPE
+
+    def min_microbatches(self, num_stages: int) -> int:
+        """The fewest microbatches per batch the mode works with on ``num_stages`` stages:
+        2BW's second buffer is free again only if a batch outlasts the pipeline's warm-up."""
+        return num_stages if self is SyncMode.TWO_BW else 1
+
+
+SYNC_MODES = tuple(mode.value for mode in SyncMode)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a stage turns its backward passes into the gradient an update applies.
+
+    ``update_size``: the summed gradient is divided by this at the update. ``loss_scale``: the
+    last stage seeds its backward with this instead of 1, so every stage sums gradients that are
+    already divided. ``sum_linear_gradients``: several backward passes make one update, so Linear
+    layers add their weight gradients into the sum inside the matrix product.
+    """
+
+    update_size: int
+    loss_scale: float
+    sum_linear_gradients: bool
+
+
+def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateSettings:
+    """The settings of a stage with ``replicas`` replicas under ``mode``.
+
+    An update averages its minibatches: one per replica in the per-minibatch modes (replicas
+    sum their gradients, so divide by ``replicas``), the batch's ``microbatches`` otherwise.
+    Dividing through the loss seed saves a pass over the gradients, and is exact only when
+    ``1 / microbatches`` is (a power of two); otherwise the update divides.
+    """
+    if mode.updates_per_minibatch:
+        return UpdateSettings(update_size=replicas, loss_scale=1.0, sum_linear_gradients=False)
+    exact = microbatches & (microbatches - 1) == 0
+    return UpdateSettings(
+        update_size=1 if exact else microbatches,
+        loss_scale=1.0 / microbatches if exact else 1.0,
+        sum_linear_gradients=microbatches > replicas,  # backward passes per update
+    )

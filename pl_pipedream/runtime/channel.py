@@ -1,7 +1,8 @@
 """Point-to-point messages between pipeline ranks over torch.distributed.
 
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
-plus a few float64 scalars riding along (the loss on its way back to the first stage). It travels
+plus, on the way back to the first stage, the loss of the minibatch whose gradients it carries
+(its index and value, as two float64 scalars in the frame). It travels
 as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
 tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
@@ -27,13 +28,14 @@ device).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Message", "PeerError", "Stream"]
+__all__ = ["Channel", "Message", "MinibatchLoss", "PeerError", "Stream"]
 
 HEADER_SIZE = 64  # int64 values
 HEADER_BYTES = HEADER_SIZE * 8
@@ -53,19 +55,31 @@ _DTYPES = [
     torch.bool,
 ]
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-Stream = tuple[int, int]  # (peer rank, tag)
+Stream = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
 
 
 class PeerError(RuntimeError):
     """A message did not arrive (or could not leave) in time: the peer is named."""
 
 
+class MinibatchLoss(NamedTuple):
+    """The training loss of one minibatch, as the last stage computed it."""
+
+    minibatch: int
+    value: float
+
+
 @dataclass
 class Message:
-    """Tensors plus float scalars (metadata such as the loss)."""
+    """The tensors crossing one stage boundary, and the loss that rides back with gradients."""
 
     tensors: list[torch.Tensor]
-    scalars: list[float] = field(default_factory=list)
+    loss: MinibatchLoss | None = None
+
+    @property
+    def scalars(self) -> list[float]:
+        """What the frame carries after the tensors: the loss's minibatch and value, if any."""
+        return [] if self.loss is None else [float(self.loss.minibatch), self.loss.value]
 
 
 def _header(message: Message) -> list[int]:
@@ -120,7 +134,7 @@ def _pack(
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    if message.scalars:
+    if message.loss is not None:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
         frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
@@ -144,8 +158,10 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
         position += 2 + ndim
     offsets, end = _layout(specs)
     tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
-    scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist() if num_scalars else []
-    return Message(tensors, scalars)
+    if not num_scalars:
+        return Message(tensors)
+    minibatch, value = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
+    return Message(tensors, MinibatchLoss(int(minibatch), value))
 
 
 class Channel:

@@ -2,11 +2,11 @@
 
 There is no schedule in here. Each action kind has one handler: receive or send a message,
 run a forward or backward pass on a weight version, average gradients among the stage's
-replicas, apply an update. What comes from outside is injected: the first stage's inputs
-(``inputs(i)``), the last stage's loss (``loss(output, i)``), and what an update does
-(``apply_update(gradients, version, fresh)``: the stage's optimizer steps through
-``runtime.update.step``, which writes the parameters named in ``fresh`` into those tensors, since
-a kept weight version shares their storage; it returns the bytes it had to copy for that).
+replicas, apply an update. What a run needs from outside comes with it (``execute``): the
+first stage's inputs and the last stage's loss (a ``Feed``), and the ``Update`` that applies a
+``STEP``. A ``STEP`` means the same in every mode: the update's mean gradient is final and the
+``Update`` applies it to the live weights (in the modes that step inside the pipeline) or holds
+it for the trainer's own optimizer step (in the flushed modes).
 
 Gradients of an update are summed over its backward passes (and, through ``ALLREDUCE``, over
 the stage's replicas), then divided by ``update_size``, so an update sees the mean gradient, as
@@ -16,7 +16,7 @@ backward pass by ``loss_scale``: every stage then sums gradients that are alread
 no stage spends a pass over its gradients on the division. Where an update sums several backward
 passes (``sum_linear_gradients``), Linear layers add their weight gradients into the sum inside
 the GEMM that computes them (``runtime.linear_sums``), saving a pass over the gradients per
-backward.
+backward. ``schedule.modes.update_settings`` chooses these three for a mode.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,41 +32,41 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.channel import Channel, Message, Stream
+from pl_pipedream.runtime.channel import Channel, Message, MinibatchLoss, PeerError, Stream
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
-from pl_pipedream.runtime.versions import WeightVersions
+from pl_pipedream.runtime.stash import WeightStash
+from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.modes import UpdateSettings
 
-__all__ = ["ApplyUpdate", "ExecutorError", "StageExecutor", "TimelineEvent"]
+__all__ = ["ExecutorError", "Feed", "StageExecutor", "Update", "as_tensors"]
 
 TAG_ACTIVATION = 1
 TAG_GRAD = 2
 
 
-class ApplyUpdate(Protocol):
+class Update(Protocol):
     """Applies one update of a stage: ``gradients`` by parameter name (the mean over the
-    update's minibatches), the ``version`` it creates, and ``fresh``: tensors that must receive
-    the new values of those parameters and become their storage (``runtime.update.step``).
-    Returns the bytes it copied to do so."""
+    update's minibatches) and ``storage``: for each parameter that a kept weight version
+    shares, the tensor that must receive its new values and become its storage
+    (``runtime.update.step`` does both). Returns the bytes it copied to do so."""
 
     def __call__(
-        self, gradients: dict[str, torch.Tensor], version: int, fresh: dict[str, torch.Tensor]
-    ) -> int | None: ...
+        self, gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]
+    ) -> int: ...
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What a run's forward passes take from outside, by global minibatch index: the first
+    stage's ``inputs(i)`` and the last stage's ``loss(output, i)``."""
+
+    inputs: Callable[[int], Any]
+    loss: Callable[[Any, int], torch.Tensor]
 
 
 class ExecutorError(RuntimeError):
     """A stage could not run an action; the message names the rank, stage and action."""
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One executed action with its wall-clock start and end (seconds, ``time.perf_counter``)."""
-
-    rank: int
-    action: str
-    kind: str
-    start: float
-    end: float
 
 
 @dataclass
@@ -78,7 +78,7 @@ class _InFlight:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None = None
-    scalars: list[float] = field(default_factory=list)
+    reported: MinibatchLoss | None = None  # travels back to the first stage with the gradients
 
 
 def as_tensors(value: Any) -> list[torch.Tensor]:
@@ -103,14 +103,9 @@ class StageExecutor:
         stage: int,
         num_stages: int,
         channel: Channel,
+        settings: UpdateSettings,
         replica_group: Any = None,
         num_replicas: int = 1,
-        inputs: Callable[[int], Any] | None = None,
-        loss: Callable[[Any, int], torch.Tensor] | None = None,
-        apply_update: ApplyUpdate | None = None,
-        update_size: int = 1,
-        loss_scale: float = 1.0,
-        sum_linear_gradients: bool = False,
         device: torch.device | None = None,
         record_timeline: bool = False,
     ) -> None:
@@ -121,40 +116,52 @@ class StageExecutor:
         self.channel = channel
         self.replica_group = replica_group
         self.num_replicas = num_replicas
-        self.inputs = inputs
-        self.loss = loss
-        self.apply_update = apply_update
-        self.update_size = update_size
-        self.loss_scale = loss_scale
-        self.linear_sums = LinearGradientSums() if sum_linear_gradients else None
+        self.update_size = settings.update_size
+        self.loss_scale = settings.loss_scale
+        self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.device = device or torch.device("cpu")
         self.describe = f"rank {rank} (stage {stage})"
-        self.versions = WeightVersions(module, self.describe)
+        self.stash = WeightStash(module, self.describe)
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
-        self.newest_loss: float | None = None  # of the highest minibatch this rank has seen
-        self._newest_minibatch = -1
+        self.newest_loss: MinibatchLoss | None = None  # of the highest minibatch seen
+        self._feed: Feed | None = None
+        self._update: Update | None = None
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
         self._accumulated: dict[str, torch.Tensor] = {}
-        self._owned: set[str] = set()  # names whose sum is a tensor this executor allocated
+        self._writable: set[str] = set()  # names whose sum is a tensor this executor allocated
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
-        self.peak_in_flight = 0
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
 
     # ----- running ----------------------------------------------------------------------------
 
     def execute(
-        self, actions: Sequence[Action], lookahead: Sequence[Action] = (), flush: bool = True
+        self,
+        actions: Sequence[Action],
+        feed: Feed | None = None,
+        update: Update | None = None,
+        lookahead: Sequence[Action] = (),
+        flush: bool = True,
     ) -> None:
-        """Run ``actions`` in order. ``lookahead`` (the actions that will follow, as far as
+        """Run ``actions`` in order, forwards taking inputs and losses from ``feed`` and
+        ``STEP`` applying ``update``. ``lookahead`` (the actions that will follow, as far as
         they are known) decides which weight versions must outlive these actions, and the
         first receive of each stream in either is posted at once. With ``flush``, return only
         once every message sent has left; without it the sends complete while later actions
         run, so this rank does not wait for its peer to post its receive."""
+        self._feed, self._update = feed, update
+        try:
+            self._run(actions, lookahead)
+        finally:
+            self._feed = self._update = None
+        if flush:
+            self.channel.flush()
+
+    def _run(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
         self.actions = tuple(actions)
         ahead = (*self.actions, *lookahead)
         self._last_use = {}
@@ -169,11 +176,9 @@ class StageExecutor:
             start = time.perf_counter()
             try:
                 self._handlers[action.kind](self, action)
-            except ExecutorError:
+            except (ExecutorError, PeerError):
                 raise
             except RuntimeError as error:
-                if "could not" in str(error):
-                    raise
                 raise ExecutorError(
                     f"{self.describe} failed at action {action}: {error}"
                 ) from error
@@ -185,13 +190,10 @@ class StageExecutor:
             if position in following:
                 self.channel.expect(*following[position])
         self.position = len(self.actions)
-        if flush:
-            self.channel.flush()
 
-    def _record_loss(self, minibatch: int, value: float) -> None:
-        if minibatch >= self._newest_minibatch:
-            self._newest_minibatch = minibatch
-            self.newest_loss = value
+    def _record_loss(self, loss: MinibatchLoss) -> None:
+        if self.newest_loss is None or loss.minibatch >= self.newest_loss.minibatch:
+            self.newest_loss = loss
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
@@ -202,8 +204,8 @@ class StageExecutor:
                 f"{sorted(self._flight)}, gradients not yet applied: "
                 f"{bool(self._accumulated) or pending}); drain it first"
             )
-        self.versions.reset(0)
-        self._newest_minibatch = -1
+        self.stash.reset(0)
+        self.newest_loss = None
 
     # ----- messages ---------------------------------------------------------------------------
 
@@ -239,7 +241,7 @@ class StageExecutor:
             else:
                 grads.append(torch.zeros(0))
         self.channel.send(
-            Message(grads, flight.scalars),
+            Message(grads, flight.reported),
             action.peer,
             TAG_GRAD,
             f"the gradients of minibatch {action.minibatch}",
@@ -250,26 +252,24 @@ class StageExecutor:
     def _forward(self, action: Action) -> None:
         i = action.minibatch
         if self.stage == 0:
-            if self.inputs is None:
+            if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
-            inputs = [t.to(self.device) for t in as_tensors(self.inputs(i))]
+            inputs = [t.to(self.device) for t in as_tensors(self._feed.inputs(i))]
         else:
             inputs = self._received.pop(i).tensors
-        params = self.versions.get(action.version)  # shares the live storage while current
+        params = self.stash.get(action.version)  # shares the live storage while current
         state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):
             outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
         flight = _InFlight(action.version, params, inputs, outputs)
         if self.stage == self.num_stages - 1:
-            if self.loss is None:
+            if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
             value = outputs[0] if len(outputs) == 1 else tuple(outputs)
-            flight.loss = self.loss(value, i)
-            loss_value = float(flight.loss.detach())
-            flight.scalars = [float(i), loss_value]
-            self._record_loss(i, loss_value)
+            flight.loss = self._feed.loss(value, i)
+            flight.reported = MinibatchLoss(i, float(flight.loss.detach()))
+            self._record_loss(flight.reported)
         self._flight[i] = flight
-        self.peak_in_flight = max(self.peak_in_flight, len(self._flight))
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Where several backward passes make one update, Linear layers sum their weight
@@ -290,9 +290,9 @@ class StageExecutor:
             roots, grads = [flight.loss], [seed]
         else:
             message = self._gradients.pop(i)
-            flight.scalars = message.scalars
-            if len(message.scalars) >= 2:
-                self._record_loss(int(message.scalars[0]), message.scalars[1])
+            flight.reported = message.loss
+            if message.loss is not None:
+                self._record_loss(message.loss)
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)
@@ -332,12 +332,12 @@ class StageExecutor:
         if held is None:
             self._accumulated[name] = grad.clone() if copy else grad
             if copy:
-                self._owned.add(name)
-        elif name in self._owned:
+                self._writable.add(name)
+        elif name in self._writable:
             held += grad
         else:
             self._accumulated[name] = held + grad
-            self._owned.add(name)
+            self._writable.add(name)
 
     # ----- updates ----------------------------------------------------------------------------
 
@@ -350,7 +350,7 @@ class StageExecutor:
             if held is not None:  # the same weight also reached autograd elsewhere
                 total += held
             self._accumulated[name] = total
-            self._owned.add(name)
+            self._writable.add(name)
 
     def _allreduce(self, action: Action) -> None:
         self._take_linear_sums()
@@ -376,44 +376,33 @@ class StageExecutor:
                     continue
                 size = p.numel()
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
-                self._owned.add(n)
+                self._writable.add(n)
                 offset += size
 
     def _step(self, action: Action) -> None:
         self._take_linear_sums()
-        live = self.versions.live_version
+        live = self.stash.live_version
         if self._last_use.get(live, -1) > self.position:
-            self.versions.get(live)
+            self.stash.get(live)
         count = self.update_size
         gradients: dict[str, torch.Tensor] = {}
         for name, grad in self._accumulated.items():
             if count != 1:
-                grad = grad.div_(count) if name in self._owned else grad / count
+                grad = grad.div_(count) if name in self._writable else grad / count
             gradients[name] = grad
-        self._accumulated, self._owned = {}, set()
-        if self.apply_update is None:
+        self._accumulated, self._writable = {}, set()
+        if self._update is None:
             raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
         self._release()
-        fresh = self.versions.fresh(gradients)
-        self.copied_bytes += self.apply_update(gradients, action.version, fresh) or 0
-        self._check_fresh(fresh)
-        self.versions.mark_stepped()
-        if self.versions.live_version != action.version:
+        storage = self.stash.storage_for_update(gradients)
+        self.copied_bytes += self._update(gradients, storage)
+        self.stash.mark_stepped(storage)
+        if self.stash.live_version != action.version:
             raise ExecutorError(
                 f"{self.describe}: update {action.version} made the live weights version "
-                f"{self.versions.live_version}; the schedule and the updates disagree"
+                f"{self.stash.live_version}; the schedule and the updates disagree"
             )
         self._release()
-
-    def _check_fresh(self, fresh: dict[str, torch.Tensor]) -> None:
-        live = dict(self.module.named_parameters())
-        for name, tensor in fresh.items():
-            if live[name].data_ptr() != tensor.data_ptr():
-                raise ExecutorError(
-                    f"an update must leave the storage that a kept weight version shares as it was "
-                    f"and give the parameter the fresh tensor ({self.describe}, parameter: "
-                    f"{name}); apply updates with pl_pipedream.runtime.update.step"
-                )
 
     def _release(self) -> None:
         """Drop the snapshots that no later action of the loaded list uses and no forward pass
@@ -421,10 +410,10 @@ class StageExecutor:
         held = {flight.version for flight in self._flight.values() if flight.params}
         done = [
             v
-            for v in self.versions.kept()
+            for v in self.stash.kept()
             if self._last_use.get(v, -1) <= self.position and v not in held
         ]
-        self.versions.release(done)
+        self.stash.release(done)
 
     _handlers: dict[ActionKind, Callable[..., None]] = {
         ActionKind.RECV_ACTIVATION: _recv_activation,

@@ -19,27 +19,34 @@ from typing import Any
 import torch
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
 from pl_pipedream.schedule.actions import Action
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.stream import SegmentStream
 
 __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
-    """Drives a ``StageExecutor`` through the per-step segments of a ``SegmentStream``."""
+    """Drives a ``StageExecutor`` through the per-step segments of a ``SegmentStream``; every
+    ``STEP`` applies ``update``."""
 
     def __init__(
-        self, plan: Plan, sync: str, num_microbatches: int, executor: StageExecutor
+        self,
+        plan: Plan,
+        sync: SyncMode,
+        microbatches: int,
+        executor: StageExecutor,
+        update: Update,
     ) -> None:
         self.plan = plan
         self.sync = sync
-        self.num_microbatches = num_microbatches
+        self.microbatches = microbatches
         self.executor = executor
-        self.stream = SegmentStream(plan, sync, num_microbatches)
+        self.update = update
+        self.stream = SegmentStream(plan, sync, microbatches)
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
-        self.runs = 0
 
     @property
     def drained(self) -> bool:
@@ -53,11 +60,14 @@ class PipelineRunner:
     ) -> None:
         """Run this rank's segment for the next batch; ``inputs``/``loss`` take the microbatch
         index within the batch. With ``drain``, the pipeline drains right after it."""
-        first = self.step * self.num_microbatches
-        self.executor.inputs = lambda i: inputs(i - first)
-        self.executor.loss = lambda output, i: loss(output, i - first)
+        first = self.step * self.microbatches
+        feed = Feed(lambda i: inputs(i - first), lambda output, i: loss(output, i - first))
         self.executor.execute(
-            self.stream.segment(self.executor.rank, self.step), self._upcoming(drain), flush=False
+            self.stream.segment(self.executor.rank, self.step),
+            feed,
+            self.update,
+            lookahead=self._upcoming(drain),
+            flush=False,
         )
         self.step += 1
         if drain:
@@ -79,7 +89,8 @@ class PipelineRunner:
         """Finish every minibatch in flight and apply its update; the next batch starts a run."""
         if self.drained:
             return
-        self.executor.execute(self.stream.drain(self.executor.rank, self.step - 1))
+        self.executor.execute(
+            self.stream.drain(self.executor.rank, self.step - 1), None, self.update
+        )
         self.executor.restart()
         self.step = 0
-        self.runs += 1

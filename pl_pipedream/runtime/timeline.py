@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from pl_pipedream.runtime.executor import TimelineEvent
-
-__all__ = ["bubble_fractions", "chrome_trace", "write_trace"]
+__all__ = ["TimelineEvent", "bubble_fractions", "chrome_trace", "write_trace"]
 
 BUSY = ("FORWARD", "BACKWARD", "STEP")
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One executed action with its wall-clock start and end (seconds, ``time.perf_counter``)."""
+
+    rank: int
+    action: str
+    kind: str
+    start: float
+    end: float
 
 
 def bubble_fractions(events: Sequence[TimelineEvent]) -> dict[int, float]:

@@ -1,7 +1,7 @@
 """An optimizer step that leaves a weight stash's storage untouched.
 
 A kept weight version shares the live parameters' storage until the next update would change it
-(``WeightVersions.fresh``). ``step`` applies the update with the new values of those parameters
+(``WeightStash.storage_for_update``). ``step`` applies the update with the new values of those parameters
 in the tensors it is given, which become the parameters' storage. ``torch.optim.SGD`` (momentum,
 dampening, Nesterov, weight decay, maximize) has an out-of-place form with the same arithmetic,
 one pass over the weights, as its in-place step: the new values are written there directly and

@@ -17,12 +17,27 @@ the LightningModule's full ``state_dict``.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "consolidate_checkpoint", "read_shards", "shard_name"]
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.strategy.stage import PipelineSetupError
+
+__all__ = [
+    "CheckpointError",
+    "check_layout",
+    "consolidate_checkpoint",
+    "merge_states",
+    "read_shards",
+    "remove",
+    "shard_name",
+    "write_description",
+    "write_shard",
+]
 
 META_FILE = "pipeline.json"
 
@@ -33,6 +48,55 @@ class CheckpointError(ValueError):
 
 def shard_name(stage: int) -> str:
     return f"stage-{stage:02d}.pt"
+
+
+def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> None:
+    """Write ``stage``'s checkpoint dict into the checkpoint directory ``path``."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, root / shard_name(stage))
+
+
+def write_description(path: str | Path, sync: str, microbatches: int, plan: Plan) -> None:
+    """Write ``pipeline.json``: the plan, the sync mode, the microbatches, the shard files."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": "pl-pipedream sharded checkpoint",
+        "sync": str(sync),
+        "microbatches": microbatches,
+        "plan": plan.to_dict(),
+        "shards": [shard_name(s.index) for s in plan.stages],
+    }
+    (root / META_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def remove(path: str | Path) -> None:
+    """Delete the checkpoint directory ``path`` (what ``ModelCheckpoint`` replaces)."""
+    if Path(path).is_dir():
+        shutil.rmtree(path)
+
+
+def merge_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One ``state_dict`` from the stages' parts (a name's first occurrence wins)."""
+    merged: dict[str, torch.Tensor] = {}
+    for state in states:
+        for name, tensor in state.items():
+            merged.setdefault(name, tensor)
+    return merged
+
+
+def check_layout(saved: Plan, plan: Plan) -> None:
+    """Raise unless ``plan`` places layers and replicas as the ``saved`` plan did."""
+    layout = [(s.nodes, s.replicas) for s in saved.stages]
+    if layout != [(s.nodes, s.replicas) for s in plan.stages]:
+        raise PipelineSetupError(
+            f"a checkpoint resumes only under the plan that saved it (saved: {saved.shape} "
+            f"with layers {[list(s.nodes) for s in saved.stages]}, now: {plan.shape} with "
+            f"layers {[list(s.nodes) for s in plan.stages]}); resume with "
+            f"PipeDreamStrategy(plan=...) from the checkpoint's pipeline.json, or load only "
+            "the weights with consolidate_checkpoint()"
+        )
 
 
 def read_shards(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -60,8 +124,4 @@ def read_shards(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
 def consolidate_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """The LightningModule's full ``state_dict``, every stage merged under the original names."""
     _, shards = read_shards(path)
-    merged: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in shard["state_dict"].items():
-            merged.setdefault(name, tensor)
-    return merged
+    return merge_states(shard["state_dict"] for shard in shards)

@@ -32,6 +32,18 @@ class LocalStage:
     names: dict[str, str]  # stage-module state name -> LightningModule state name
     shared: list[str]  # LightningModule state outside the pipeline (every rank has it)
 
+    def state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """This stage's state under ``module``'s names, on the CPU; stage 0 adds the state
+        outside the pipeline."""
+        state = {
+            self.names[name]: tensor.detach().cpu()
+            for name, tensor in self.module.state_dict(keep_vars=True).items()
+        }
+        if self.stage.index == 0:
+            full = module.state_dict()
+            state.update({name: full[name] for name in self.shared if name in full})
+        return state
+
 
 def pipeline_layers(module: nn.Module) -> nn.Sequential:
     """Call ``configure_pipeline`` and check that it lists submodules of ``module``."""

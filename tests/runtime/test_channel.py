@@ -1,4 +1,4 @@
-"""The point-to-point channel over gloo: changing shapes and dtypes, scalars, deadlines."""
+"""The point-to-point channel over gloo: changing shapes and dtypes, the loss, deadlines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.runtime.channel import Channel, Message, PeerError
+from pl_pipedream.runtime.channel import Channel, Message, MinibatchLoss, PeerError
 from tests.runtime.distributed import run
 
 
@@ -18,7 +18,9 @@ def _exchange(rank: int, world: int) -> list:
     if rank == 0:
         for step in range(3):
             tensors = [torch.full((step + 1, 2), float(step)), torch.arange(step + 2)]
-            channel.send(Message(tensors, [step * 0.5]), 1, tag=1, what="activations")
+            channel.send(
+                Message(tensors, MinibatchLoss(step, step * 0.5)), 1, tag=1, what="activations"
+            )
         channel.flush()
         reply = channel.recv(1, tag=2, what="gradients")
         got.append(reply.tensors[0].tolist())
@@ -29,7 +31,7 @@ def _exchange(rank: int, world: int) -> list:
                 (
                     [tuple(t.shape) for t in message.tensors],
                     [str(t.dtype) for t in message.tensors],
-                    message.scalars,
+                    message.loss,
                 )
             )
         channel.send(
@@ -39,15 +41,15 @@ def _exchange(rank: int, world: int) -> list:
     return got
 
 
-def test_messages_keep_shapes_dtypes_and_scalars() -> None:
+def test_messages_keep_shapes_dtypes_and_the_loss() -> None:
     results = run(2, _exchange)
     assert results[0] == ("ok", [[[1, 2], [3, 4]]])
     status, got = results[1]
     assert status == "ok"
     assert got == [
-        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], [0.0]),
-        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], [0.5]),
-        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], [1.0]),
+        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], (0, 0.0)),
+        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], (1, 0.5)),
+        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], (2, 1.0)),
     ]
 
 
@@ -80,8 +82,8 @@ def test_unsupported_dtype_is_refused() -> None:
         _header(Message([torch.zeros(2, dtype=torch.complex64)]))
 
 
-# frames (a 512-byte header, tensors at 64-byte offsets, one float64): 1032, 1032, 584, 4168,
-# 584, 584 bytes
+# frames (a 512-byte header, tensors at 64-byte offsets, the loss as two float64): 1040, 1040,
+# 592, 4176, 592, 592 bytes
 SHAPES = [(40, 3), (40, 3), (2, 3), (300, 3), (2, 3), (3, 2)]
 
 
@@ -99,7 +101,8 @@ def _resizing_stream(rank: int, world: int) -> list:
         counts = []
         for step, shape in enumerate(SHAPES):
             before = len(sent)
-            channel.send(Message([torch.full(shape, float(step))], [step / 2]), 1, 1, "x")
+            loss = MinibatchLoss(step, step / 2)
+            channel.send(Message([torch.full(shape, float(step))], loss), 1, 1, "x")
             counts.append(len(sent) - before)
         channel.flush()
         return counts
@@ -109,7 +112,7 @@ def _resizing_stream(rank: int, world: int) -> list:
         message = channel.recv(0, 1, "x")
         channel.expect(0, 1)  # the next one, early; the last stays posted, unmatched
         tensor = message.tensors[0]
-        got.append((tuple(tensor.shape), tensor.mean().item(), message.scalars))
+        got.append((tuple(tensor.shape), tensor.mean().item(), message.loss))
     return got
 
 
@@ -123,7 +126,7 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]
     assert status == "ok", got
-    assert got == [(shape, float(step), [step / 2]) for step, shape in enumerate(SHAPES)]
+    assert got == [(shape, float(step), (step, step / 2)) for step, shape in enumerate(SHAPES)]
 
 
 def _receive_left_posted(rank: int, world: int) -> list:

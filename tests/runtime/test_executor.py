@@ -16,8 +16,9 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import update
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.schedule import build
+from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime import oracle
 from tests.runtime.distributed import run
 
@@ -59,13 +60,13 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
     xs = [x for batch in batches for x in batch[0].chunk(m)]
     ys = [y for batch in batches for y in batch[1].chunk(m)]
 
-    def apply_update(gradients: dict[str, torch.Tensor], version: int, fresh) -> int:  # type: ignore[no-untyped-def]
+    def apply_update(gradients: dict[str, torch.Tensor], storage) -> int:  # type: ignore[no-untyped-def]
         if optimizer is None:  # a stage without parameters
             return 0
         params = dict(module.named_parameters())
         for name, param in params.items():
             param.grad = gradients.get(name)
-        copied = update.step(optimizer, {params[n]: t for n, t in fresh.items()})
+        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
         optimizer.zero_grad(set_to_none=True)
         return copied
 
@@ -75,17 +76,14 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
         stage.index,
         plan.num_stages,
         Channel(rank, torch.device("cpu"), timeout=60.0),
+        update_settings(SyncMode(sync), m, stage.replicas),
         replica_group=groups[stage.index],
         num_replicas=stage.replicas,
-        inputs=lambda i: xs[i],
-        loss=lambda out, i: loss_fn(out, ys[i]),
-        apply_update=apply_update,
-        update_size=stage.replicas if sync in ("async", "vertical_sync") else m,
-        sum_linear_gradients=sync not in ("async", "vertical_sync"),
     )
-    executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank])
+    feed = Feed(lambda i: xs[i], lambda out, i: loss_fn(out, ys[i]))
+    executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank], feed, apply_update)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return weights, executor.versions.peak_count, executor.copied_bytes
+    return weights, executor.stash.peak_count, executor.copied_bytes
 
 
 def _all_modes(rank: int, world: int, plan_dict: dict, m: int) -> dict:
@@ -102,7 +100,7 @@ PLANS = {
     "2 stages": (Plan.from_balance([3, 3]), 2),
     "3 stages": (Plan.from_balance([2, 2, 2]), 3),
     "4 stages": (Plan.from_balance([1, 2, 2, 1]), 4),
-    "2-1 replicated": (Plan.from_balance([3, 3], replicas=[2, 1]), 2),
+    "2-1 replicated": (Plan.from_balance([3, 3], replicas=[2, 1]), 4),  # linear sums + all-reduce
 }
 
 

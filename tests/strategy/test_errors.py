@@ -15,7 +15,7 @@ from torch import nn
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.schedule import SegmentStream
-from pl_pipedream.strategy.pipedream import _slice_batch
+from pl_pipedream.strategy.batches import slice_batch
 from pl_pipedream.strategy.stage import PipelineSetupError, pipeline_layers
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
@@ -39,7 +39,7 @@ def test_module_without_configure_pipeline() -> None:
 
 def test_batch_that_does_not_split_into_microbatches() -> None:
     with pytest.raises(ValueError, match=r"batch size: 5, microbatches: 2\)"):
-        _slice_batch((torch.zeros(5, 3), torch.zeros(5)), 2)
+        slice_batch((torch.zeros(5, 3), torch.zeros(5)), 2)
 
 
 def test_too_few_microbatches_for_2bw() -> None:

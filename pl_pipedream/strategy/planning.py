@@ -1,4 +1,6 @@
-"""Planning at setup: rank 0 profiles the layers, plans for the topology, every rank follows.
+"""Choosing the plan at setup: given, resumed, from ``balance``, or profiled and planned.
+
+Automatic planning: rank 0 profiles the layers, plans for the topology, every rank follows.
 
 The sample is the first stage's input for one microbatch of the first training batch (or the
 module's ``example_input_array``), so the profile measures what one minibatch costs. Without a
@@ -10,19 +12,89 @@ failure on rank 0 stops every rank with the same message instead of a hang.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.measure import profile_layers
+from pl_pipedream.strategy.batches import first_stage_input, slice_batch
+from pl_pipedream.strategy.lightning_patches import first_training_batch
+from pl_pipedream.strategy.stage import PipelineSetupError
 
-__all__ = ["measure_bandwidth", "plan_at_setup"]
+__all__ = ["announce", "choose_plan", "measure_bandwidth", "plan_at_setup", "sample_input"]
+
+
+def choose_plan(
+    *,
+    given: Plan | None,
+    balance: list[int] | None,
+    previous: Plan | None,
+    resumed: Plan | None,
+    num_layers: int,
+    world_size: int,
+    plan_automatically: Callable[[], Plan],
+) -> Plan:
+    """The plan this setup uses, in order of precedence: the one passed to the strategy, the
+    one an earlier setup used (a validate/test/predict after fit keeps the training layout),
+    the one a resumed checkpoint saved, one from ``balance``, else an automatic one."""
+    if given is not None and balance is not None:
+        raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
+    if given is not None:
+        plan = given
+    elif previous is not None:
+        plan = previous
+    elif balance is None and resumed is not None:
+        plan = resumed
+    elif balance is not None:
+        plan = Plan.from_balance(balance, [str(i) for i in range(num_layers)])
+    else:
+        plan = plan_automatically()
+    if plan.num_workers != world_size:
+        raise PipelineSetupError(
+            f"the plan needs one process per worker (plan workers: {plan.num_workers}, "
+            f"devices: {world_size}); use Trainer(devices={plan.num_workers}) or a "
+            f"plan for {world_size} workers"
+        )
+    return plan
+
+
+def sample_input(
+    trainer: Any, module: Any, microbatches: int, to_device: Callable[[Any], Any]
+) -> Any:
+    """One microbatch of the first stage's input: from the first training batch, else from
+    ``example_input_array``."""
+    batch = first_training_batch(trainer)
+    if batch is not None:
+        return first_stage_input(module, slice_batch(to_device(batch), microbatches)[0])
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise PipelineSetupError(
+            "planning at setup needs a sample input: fit with a training dataloader, set "
+            "example_input_array on the LightningModule, or pass balance= or plan="
+        )
+    return to_device(example)
+
+
+def announce(trainer: Any, plan: Plan, seconds: float) -> None:
+    """Print the plan and write it beside the logs (rank 0 only)."""
+    if dist.get_rank() != 0:
+        return
+    note = f"\n{plan.meta['note']}" if plan.meta.get("note") else ""
+    rank_zero_info(f"PipeDream plan ({seconds:.1f} s to profile and plan):\n{plan.render()}{note}")
+    # trainer.log_dir broadcasts from rank 0: only rank 0 is here, so ask the logger itself.
+    folder = Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pipedream_plan.json").write_text(plan.to_json())
+
 
 PROBE_BYTES = 4 * 1024 * 1024
 
@@ -57,12 +129,12 @@ def plan_at_setup(
     sample: Any,
     topology: Topology | None,
     device: torch.device,
-    num_microbatches: int = 1,
+    microbatches: int = 1,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
     Replicas of a stage share each batch's microbatches round robin, so every replica count
-    must divide ``num_microbatches``; when the best plan breaks that, a straight pipeline is
+    must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
     planned instead and the plan says why (``meta["note"]``).
     """
     start = time.perf_counter()
@@ -80,12 +152,12 @@ def plan_at_setup(
         try:
             profile = profile_layers(layers, sample, device=device)
             planned = make_plan(profile, topology)
-            if any(num_microbatches % stage.replicas for stage in planned.stages):
+            if any(microbatches % stage.replicas for stage in planned.stages):
                 best = planned.shape
                 planned = make_plan(profile, topology, straight=True)
                 planned.meta["note"] = (
                     f"the best plan ({best}) replicates stages, but replicas must divide the "
-                    f"microbatches per batch ({num_microbatches}); planned a straight pipeline. "
+                    f"microbatches per batch ({microbatches}); planned a straight pipeline. "
                     "Use PipeDreamStrategy(microbatches=...) with a multiple of the replica counts "
                     "to allow replication."
                 )

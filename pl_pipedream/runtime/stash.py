@@ -8,16 +8,16 @@ statistics) are not versioned: they live in the module and every forward updates
 
 A snapshot of the live version costs nothing when it is taken: its tensors share the live
 parameters' storage. The copy, if any, is left to the update that would change them:
-``fresh(names)`` hands the update one tensor per shared parameter to hold the new values, and
-the update makes it the parameter's storage (``runtime.update``), so the snapshot keeps the old
-storage untouched. An update with an out-of-place form (plain SGD) writes its result straight
+``storage_for_update(names)`` hands the update one tensor per shared parameter to hold the new
+values, and the update makes it the parameter's storage (``runtime.update``), so the snapshot
+keeps the old storage untouched; ``mark_stepped`` checks that it did. An update with an out-of-place form (plain SGD) writes its result straight
 into that tensor and no weights are ever copied; any other optimizer first copies the live
 values into it and steps in place there. So while a snapshot shares them, nothing but an update
-may write the live parameters: ``fresh`` raises if one was changed in place meanwhile (the
+may write the live parameters: ``storage_for_update`` raises if one was changed in place meanwhile (the
 parameter's version counter moved), rather than let a stashed version change under a backward
 pass.
 
-A dropped snapshot's tensors are kept as spares for the next ``fresh``: reusing them costs
+A dropped snapshot's tensors are kept as spares for the next update: reusing them costs
 nothing, where new memory would cost the allocator (and the kernel, in page faults) a stage's
 worth every minibatch. ``reset`` frees them.
 """
@@ -29,18 +29,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["VersionError", "WeightVersions"]
+__all__ = ["VersionError", "WeightStash"]
 
 
 class VersionError(RuntimeError):
     """The schedule asked for a weight version this stage cannot provide."""
 
 
-class WeightVersions:
+class WeightStash:
     """Snapshots of a module's parameters keyed by version (number of updates applied).
 
     ``live_version`` counts the updates applied to the live parameters; ``mark_stepped`` raises
-    it after each optimizer step. ``count`` is the number of versions kept for the actions
+    it after each update. ``count`` is the number of versions kept for the actions
     ahead (the live one included when it has a snapshot); ``nbytes`` the memory they take
     beyond the live parameters.
     """
@@ -74,7 +74,7 @@ class WeightVersions:
         self._track()
         return snapshot
 
-    def fresh(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    def storage_for_update(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """For each parameter of ``names`` whose storage a kept snapshot shares, a tensor of its
         shape to hold the values of the next update (a spare, else new memory). The update must
         make it the parameter's storage instead of writing into the shared one."""
@@ -108,7 +108,18 @@ class WeightVersions:
                 shared.add(param.data_ptr())
         return shared
 
-    def mark_stepped(self) -> None:
+    def mark_stepped(self, storage: dict[str, torch.Tensor]) -> None:
+        """Count one more update of the live weights. ``storage`` is what
+        ``storage_for_update`` gave that update: each tensor must now hold its parameter, or a
+        kept snapshot would have been overwritten."""
+        live = dict(self.module.named_parameters())
+        for name, tensor in storage.items():
+            if live[name].data_ptr() != tensor.data_ptr():
+                raise VersionError(
+                    f"an update must leave the storage a kept weight version shares as it was and "
+                    f"make the tensor it was given the parameter's storage ({self.describe}, "
+                    f"parameter: {name}); apply updates with pl_pipedream.runtime.update.step"
+                )
         self.live_version += 1
         self._track()
 

@@ -1,0 +1,141 @@
+"""Lightning batches in the pipeline: microbatches, the first stage's inputs, ``self(x)``.
+
+A Lightning batch is split along dim 0 into ``microbatches`` equal slices. The first stage takes
+each slice's inputs: ``pipeline_split_batch(batch)[0]`` when the LightningModule defines it, the
+first element of an ``(inputs, targets)`` pair, or a lone tensor as it is; one rule for training
+and evaluation alike. The last stage runs the user's ``training_step`` (or evaluation hook) on
+the whole slice, with ``self(x)`` returning the pipeline's output for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "TrainingBatch",
+    "first_stage_input",
+    "forward_returns",
+    "shape_forward",
+    "slice_batch",
+]
+
+
+def slice_batch(batch: Any, microbatches: int) -> list[Any]:
+    """Split every tensor of a batch along dim 0 into ``microbatches`` equal parts."""
+    if isinstance(batch, Tensor):
+        size = batch.shape[0] if batch.dim() else 0
+        if size % microbatches != 0 or size == 0:
+            raise ValueError(
+                f"a batch must split into equal microbatches (batch size: {size}, microbatches: "
+                f"{microbatches}); use a batch size that is a multiple of {microbatches} (and "
+                "drop_last=True in the DataLoader)"
+            )
+        return list(batch.chunk(microbatches))
+    if isinstance(batch, (tuple, list)):
+        parts = [slice_batch(item, microbatches) for item in batch]
+        if isinstance(batch, tuple):
+            return [type(batch)(p[j] for p in parts) for j in range(microbatches)]
+        return [[p[j] for p in parts] for j in range(microbatches)]
+    if isinstance(batch, dict):
+        split = {key: slice_batch(value, microbatches) for key, value in batch.items()}
+        return [{key: value[j] for key, value in split.items()} for j in range(microbatches)]
+    return [batch] * microbatches
+
+
+def first_stage_input(module: nn.Module, batch: Any) -> Any:
+    """What the first stage's first layer takes from ``batch``."""
+    split = getattr(module, "pipeline_split_batch", None)
+    if split is not None:
+        return split(batch)[0]
+    if isinstance(batch, (tuple, list)) and len(batch) >= 1:
+        return batch[0]
+    if isinstance(batch, Tensor):
+        return batch
+    raise ValueError(
+        f"a pipeline batch must be (inputs, targets) or a tensor (got: {type(batch).__name__}); "
+        "return such batches from the dataloader or define "
+        "pipeline_split_batch(batch) -> (inputs, targets) on the LightningModule"
+    )
+
+
+class TrainingBatch:
+    """One Lightning batch as the pipeline sees it: microbatch ``j``'s inputs for the first
+    stage, and its loss from the user's ``training_step`` on the last stage."""
+
+    def __init__(
+        self, module: Any, batch: Any, batch_idx: int, microbatches: int, describe: str
+    ) -> None:
+        self.module = module
+        self.batch_idx = batch_idx
+        self.describe = describe  # "rank 1, stage 1", for errors
+        self.slices = slice_batch(batch, microbatches)
+        self._inputs = [first_stage_input(module, piece) for piece in self.slices]
+        self.losses: list[float] = []  # of the microbatches whose loss this rank computed
+
+    def inputs(self, j: int) -> Any:
+        return self._inputs[j]
+
+    def loss(self, output: Any, j: int) -> Tensor:
+        """Run ``training_step`` on microbatch ``j`` with ``self(x)`` returning ``output``."""
+        module = self.module
+        with forward_returns(module, output):
+            result = module.training_step(self.slices[j], self.batch_idx)
+        loss = result["loss"] if isinstance(result, dict) else result
+        if not isinstance(loss, Tensor):
+            raise ValueError(
+                "training_step must return the loss tensor (or a dict with 'loss') on the last "
+                f"stage (returned: {type(result).__name__})"
+            )
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"the training loss is not finite (loss: {value}, {self.describe}, global step "
+                f"{module.trainer.global_step}); lower the learning rate or check the data"
+            )
+        self.losses.append(value)
+        return loss
+
+
+@contextmanager
+def forward_returns(module: nn.Module, output: Any) -> Iterator[None]:
+    """Make ``module(x)`` return ``output`` (the pipeline's result) for the duration."""
+    previous = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous  # type: ignore[method-assign]
+
+
+def shape_forward(layers: nn.Sequential) -> Callable[..., Any]:
+    """A forward for calls outside the pipeline (Lightning's model summary): it runs every
+    layer on the ``meta`` device, so it yields the right shapes without the other stages'
+    weights."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        value: Any = tuple(_to_meta(a) for a in args)
+        for layer in layers:
+            state = {n: _to_meta(t) for n, t in (*layer.named_parameters(), *layer.named_buffers())}
+            value = torch.func.functional_call(
+                layer, state, value if isinstance(value, tuple) else (value,)
+            )
+        return value
+
+    return forward
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value

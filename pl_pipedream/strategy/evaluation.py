@@ -1,0 +1,83 @@
+"""Validation, test and predict: forward-only through the first replica of every stage.
+
+The pipeline is drained before evaluation starts, so evaluation messages never mix with training
+ones. Each batch goes through the stages in order, one message per boundary; the last stage runs
+the user's hook (``validation_step``, ...) with ``self(x)`` returning the pipeline's output.
+Predictions travel from the last stage to rank 0, which returns them to the user. Metrics the
+last stage logged are shared with every rank (``lightning_patches.share_evaluation_metrics``),
+because callbacks such as ``ModelCheckpoint`` and ``EarlyStopping`` monitor them on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.executor import as_tensors
+from pl_pipedream.strategy.batches import first_stage_input, forward_returns
+from pl_pipedream.strategy.stage import LocalStage
+
+__all__ = ["EvaluationPipe"]
+
+TAG_EVALUATION = 3
+TAG_PREDICTIONS = 4
+
+
+class EvaluationPipe:
+    """One rank's part of forward-only evaluation."""
+
+    def __init__(self, plan: Plan, local: LocalStage, channel: Channel, rank: int) -> None:
+        self.plan = plan
+        self.local = local
+        self.channel = channel
+        self.rank = rank
+
+    @property
+    def evaluates(self) -> bool:
+        """Only the first replica of a stage evaluates."""
+        return self.rank == self.local.stage.ranks[0]
+
+    def run(
+        self, module: nn.Module, hook: str, batch: Any, batch_idx: int, *rest: Any, **kwargs: Any
+    ) -> Any:
+        """Run this stage's layers on the batch; the last stage returns the user's ``hook``."""
+        if not self.evaluates:
+            return None
+        stage = self.local.stage
+        what = f"the {hook.split('_')[0]} activations of batch {batch_idx}"
+        with torch.no_grad():
+            if stage.index == 0:
+                inputs = as_tensors(first_stage_input(module, batch))
+            else:
+                source = self.plan.stages[stage.index - 1].ranks[0]
+                inputs = self.channel.recv(source, TAG_EVALUATION, what).tensors
+            output = self.local.module(*inputs)
+            if stage.index < self.plan.num_stages - 1:
+                target = self.plan.stages[stage.index + 1].ranks[0]
+                self.channel.send(Message(as_tensors(output)), target, TAG_EVALUATION, what)
+                return None
+            with forward_returns(module, output):
+                return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
+
+    def predictions_to_rank_zero(self, result: Any, batch_idx: int) -> Any:
+        """The last stage's predictions travel to rank 0, which returns them to the user."""
+        last = self.plan.stages[-1].ranks[0]
+        if last == 0:
+            return result
+        what = f"the predictions of batch {batch_idx}"
+        if self.rank == last:
+            self.channel.send(Message(as_tensors(result)), 0, TAG_PREDICTIONS, what)
+            return None
+        if self.rank == 0:
+            tensors = self.channel.recv(last, TAG_PREDICTIONS, what).tensors
+            return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        return None
+
+    @property
+    def metrics_source(self) -> int:
+        """The rank whose logged metrics every rank adopts: the last stage's first replica."""
+        return self.plan.stages[-1].ranks[0]

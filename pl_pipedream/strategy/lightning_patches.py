@@ -1,0 +1,167 @@
+"""Every place where the strategy replaces, bypasses or reads a Lightning internal.
+
+A Lightning upgrade should need only this file. Each function names the Lightning 2.6 attribute
+it touches and checks that the attribute is there before it patches, so a Lightning that moved it
+fails at setup with the attribute's name instead of training on with the patch silently gone;
+``tests/strategy/test_lightning_patches.py`` checks each against the installed Lightning.
+
+What needs patching, and why (DESIGN.md, "Inside Lightning"):
+
+* ``_TrainingEpochLoop._broadcast_sigterm_tensor``: rank 0 broadcasts a SIGTERM flag before
+  every training step; that collective would put every stage in lock-step. Each rank checks its
+  own flag instead.
+* ``_LoggerConnector.update_eval_epoch_metrics``: metrics are logged on the last stage only; every
+  rank must see them, since callbacks monitor them on every rank.
+* ``Precision.clip_grad_by_norm`` (an instance attribute over the plugin's method): Lightning
+  clips by the norm of one rank's gradients; a flushed pipeline clips by the norm over all
+  stages, as one device would.
+* ``LightningModule.forward`` (an instance attribute): the model summary runs
+  ``forward(example_input_array)`` on every rank, where other stages' layers are on ``meta``.
+* torchmetrics' ``Metric.sync_on_compute``: a metric would gather its state over every rank on
+  ``compute()``, but only the last stage's first replica evaluates.
+* Read-only: ``_FitLoop._data_source`` (the first training batch, to plan with) and
+  ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an epoch's last step drains).
+* Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
+  ``_MultiProcessingLauncher`` and ``_WorkerOutput`` (launchers), ``_init_dist_connection``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor, nn
+
+__all__ = [
+    "MultiProcessingLauncher",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "LightningChangedError",
+    "clip_by_global_norm",
+    "first_training_batch",
+    "init_dist_connection",
+    "is_last_batch",
+    "check_sigterm_per_rank",
+    "share_evaluation_metrics",
+    "stop_metric_sync",
+    "summary_forward",
+]
+
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+MultiProcessingLauncher = _MultiProcessingLauncher
+WorkerOutput = _WorkerOutput
+init_dist_connection = _init_dist_connection
+
+SUPPORTED = "lightning>=2.6,<2.7"
+
+
+class LightningChangedError(RuntimeError):
+    """The installed Lightning lacks an internal the strategy relies on."""
+
+
+def _require(owner: Any, attribute: str, where: str) -> Any:
+    if not hasattr(owner, attribute):
+        raise LightningChangedError(
+            f"PipeDreamStrategy relies on a Lightning internal that is missing ({where}."
+            f"{attribute}); install {SUPPORTED}, the versions pl_pipedream supports"
+        )
+    return getattr(owner, attribute)
+
+
+def check_sigterm_per_rank(trainer: Any) -> None:
+    """Replace the per-step SIGTERM broadcast (``trainer.fit_loop.epoch_loop.
+    _broadcast_sigterm_tensor``) by a check of this rank's own flag."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    _require(epoch_loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
+
+    def check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    epoch_loop._broadcast_sigterm_tensor = check
+
+
+def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], None]) -> None:
+    """Wrap ``trainer._logger_connector.update_eval_epoch_metrics`` so that, after each
+    evaluation, every rank adopts the metrics rank ``source`` logged (``before()``, then one
+    broadcast; every rank runs the evaluation loop). The connector's properties
+    ``callback_metrics``, ``progress_bar_metrics`` and ``logged_metrics`` are read on the source;
+    the other ranks update the stores behind them (``_callback_metrics``, ...)."""
+    connector = trainer._logger_connector
+    epoch_metrics = _require(connector, "update_eval_epoch_metrics", "_LoggerConnector")
+    names = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
+    for name in names:
+        _require(connector, name, "_LoggerConnector")
+        _require(connector, f"_{name}", "_LoggerConnector")
+
+    def update_eval_epoch_metrics() -> Any:
+        outputs = epoch_metrics()
+        before()
+        shared: list[Any] = [None]
+        if dist.get_rank() == source:
+            shared[0] = _cpu((outputs, *(getattr(connector, name) for name in names)))
+        dist.broadcast_object_list(shared, src=source)
+        outputs, *metrics = shared[0]
+        if dist.get_rank() != source:
+            for name, values in zip(names, metrics, strict=True):
+                getattr(connector, f"_{name}").update(values)
+        return outputs
+
+    connector.update_eval_epoch_metrics = update_eval_epoch_metrics
+
+
+def clip_by_global_norm(precision: Any, clip: Callable[[Any, float], None]) -> None:
+    """Make the precision plugin clip gradient norms with ``clip(optimizer, clip_val)``
+    (``Precision.clip_grad_by_norm``, which ``Precision.clip_gradients`` calls)."""
+    _require(precision, "clip_grad_by_norm", type(precision).__name__)
+    precision.clip_grad_by_norm = clip
+
+
+def summary_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Give the LightningModule a forward for calls outside the pipeline (the model summary's
+    ``forward(example_input_array)``); the strategy replaces it inside its own steps."""
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def stop_metric_sync(module: nn.Module) -> None:
+    """Turn off torchmetrics' gather over all ranks on ``compute()`` (``Metric.sync_on_compute``)
+    for every metric of ``module``."""
+    for sub in module.modules():
+        if hasattr(sub, "sync_on_compute") and hasattr(sub, "compute"):
+            sub.sync_on_compute = False
+
+
+def first_training_batch(trainer: Any) -> Any | None:
+    """The first batch of the training dataloader while fitting (``trainer.fit_loop.
+    _data_source``), or None."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    source = _require(trainer.fit_loop, "_data_source", "_FitLoop")
+    if source is None or not source.is_defined():
+        return None
+    return next(iter(source.dataloader()))
+
+
+def is_last_batch(trainer: Any) -> bool:
+    """Whether the running training step is its epoch's last
+    (``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cpu(v) for v in value)
+    return value

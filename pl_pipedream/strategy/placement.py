@@ -1,0 +1,68 @@
+"""Where a rank's work lives: its stage's tensors on its device, its process on its cores.
+
+After ``cut_stage`` the layers of other stages are on the ``meta`` device; everything else of
+the LightningModule (its stage's layers and any state outside the pipeline) moves to the rank's
+device, and the optimizers keep only those parameters. On CPU, each rank is bound to an equal
+share of the cores its node's ranks may all use (``runtime.affinity``): the kernel could
+otherwise run two busy stages on one core while another idles, and the whole pipeline would run
+at that core's pace.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus
+
+__all__ = ["bind_to_cpu_share", "keep_local_parameters", "move_to_device"]
+
+
+def move_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``module`` that is not on ``meta`` to ``device``."""
+    for sub in module.modules():
+        for param in list(sub._parameters.values()):
+            if param is not None and param.device.type != "meta":
+                param.data = param.data.to(device)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.device.type != "meta":
+                sub._buffers[name] = buffer.to(device)
+
+
+def keep_local_parameters(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    """Optimizers keep only this rank's parameters (its stage's, plus any outside the
+    pipeline): the others are on ``meta``."""
+    local = {id(p) for p in module.parameters() if p.device.type != "meta"}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in local]
+
+
+def bind_to_cpu_share(
+    rank: int, world_size: int, node_ranks: range
+) -> tuple[frozenset[int], frozenset[int]] | None:
+    """Bind this rank to its share of the cores its node's ranks (``node_ranks``) may all use;
+    one all-gather of every rank's cores (all ranks call it). Returns the cores the process had
+    (to restore at teardown) and its share, or None when left alone: ranks a launcher already
+    bound to different cores, fewer cores than ranks, or a binding that failed (warned)."""
+    pool = current_cpus()
+    pools: list[frozenset[int] | None] = [None] * world_size
+    dist.all_gather_object(pools, pool)
+    share = cpu_share(pools, node_ranks, rank)
+    if share is None or pool is None:
+        return None
+    try:
+        bind_threads(share)
+    except OSError as error:
+        warnings.warn(
+            f"Rank {rank} could not be bound to cores {sorted(share)} ({error}); it runs where "
+            "the kernel places it. PipeDreamStrategy(bind_cpus=False) skips binding.",
+            stacklevel=2,
+        )
+        return None
+    return pool, share

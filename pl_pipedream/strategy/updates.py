@@ -1,0 +1,170 @@
+"""Who applies a stage's updates, chosen once at setup from the sync mode.
+
+Lightning's automatic optimisation runs ``training_step``, then ``zero_grad``, ``backward`` and
+the optimizer step. Every ``STEP`` of the schedule hands the stage's ``Update`` the mean gradient
+of that update (``runtime.executor``); what the update does with it depends on the mode:
+
+* ``PipelineUpdates`` (modes that update inside the pipeline: ``async``, ``vertical_sync``,
+  ``2bw``): the stage's optimizers step right there, when the schedule says, several times per
+  Lightning step in the per-minibatch modes. Clipping is per stage. Lightning's own backward and
+  step do nothing; its step counter, ``max_steps`` and LR schedulers still advance per batch.
+* ``TrainerUpdates`` (flushed modes: ``flush``, ``gpipe``): the one update of the batch holds
+  its gradient until Lightning's ``backward`` hands it to the parameters; Lightning then clips
+  (by the norm over every stage, as on one device), accumulates and steps as usual.
+
+Either way an update first moves the live weights out of any storage a kept weight version
+shares (``runtime.update``), so a stashed version never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from pl_pipedream.runtime import update
+from pl_pipedream.schedule.modes import SyncMode
+
+__all__ = ["PipelineUpdates", "StageUpdates", "TrainerUpdates", "check_trainer", "stage_updates"]
+
+
+class StageUpdates:
+    """The ``Update`` of a stage (``runtime.executor.Update``) and its part in Lightning's
+    ``backward``. ``optimizers`` gives the strategy's optimizers, set up after the pipeline."""
+
+    steps_in_pipeline: bool
+
+    def __init__(
+        self,
+        mode: SyncMode,
+        module: nn.Module,
+        optimizers: Callable[[], list[Optimizer]],
+        trainer: Any,
+    ) -> None:
+        self.mode = mode
+        self.module = module  # the stage's layers
+        self.optimizers = optimizers
+        self.trainer = trainer
+
+    def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
+        raise NotImplementedError
+
+    def backward(self, loss: Tensor) -> Tensor:
+        """Lightning's backward of a training step: the pipeline already ran it."""
+        return loss
+
+
+class PipelineUpdates(StageUpdates):
+    """The stage's optimizers step inside the pipeline, with the stage's gradients clipped."""
+
+    steps_in_pipeline = True
+
+    def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
+        params = dict(self.module.named_parameters())
+        for name, param in params.items():
+            param.grad = gradients.get(name)
+        self._clip([p for p in params.values() if p.grad is not None])
+        targets: dict[Tensor, Tensor] = {params[name]: t for name, t in storage.items()}
+        optimizers = self.optimizers()
+        stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        # a parameter no optimizer steps keeps its values; it still leaves the shared storage
+        copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})
+        for optimizer in optimizers:
+            copied += update.step(optimizer, targets)
+            optimizer.zero_grad(set_to_none=True)
+        return copied
+
+    def _clip(self, params: list[Tensor]) -> None:
+        clip = self.trainer.gradient_clip_val
+        if not clip:
+            return
+        if self.trainer.gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+
+
+class TrainerUpdates(StageUpdates):
+    """The batch's gradient waits for Lightning's ``backward``; Lightning steps in place."""
+
+    steps_in_pipeline = False
+
+    def __init__(
+        self,
+        mode: SyncMode,
+        module: nn.Module,
+        optimizers: Callable[[], list[Optimizer]],
+        trainer: Any,
+        replicas: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(mode, module, optimizers, trainer)
+        self.replicas = replicas
+        self.device = device
+        self._held: dict[str, Tensor] = {}
+
+    def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
+        self._held = gradients
+        params = dict(self.module.named_parameters())
+        # Lightning steps later, in place: a stashed version keeps a copy
+        return update.move_storage({params[n]: t for n, t in storage.items()})
+
+    def backward(self, loss: Tensor) -> Tensor:
+        """Add the held batch gradient to the parameters' ``.grad`` (Lightning accumulates)."""
+        scale = 1.0 / self.trainer.accumulate_grad_batches
+        for name, param in self.module.named_parameters():
+            grad = self._held.get(name)
+            if grad is None:
+                continue
+            if scale != 1.0:  # a copy of the stage's gradients costs as much as a small backward
+                grad = grad * scale
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._held = {}
+        return loss
+
+    def clip_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Scale gradients so their norm over every stage is at most ``clip_val`` (one
+        all-reduce over all ranks; replicas of a stage hold the same gradient)."""
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in grads:
+            square += grad.detach().double().pow(2).sum()
+        square /= self.replicas
+        dist.all_reduce(square)
+        coefficient = float(clip_val) / (float(square.sqrt()) + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
+
+
+def check_trainer(mode: SyncMode, trainer: Any) -> None:
+    """Raise for Trainer settings the mode's updates cannot honour."""
+    if mode.updates_in_pipeline and trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"gradient accumulation needs a flushed pipeline (sync: {mode}, "
+            f"accumulate_grad_batches: {trainer.accumulate_grad_batches}); use "
+            f"PipeDreamStrategy(sync='{SyncMode.FLUSH}') or raise microbatches instead"
+        )
+
+
+def stage_updates(
+    mode: SyncMode,
+    module: nn.Module,
+    optimizers: Callable[[], list[Optimizer]],
+    trainer: Any,
+    replicas: int,
+    device: torch.device,
+) -> StageUpdates:
+    """The updates of a stage under ``mode``."""
+    if mode.updates_in_pipeline:
+        return PipelineUpdates(mode, module, optimizers, trainer)
+    return TrainerUpdates(mode, module, optimizers, trainer, replicas, device)

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
 from pl_pipedream.schedule.actions import Action
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
 
 __all__ = ["PipelineRunner"]
@@ -47,6 +50,46 @@ class PipelineRunner:
         self.stream = SegmentStream(plan, sync, microbatches)
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
+        self.groups: list[Any] = []  # process groups made for this pipeline alone
+
+    @classmethod
+    def create(
+        cls,
+        plan: Plan,
+        sync: SyncMode,
+        microbatches: int,
+        module: nn.Module,
+        rank: int,
+        update: Update,
+        device: torch.device,
+        timeout: float,
+        record_timeline: bool = False,
+    ) -> PipelineRunner:
+        """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel and
+        replica groups of its own (every rank must call this at the same point)."""
+        replica_groups = [
+            dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
+        ]
+        # A receive posted ahead that training never matched stays posted: the messages of each
+        # pipeline get a group of their own, so it cannot take a later pipeline's message.
+        messages = dist.new_group(list(range(plan.num_workers)))
+        stage = plan.stage_of_rank(rank)
+        describe = f"rank {rank} (stage {stage.index})"
+        executor = StageExecutor(
+            module,
+            rank,
+            stage.index,
+            plan.num_stages,
+            Channel(rank, device, timeout, describe, messages),
+            update_settings(sync, microbatches, stage.replicas),
+            replica_group=replica_groups[stage.index],
+            num_replicas=stage.replicas,
+            device=device,
+            record_timeline=record_timeline,
+        )
+        runner = cls(plan, sync, microbatches, executor, update)
+        runner.groups = [group for group in replica_groups if group is not None]
+        return runner
 
     @property
     def drained(self) -> bool:
@@ -94,3 +137,13 @@ class PipelineRunner:
         )
         self.executor.restart()
         self.step = 0
+
+    def close(self, failed: bool = False) -> None:
+        """Wait for the sends still under way (unless training failed: a peer that stopped
+        would never take them), then give back the pipeline's process groups."""
+        groups, self.groups = self.groups, []
+        try:
+            self.executor.channel.close(flush=not failed)
+        finally:
+            for group in groups:
+                dist.destroy_process_group(group)

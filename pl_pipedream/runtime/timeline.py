@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TimelineEvent", "bubble_fractions", "chrome_trace", "write_trace"]
+import torch.distributed as dist
+
+__all__ = ["TimelineEvent", "bubble_fractions", "chrome_trace", "gather_trace", "write_trace"]
 
 BUSY = ("FORWARD", "BACKWARD", "STEP")
 
@@ -71,3 +73,13 @@ def write_trace(events: Sequence[TimelineEvent], path: str | Path) -> dict[int, 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events)))
     return bubble_fractions(events)
+
+
+def gather_trace(events: Sequence[TimelineEvent], path: str | Path) -> dict[int, float] | None:
+    """Gather every rank's events (a collective); rank 0 writes the trace to ``path`` and
+    returns the bubble fraction per rank, the other ranks None."""
+    gathered: list[Sequence[TimelineEvent]] = [()] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(events))
+    if dist.get_rank() != 0:
+        return None
+    return write_trace([event for part in gathered for event in part], path)

@@ -101,6 +101,19 @@ class TrainingBatch:
         self.losses.append(value)
         return loss
 
+    def log_loss(self, newest: float | None, device: torch.device) -> Tensor:
+        """Log ``train_loss``: the mean of this batch's losses where this rank computed them
+        (the last stage), else ``newest``, the newest loss that reached this rank with the
+        gradients. Returns it (NaN while none has arrived), as ``training_step`` must."""
+        value = sum(self.losses) / len(self.losses) if self.losses else newest
+        if value is None:
+            return torch.tensor(float("nan"), device=device)
+        loss = torch.tensor(value, device=device)
+        self.module.log(
+            "train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False
+        )
+        return loss
+
 
 @contextmanager
 def forward_returns(module: nn.Module, output: Any) -> Iterator[None]:

@@ -24,20 +24,26 @@ from typing import Any
 
 import torch
 
-from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = [
     "CheckpointError",
     "check_layout",
     "consolidate_checkpoint",
+    "is_sharded",
     "merge_states",
+    "merged_checkpoint",
+    "optimizer_states",
     "read_shards",
     "remove",
+    "save",
     "shard_name",
     "write_description",
     "write_shard",
 ]
+
+Shards = tuple[dict[str, Any], list[dict[str, Any]]]  # the description and every stage's dict
 
 META_FILE = "pipeline.json"
 
@@ -48,6 +54,40 @@ class CheckpointError(ValueError):
 
 def shard_name(stage: int) -> str:
     return f"stage-{stage:02d}.pt"
+
+
+def save(
+    path: str | Path,
+    checkpoint: dict[str, Any],
+    rank: int,
+    stage: Stage,
+    plan: Plan,
+    sync: str,
+    microbatches: int,
+) -> None:
+    """Write ``rank``'s part of a checkpoint: its stage's shard if it is the stage's first
+    replica, and the description if it is rank 0."""
+    if rank == stage.ranks[0]:
+        write_shard(path, stage.index, checkpoint)
+    if rank == 0:
+        write_description(path, sync, microbatches, plan)
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a directory with a PipeDream checkpoint's description."""
+    return (Path(path) / META_FILE).is_file()
+
+
+def merged_checkpoint(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lightning's checkpoint dict: every stage's weights merged, the rest from stage 0."""
+    return {**shards[0], "state_dict": merge_states(shard["state_dict"] for shard in shards)}
+
+
+def optimizer_states(saved: Shards, plan: Plan, stage: int) -> list[dict[str, Any]]:
+    """The optimizer states ``stage`` saved, once ``plan`` is checked against the saved one."""
+    meta, shards = saved
+    check_layout(Plan.from_dict(meta["plan"]), plan)
+    return shards[stage]["optimizer_states"]
 
 
 def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> None:
@@ -99,7 +139,7 @@ def check_layout(saved: Plan, plan: Plan) -> None:
         )
 
 
-def read_shards(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def read_shards(path: str | Path) -> Shards:
     """The pipeline description and every stage's checkpoint dict, in stage order."""
     root = Path(path)
     meta_path = root / META_FILE

@@ -13,25 +13,25 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers.multiprocessing import (
-    _MultiProcessingLauncher,
-    _WorkerOutput,
-)
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from typing_extensions import override
+
+from pl_pipedream.strategy.checkpoint import merge_states
+from pl_pipedream.strategy.lightning_patches import MultiProcessingLauncher, WorkerOutput
 
 __all__ = ["PipelineSpawnLauncher"]
 
 
-class PipelineSpawnLauncher(_MultiProcessingLauncher):
+class PipelineSpawnLauncher(MultiProcessingLauncher):
     """``start_method="spawn"`` (or ``"fork"``) for ``PipeDreamStrategy``."""
 
     @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None) if callback else None
         fitted = trainer.state.fn == TrainerFn.FITTING
-        state = self._strategy.full_state_dict() if fitted else None  # type: ignore[attr-defined]
+        state = _gather_state_dict(self._strategy) if fitted else None
         # This worker process ends next: close the process group first, so that no gloo thread
         # is still running when the interpreter exits (that aborts the process).
         if dist.is_initialized():
@@ -43,6 +43,13 @@ class PipelineSpawnLauncher(_MultiProcessingLauncher):
         if state is not None:
             weights_path = os.path.join(tempfile.mkdtemp(), ".pipedream-weights.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state, weights_path)
-        return _WorkerOutput(
+        return WorkerOutput(
             best, weights_path, trainer.state, results, self.get_extra_results(trainer)
         )
+
+
+def _gather_state_dict(strategy: Any) -> dict[str, Tensor]:
+    """Every stage's state, merged under the LightningModule's names (all ranks call it)."""
+    gathered: list[dict[str, Tensor]] = [{}] * strategy.world_size
+    dist.all_gather_object(gathered, strategy.lightning_module_state_dict())
+    return merge_states(gathered)

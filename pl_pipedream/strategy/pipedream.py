@@ -23,7 +23,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -36,19 +35,17 @@ from typing_extensions import override
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.affinity import bind_threads
-from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import StageExecutor
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.timeline import write_trace
-from pl_pipedream.schedule.modes import SyncMode, update_settings
+from pl_pipedream.runtime.timeline import gather_trace
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import checkpoint as sharded
-from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy import collectives, lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.evaluation import EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
-from pl_pipedream.strategy.planning import announce, choose_plan, plan_at_setup, sample_input
+from pl_pipedream.strategy.planning import choose_plan, plan_automatically
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import StageUpdates, TrainerUpdates, check_trainer, stage_updates
 
@@ -60,28 +57,21 @@ class PipeDreamStrategy(ParallelStrategy):
 
     Args:
         sync: ``"async"`` (weight stashing), ``"vertical_sync"``, ``"2bw"``, ``"flush"`` or
-            ``"gpipe"``; the update rules are in DESIGN.md.
+            ``"gpipe"`` (``schedule.modes.SyncMode``); the update rules are in DESIGN.md.
         microbatches: each Lightning batch is split along dim 0 into this many equal slices.
-        balance: layers per stage of a straight pipeline (``sum(balance)`` must equal the number
-            of layers ``configure_pipeline()`` returns and ``len(balance)`` the device count).
-        plan: a ``Plan`` (replicated stages); its layer ids are the pipeline indices "0", "1", ...
-            With neither ``balance`` nor ``plan``, rank 0 profiles the layers at setup and plans
-            with PipeDream's optimizer for ``topology``.
-        topology: the cluster the planner optimises for (``Topology``); by default one level
-            whose bandwidth is measured between ranks 0 and 1 at setup.
+        balance: layers per stage of a straight pipeline (``len(balance)`` stages).
+        plan: a ``Plan`` (replicated stages) over the pipeline indices "0", "1", ... With neither
+            ``balance`` nor ``plan``, rank 0 profiles and plans at setup (``strategy.planning``).
+        topology: the cluster the planner optimises for; by default one level whose bandwidth
+            is measured between ranks 0 and 1 at setup.
         timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
-        timeline: a path; every executed action is recorded with its start and end, and at the
-            end of training rank 0 writes them there as a Chrome trace (open it in Perfetto) and
-            prints the measured bubble fraction per rank.
-        start_method: ``"popen"`` (re-run the script per rank, like DDP) or ``"spawn"``.
-        retain_freed_memory: on CPU with glibc, each rank keeps the memory it frees instead of
-            returning it to the kernel (``pl_pipedream.runtime.memory``): a stage frees and
-            allocates tensors of a layer's size every minibatch, and fresh pages cost a fault
-            each. The process keeps its peak memory. ``False`` leaves the allocator alone.
-        bind_cpus: on CPU, each rank is bound to its own share of the cores while the strategy
-            is set up (``strategy.placement``). Ranks a launcher has already bound are left
-            alone; teardown restores the cores the process had. ``False`` leaves placement to
-            the kernel.
+        timeline: a path for a Chrome trace of every executed action, written by rank 0 at the
+            end of training with the measured bubble per rank (``runtime.timeline``).
+        start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
+        retain_freed_memory: on CPU with glibc, keep freed memory in the process
+            (``runtime.memory``); ``False`` leaves the allocator alone.
+        bind_cpus: on CPU, bind each rank to its own share of the cores from setup to teardown
+            (``strategy.placement``); ``False`` leaves placement to the kernel.
     """
 
     strategy_name = "pipedream"
@@ -136,12 +126,11 @@ class PipeDreamStrategy(ParallelStrategy):
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
-        self._num_nodes = 1
+        self.num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
         self.local_stage: LocalStage | None = None
         self.runner: PipelineRunner | None = None
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
-        self._groups: list[Any] = []  # replica groups of this setup, destroyed at teardown
         self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
 
     # ----- the launch -------------------------------------------------------------------------
@@ -151,14 +140,6 @@ class PipeDreamStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -230,62 +211,43 @@ class PipeDreamStrategy(ParallelStrategy):
         self._patch_lightning(trainer, module, layers)
 
     def _choose_plan(self, trainer: pl.Trainer, module: pl.LightningModule, layers: int) -> Plan:
-        def plan_automatically() -> Plan:
-            sample = None
-            if self.global_rank == 0:
-                sample = sample_input(trainer, module, self.microbatches, self.batch_to_device)
-            plan, self.setup_seconds = plan_at_setup(
-                pipeline_layers(module), sample, self.topology, self.root_device, self.microbatches
+        def automatically() -> Plan:
+            plan, self.setup_seconds = plan_automatically(
+                trainer, module, self.topology, self.microbatches, self.batch_to_device
             )
-            announce(trainer, plan, self.setup_seconds)
             return plan
 
+        resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
         return choose_plan(
-            given=self._given_plan,
-            balance=self.balance,
-            previous=self.plan,
-            resumed=Plan.from_dict(self._resume[0]["plan"]) if self._resume else None,
-            num_layers=layers,
-            world_size=self.world_size,
-            plan_automatically=plan_automatically,
+            self._given_plan,
+            self.balance,
+            self.plan,
+            resumed,
+            layers,
+            self.world_size,
+            automatically,
         )
 
     def _build_pipeline(self, trainer: pl.Trainer) -> None:
-        """The channel, the stage's executor and updates, the runner, the evaluation pipe."""
+        """The stage's updates, the pipeline that runs it, the evaluation pipe."""
         assert self.local_stage is not None and self.plan is not None
-        stage = self.local_stage.stage
-        groups = [
-            dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in self.plan.stages
-        ]
-        self._groups = [group for group in groups if group is not None]
-        # Pipeline messages get a process group of their own for each setup: a receive posted
-        # ahead that training never matched stays posted and must not take a later run's message.
-        messages = dist.new_group(list(range(self.world_size)))
-        describe = f"rank {self.global_rank} (stage {stage.index})"
-        channel = Channel(self.global_rank, self.root_device, self.timeout, describe, messages)
-        executor = StageExecutor(
-            self.local_stage.module,
+        stage, module = self.local_stage.stage, self.local_stage.module
+        optimizers = lambda: self.optimizers  # noqa: E731 - set up after the pipeline
+        self.updates = stage_updates(
+            self.sync, module, optimizers, trainer, stage.replicas, self.root_device
+        )
+        self.runner = PipelineRunner.create(
+            self.plan,
+            self.sync,
+            self.microbatches,
+            module,
             self.global_rank,
-            stage.index,
-            self.plan.num_stages,
-            channel,
-            update_settings(self.sync, self.microbatches, stage.replicas),
-            replica_group=groups[stage.index],
-            num_replicas=stage.replicas,
-            device=self.root_device,
+            self.updates,
+            self.root_device,
+            self.timeout,
             record_timeline=self.timeline is not None,
         )
-        self.updates = stage_updates(
-            self.sync,
-            self.local_stage.module,
-            lambda: self.optimizers,
-            trainer,
-            stage.replicas,
-            self.root_device,
-        )
-        self.runner = PipelineRunner(
-            self.plan, self.sync, self.microbatches, executor, self.updates
-        )
+        channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
 
     def _patch_lightning(
@@ -318,28 +280,13 @@ class PipeDreamStrategy(ParallelStrategy):
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
         self.runner.train_batch(work.inputs, work.loss, drain=self._must_drain(module.trainer))
-        return self._log_train_loss(work.losses)
+        newest = self.runner.executor.newest_loss
+        return work.log_loss(None if newest is None else newest.value, self.root_device)
 
     def _must_drain(self, trainer: pl.Trainer) -> bool:
         if self.sync.flushes or lightning_patches.is_last_batch(trainer):
             return True
         return 0 < trainer.max_steps <= trainer.global_step + 1
-
-    def _log_train_loss(self, losses: list[float]) -> Tensor:
-        """The loss of the newest minibatches this rank knows of, logged as ``train_loss``."""
-        assert self.runner is not None
-        if losses:
-            value: float | None = sum(losses) / len(losses)
-        else:
-            newest = self.runner.executor.newest_loss
-            value = None if newest is None else newest.value
-        if value is None:
-            return torch.tensor(float("nan"), device=self.root_device)
-        loss = torch.tensor(value, device=self.root_device)
-        self.lightning_module.log(
-            "train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False
-        )
-        return loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -364,18 +311,11 @@ class PipeDreamStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         self.drain()
         if self.timeline is not None and self.runner is not None:
-            self._write_timeline(self.runner.executor.timeline)
-
-    def _write_timeline(self, events: list[Any]) -> None:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, events)
-        if self.global_rank != 0:
-            return
-        assert self.timeline is not None
-        everything = [event for part in gathered for event in part]
-        self.bubbles = write_trace(everything, self.timeline)
-        summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in self.bubbles.items())
-        rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
+            bubbles = gather_trace(self.runner.executor.timeline, self.timeline)
+            if bubbles is not None:
+                self.bubbles = bubbles
+                summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in bubbles.items())
+                rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
 
     # ----- evaluation -------------------------------------------------------------------------
 
@@ -423,23 +363,17 @@ class PipeDreamStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
         assert self.local_stage is not None and self.plan is not None
-        stage = self.local_stage.stage
-        if self.global_rank == stage.ranks[0]:
-            sharded.write_shard(filepath, stage.index, checkpoint)
-        if self.global_rank == 0:
-            sharded.write_description(filepath, self.sync, self.microbatches, self.plan)
+        stage, rank = self.local_stage.stage, self.global_rank
+        sharded.save(filepath, checkpoint, rank, stage, self.plan, self.sync, self.microbatches)
 
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Read a sharded checkpoint: every stage's weights merged, the rest from stage 0."""
-        if not (Path(checkpoint_path) / sharded.META_FILE).is_file():
+        if not sharded.is_sharded(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta, shards = sharded.read_shards(checkpoint_path)
-        self._resume = (meta, shards)
-        merged = sharded.merge_states(shard["state_dict"] for shard in shards)
-        return {**shards[0], "state_dict": merged}
+        self._resume = sharded.read_shards(checkpoint_path)
+        return sharded.merged_checkpoint(self._resume[1])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -447,9 +381,7 @@ class PipeDreamStrategy(ParallelStrategy):
         if self._resume is None:
             return super().load_optimizer_state_dict(checkpoint)
         assert self.local_stage is not None and self.plan is not None
-        meta, shards = self._resume
-        sharded.check_layout(Plan.from_dict(meta["plan"]), self.plan)
-        states = shards[self.local_stage.stage.index]["optimizer_states"]
+        states = sharded.optimizer_states(self._resume, self.plan, self.local_stage.stage.index)
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(state)
 
@@ -458,36 +390,19 @@ class PipeDreamStrategy(ParallelStrategy):
         if self.global_rank == 0:
             sharded.remove(filepath)
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Every stage's state gathered to every rank (a collective: all ranks call it)."""
-        mine = self.lightning_module_state_dict()
-        gathered: list[dict[str, Tensor]] = [{}] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        return sharded.merge_states(gathered)
-
     # ----- collectives Lightning asks for (setup, evaluation, checkpoints) ----------------------
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        shared = [obj]
-        dist.broadcast_object_list(shared, src=src)
-        return shared[0]
+        return collectives.broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or not dist.is_initialized():
-            return tensor
-        op, mean = _reduce_op(reduce_op)
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor / dist.get_world_size(group) if mean else tensor
+        return collectives.reduce(tensor, group, reduce_op)
 
     # ----- teardown ---------------------------------------------------------------------------
 
@@ -496,18 +411,9 @@ class PipeDreamStrategy(ParallelStrategy):
         if self.runner is not None:
             runner, self.runner = self.runner, None
             trainer = getattr(self.lightning_module, "_trainer", None)
-            failed = trainer is not None and trainer.interrupted
-            groups, self._groups = self._groups, []
-            try:
-                runner.executor.channel.close(flush=not failed)
-            finally:
-                for group in groups:
-                    dist.destroy_process_group(group)
-        module = self.lightning_module
-        if module is not None:
-            for param in module.parameters():
-                if param.device.type != "meta":
-                    param.data = param.data.cpu()
+            runner.close(failed=trainer is not None and trainer.interrupted)
+        if self.lightning_module is not None:
+            move_to_device(self.lightning_module, torch.device("cpu"))
         if self._unbound_cpus is not None:
             bind_threads(self._unbound_cpus)
             self._unbound_cpus = self.cpu_binding = None
@@ -522,23 +428,3 @@ class PipeDreamStrategy(ParallelStrategy):
         strategy_registry.register(
             "pipedream", cls, description="PipeDream pipeline parallelism (1F1B, weight stashing)"
         )
-
-
-def _reduce_op(reduce_op: Any) -> tuple[dist.ReduceOp, bool]:
-    """torch's reduce op for Lightning's ``reduce_op`` (a ``ReduceOp`` or its name, or
-    "mean"/"avg"), and whether to divide by the world size afterwards (gloo has no AVG)."""
-    if reduce_op is None:
-        return dist.ReduceOp.SUM, False
-    if isinstance(reduce_op, str):
-        name = reduce_op.lower()
-        if name in ("mean", "avg"):
-            return dist.ReduceOp.SUM, True
-        if name in ("sum", "max", "min", "product"):
-            return getattr(dist.ReduceOp, name.upper()), False
-        raise ValueError(
-            f"reduce_op must be a torch.distributed.ReduceOp or one of 'sum', 'mean', 'avg', "
-            f"'max', 'min', 'product' (reduce_op: {reduce_op!r})"
-        )
-    if reduce_op == dist.ReduceOp.AVG:
-        return dist.ReduceOp.SUM, True
-    return reduce_op, False

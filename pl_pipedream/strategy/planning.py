@@ -28,13 +28,19 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.measure import profile_layers
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.lightning_patches import first_training_batch
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.strategy.stage import PipelineSetupError, pipeline_layers
 
-__all__ = ["announce", "choose_plan", "measure_bandwidth", "plan_at_setup", "sample_input"]
+__all__ = [
+    "announce",
+    "choose_plan",
+    "measure_bandwidth",
+    "plan_at_setup",
+    "plan_automatically",
+    "sample_input",
+]
 
 
 def choose_plan(
-    *,
     given: Plan | None,
     balance: list[int] | None,
     previous: Plan | None,
@@ -65,6 +71,24 @@ def choose_plan(
             f"plan for {world_size} workers"
         )
     return plan
+
+
+def plan_automatically(
+    trainer: Any,
+    module: Any,
+    topology: Topology | None,
+    microbatches: int,
+    to_device: Callable[[Any], Any],
+) -> tuple[Plan, float]:
+    """Rank 0 profiles one microbatch of the first batch and plans; every rank gets the plan.
+    Returns it with the seconds it took; rank 0 prints it and writes it beside the logs."""
+    sample = None
+    if dist.get_rank() == 0:
+        sample = sample_input(trainer, module, microbatches, to_device)
+    device = trainer.strategy.root_device
+    plan, seconds = plan_at_setup(pipeline_layers(module), sample, topology, device, microbatches)
+    announce(trainer, plan, seconds)
+    return plan, seconds
 
 
 def sample_input(

@@ -1,21 +1,20 @@
-"""Weight versions of one stage, each in its own tensors (weight stashing, SOSP'19 3.3).
+"""The weight stash: the weight versions a stage keeps for its backward passes (SOSP'19 3.3).
 
 The optimizer owns the stage's live parameters. Every forward pass runs functionally on a
 snapshot of its weight version, and the backward pass of the same minibatch reuses that
 snapshot, so autograd never sees a tensor change under it; a snapshot is dropped as soon as the
-schedule no longer names its version. Buffers (BatchNorm running
-statistics) are not versioned: they live in the module and every forward updates them.
+schedule no longer names its version. Buffers (BatchNorm running statistics) are not versioned: they live in the module and every forward updates them.
 
 A snapshot of the live version costs nothing when it is taken: its tensors share the live
 parameters' storage. The copy, if any, is left to the update that would change them:
 ``storage_for_update(names)`` hands the update one tensor per shared parameter to hold the new
 values, and the update makes it the parameter's storage (``runtime.update``), so the snapshot
-keeps the old storage untouched; ``mark_stepped`` checks that it did. An update with an out-of-place form (plain SGD) writes its result straight
-into that tensor and no weights are ever copied; any other optimizer first copies the live
-values into it and steps in place there. So while a snapshot shares them, nothing but an update
-may write the live parameters: ``storage_for_update`` raises if one was changed in place meanwhile (the
-parameter's version counter moved), rather than let a stashed version change under a backward
-pass.
+keeps the old storage untouched; ``mark_stepped`` checks that it did. An update with an
+out-of-place form (plain SGD) writes its result straight into that tensor and no weights are ever
+copied; any other optimizer first copies the live values into it and steps in place there. So
+while a snapshot shares them, nothing but an update may write the live parameters:
+``storage_for_update`` raises if one was changed in place meanwhile (the parameter's version
+counter moved), rather than let a stashed version change under a backward pass.
 
 A dropped snapshot's tensors are kept as spares for the next update: reusing them costs
 nothing, where new memory would cost the allocator (and the kernel, in page faults) a stage's
@@ -28,6 +27,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["VersionError", "WeightStash"]
 
@@ -103,7 +104,7 @@ class WeightStash:
                         f"{version} shares it ({self.describe}, parameter: {name}); during "
                         "training only the optimizer may change the weights of a pipeline stage "
                         "in the asynchronous modes: change them between fits, or use "
-                        "sync='flush'"
+                        f"sync='{SyncMode.FLUSH}'"
                     )
                 shared.add(param.data_ptr())
         return shared

@@ -1,16 +1,15 @@
 """An optimizer step that leaves a weight stash's storage untouched.
 
 A kept weight version shares the live parameters' storage until the next update would change it
-(``WeightStash.storage_for_update``). ``step`` applies the update with the new values of those parameters
-in the tensors it is given, which become the parameters' storage. ``torch.optim.SGD`` (momentum,
-dampening, Nesterov, weight decay, maximize) has an out-of-place form with the same arithmetic,
-one pass over the weights, as its in-place step: the new values are written there directly and
-weight stashing copies nothing. The result equals torch's single-tensor step bit for bit (the
-default on CPU); torch's foreach kernels (its default on GPUs) may round differently in the last
-bit. Every other optimizer, or an SGD with step hooks, a patched ``step``, a fused or
-differentiable step, a tensor learning rate or weight decay, or sparse gradients, first gets the
-live values copied into the new tensors and steps in place on them.
-"""
+(``WeightStash.storage_for_update``). ``step`` applies the update with the new values of those
+parameters in the tensors it is given, which become the parameters' storage. ``torch.optim.SGD``
+(momentum, dampening, Nesterov, weight decay, maximize) has an out-of-place form with the same
+arithmetic, one pass over the weights, as its in-place step: the new values are written there
+directly and weight stashing copies nothing. The result equals torch's single-tensor step bit
+for bit (the default on CPU); torch's foreach kernels (its default on GPUs) may round
+differently in the last bit. Every other optimizer, or an SGD with step hooks, a patched
+``step``, a fused or differentiable step, a tensor learning rate or weight decay, or sparse
+gradients, first gets the live values copied into the new tensors and steps in place on them."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class PipeDreamStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        sync: str = "async",
+        sync: str | SyncMode = SyncMode.ASYNC,
         microbatches: int = 1,
         balance: list[int] | None = None,
         plan: Plan | None = None,

@@ -3,7 +3,8 @@
 The optimizer owns the stage's live parameters. Every forward pass runs functionally on a
 snapshot of its weight version, and the backward pass of the same minibatch reuses that
 snapshot, so autograd never sees a tensor change under it; a snapshot is dropped as soon as the
-schedule no longer names its version. Buffers (BatchNorm running statistics) are not versioned: they live in the module and every forward updates them.
+schedule no longer names its version. Buffers (BatchNorm running statistics) are not
+versioned: they live in the module and every forward updates them.
 
 A snapshot of the live version costs nothing when it is taken: its tensors share the live
 parameters' storage. The copy, if any, is left to the update that would change them:

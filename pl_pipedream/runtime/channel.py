@@ -7,16 +7,16 @@ as one *frame*, a byte tensor: a fixed-size int64 header that describes the tens
 tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
 
-A receive must name its size in advance. Both ends of a stream (one peer, one tag, one direction)
-remember the stream's frame size, and the receiver posts a receive of that size. A message that
+A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
+remember the link's frame size, and the receiver posts a receive of that size. A message that
 fits travels padded to it, unless it needs less than half (the header says what the frame holds);
 otherwise the sender first fills a frame of the old size with a notice of the new one. So shapes
 that vary (a smaller last batch, sequences of several lengths) settle at one size, and training
 that repeats its shapes sends every message after the first as one transfer; ``expect`` can post
 the next receive early, letting the bytes move while this rank computes. A receive posted early
 and never matched (training stopped) stays posted: give each run of a pipeline its own process
-group. NCCL runs a peer's operations in order on one stream, where a receive posted early would
-hold up a later send to that peer, so under NCCL receives are posted when awaited. NCCL also
+group. NCCL runs a peer's operations in order on one CUDA stream, where a receive posted early
+would hold up a later send to that peer, so under NCCL receives are posted when awaited. NCCL also
 ignores tags: between two ranks, messages match in the order they were sent, which holds because
 training, evaluation and prediction messages never overlap (evaluation starts after a drain).
 
@@ -35,13 +35,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Message", "MinibatchLoss", "PeerError", "Stream"]
+__all__ = ["Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
 
 HEADER_SIZE = 64  # int64 values
 HEADER_BYTES = HEADER_SIZE * 8
 MAX_DIMS = 8
 ALIGNMENT = 64  # bytes; every tensor in a frame starts at a multiple of this
-DATA, RESIZE = 1, 2  # the first header value: a message, or the size of the stream's next frame
+DATA, RESIZE = 1, 2  # the first header value: a message, or the size of the link's next frame
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -55,7 +55,7 @@ _DTYPES = [
     torch.bool,
 ]
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-Stream = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
+Link = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
 
 
 class PeerError(RuntimeError):
@@ -141,7 +141,7 @@ def _pack(
 
 
 def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
-    """A frame of ``size`` bytes that only says the stream's next frame has ``new_size``."""
+    """A frame of ``size`` bytes that only says the link's next frame has ``new_size``."""
     frame = torch.zeros(size, dtype=torch.uint8)
     frame[:16].view(torch.int64).copy_(torch.tensor([RESIZE, new_size]))
     return frame.to(device)
@@ -185,9 +185,9 @@ class Channel:
         self.describe = describe or f"rank {rank}"
         self.group = group
         self._pending: list[tuple[dist.Work, int, str, torch.Tensor]] = []
-        self._posted: dict[Stream, tuple[dist.Work, torch.Tensor]] = {}
-        self._send_sizes: dict[Stream, int] = {}
-        self._recv_sizes: dict[Stream, int] = {}
+        self._posted: dict[Link, tuple[dist.Work, torch.Tensor]] = {}
+        self._send_sizes: dict[Link, int] = {}
+        self._recv_sizes: dict[Link, int] = {}
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self._wire = device if backend == "nccl" else torch.device("cpu")
         self._nccl = backend == "nccl"

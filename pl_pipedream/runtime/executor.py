@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.channel import Channel, Message, MinibatchLoss, PeerError, Stream
+from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -150,7 +150,7 @@ class StageExecutor:
         """Run ``actions`` in order, forwards taking inputs and losses from ``feed`` and
         ``STEP`` applying ``update``. ``lookahead`` (the actions that will follow, as far as
         they are known) decides which weight versions must outlive these actions, and the
-        first receive of each stream in either is posted at once. With ``flush``, return only
+        first receive of each link in either is posted at once. With ``flush``, return only
         once every message sent has left; without it the sends complete while later actions
         run, so this rank does not wait for its peer to post its receive."""
         self._feed, self._update = feed, update
@@ -169,8 +169,8 @@ class StageExecutor:
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
         first, following = _receives_ahead(ahead)
-        for stream in first:
-            self.channel.expect(*stream)
+        for link in first:
+            self.channel.expect(*link)
         for position, action in enumerate(self.actions):
             self.position = position
             start = time.perf_counter()
@@ -431,19 +431,19 @@ _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
 
 
-def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Stream], dict[int, Stream]]:
-    """The streams (peer, tag) that ``actions`` receive from, and, for each receive that has a
-    successor on its stream, that stream keyed by the receive's position: once a receive is
-    done, the next one on its stream can be posted. A posted receive takes the stream's next
+def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Link]]:
+    """The links (peer, tag) that ``actions`` receive from, and, for each receive that has a
+    successor on its link, that link keyed by the receive's position: once a receive is
+    done, the next one on its link can be posted. A posted receive takes the link's next
     message, whichever action awaits it, so posting early never changes what is received."""
-    last: dict[Stream, int] = {}
-    following: dict[int, Stream] = {}
+    last: dict[Link, int] = {}
+    following: dict[int, Link] = {}
     for position, action in enumerate(actions):
         if action.kind in _TAGS:
-            stream = (action.peer, _TAGS[action.kind])
-            if stream in last:
-                following[last[stream]] = stream
-            last[stream] = position
+            link = (action.peer, _TAGS[action.kind])
+            if link in last:
+                following[last[link]] = link
+            last[link] = position
     return list(last), following
 
 

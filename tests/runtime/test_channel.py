@@ -106,7 +106,7 @@ def _resizing_stream(rank: int, world: int) -> list:
             counts.append(len(sent) - before)
         channel.flush()
         return counts
-    channel.expect(0, 1)  # posted before anything was sent, at the stream's first size
+    channel.expect(0, 1)  # posted before anything was sent, at the link's first size
     got = []
     for _ in SHAPES:
         message = channel.recv(0, 1, "x")
@@ -120,8 +120,8 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     results = run(2, _resizing_stream)
     status, counts = results[0]
     assert status == "ok", counts
-    # a frame that does not fit the stream's size, or needs less than half of it, costs a
-    # notice at the old size and then the frame; one that fits is padded to the stream's size
+    # a frame that does not fit the link's size, or needs less than half of it, costs a
+    # notice at the old size and then the frame; one that fits is padded to the link's size
     # (the third) or is just that size (the second and the last: another shape, the same bytes)
     assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]

@@ -23,10 +23,9 @@ from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.planner.states import StateSpaceError
 from pl_pipedream.planner.topology import Topology, TopologyError
 from pl_pipedream.profile.graph import Profile, ProfileError
+from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
 __all__ = ["main"]
-
-SYNC_MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe")
 
 
 def _add_planning_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -74,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser("simulate", help="simulate the schedule of a plan")
     _add_planning_arguments(simulate, required=False)
     simulate.add_argument("--plan", help="a plan JSON written by 'pl-pipedream plan --output'")
-    simulate.add_argument("--sync", default="async", choices=SYNC_MODES)
+    simulate.add_argument("--sync", default=SyncMode.ASYNC.value, choices=SYNC_MODES)
     simulate.add_argument("--batches", type=int, default=8, help="Lightning batches to simulate")
     simulate.add_argument(
         "--microbatches",
@@ -138,8 +137,8 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     microbatches = args.microbatches
     if microbatches is None:
         microbatches = math.lcm(*(stage.replicas for stage in chosen.stages))
-        if args.sync == "2bw":
-            microbatches *= math.ceil(chosen.num_stages / microbatches)
+        fewest = SyncMode.parse(args.sync).min_microbatches(chosen.num_stages)
+        microbatches *= math.ceil(fewest / microbatches)
     schedule = build(chosen, args.sync, args.batches, microbatches)
     result = simulate(schedule, bandwidth=bandwidth)
     if args.json:

@@ -7,9 +7,9 @@ list into one piece per Lightning training step.
 
 from pl_pipedream.schedule.actions import Action, ActionKind, Schedule, ScheduleError
 from pl_pipedream.schedule.build import build
+from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 from pl_pipedream.schedule.render import render
 from pl_pipedream.schedule.result import SimulationResult
-from pl_pipedream.schedule.rules import SYNC_MODES
 from pl_pipedream.schedule.segments import segments
 from pl_pipedream.schedule.simulate import simulate
 from pl_pipedream.schedule.stream import SegmentStream
@@ -23,6 +23,7 @@ __all__ = [
     "ScheduleError",
     "SegmentStream",
     "SimulationResult",
+    "SyncMode",
     "build",
     "render",
     "segments",

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleError"]
 
@@ -140,14 +141,18 @@ class Schedule:
     """Per-rank action lists for one plan, sync mode and number of batches.
 
     ``actions[r]`` is rank r's list; minibatch ``i`` belongs to Lightning batch
-    ``i // num_microbatches``.
+    ``i // num_microbatches``. ``sync`` may be given as the mode's name; it is stored as the
+    ``SyncMode``.
     """
 
-    sync: str
+    sync: SyncMode
     plan: Plan
     num_batches: int
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sync", SyncMode.parse(self.sync))
 
     @property
     def num_ranks(self) -> int:
@@ -159,7 +164,7 @@ class Schedule:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "sync": self.sync,
+            "sync": self.sync.value,
             "plan": self.plan.to_dict(),
             "num_batches": self.num_batches,
             "num_microbatches": self.num_microbatches,
@@ -169,7 +174,7 @@ class Schedule:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
         return cls(
-            sync=str(data["sync"]),
+            sync=SyncMode.parse(data["sync"]),
             plan=Plan.from_dict(dict(data["plan"])),
             num_batches=int(data["num_batches"]),
             num_microbatches=int(data["num_microbatches"]),

@@ -43,13 +43,8 @@ def _actions(schedule: Schedule) -> Iterator[tuple[int, int, Action]]:
 
 
 def check_shape(schedule: Schedule) -> Problem | None:
-    """One list per worker, a known mode, and every action tagged with its own rank and stage."""
+    """One list per worker, and every action tagged with its own rank and stage."""
     plan = schedule.plan
-    if schedule.sync not in rules.SYNC_MODES:
-        return Problem(
-            f"the sync mode must be one of {rules.SYNC_MODES} (sync: {schedule.sync!r}); "
-            "build the schedule with one of them"
-        )
     if schedule.num_ranks != plan.num_workers:
         return Problem(
             f"a schedule has one action list per worker (lists: {schedule.num_ranks}, workers: "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["SyncMode", "UpdateSettings", "update_settings"]
+__all__ = ["SYNC_MODES", "SyncMode", "UpdateSettings", "update_settings"]
 
 
 class SyncMode(str, enum.Enum):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["Token", "gpipe", "one_f_one_b", "with_updates"]
+__all__ = ["Token", "forwards_first", "one_f_one_b", "with_updates"]
 
 Token = tuple[str, int]
 
@@ -46,8 +46,8 @@ def one_f_one_b(minibatches: Sequence[int], num_warmup: int) -> list[Token]:
     )
 
 
-def gpipe(minibatches: Sequence[int]) -> list[Token]:
-    """All forwards, then all backwards in the same order."""
+def forwards_first(minibatches: Sequence[int]) -> list[Token]:
+    """All forwards, then all backwards in the same order (GPipe)."""
     return [("F", i) for i in minibatches] + [("B", i) for i in minibatches]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pl_pipedream.schedule.actions import ActionKind, Schedule
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.versions import in_flight_counts, live_version_counts
 
 __all__ = ["SimulationResult", "summarize"]
@@ -33,7 +34,7 @@ class SimulationResult:
     ``spans[r][k]`` is the (start, end) of rank r's action k, for a trace viewer.
     """
 
-    sync: str
+    sync: SyncMode
     shape: str
     num_minibatches: int
     total_ms: float
@@ -74,7 +75,7 @@ class SimulationResult:
     def to_dict(self) -> dict[str, object]:
         """Every figure except the per-action spans, JSON-ready."""
         return {
-            "sync": self.sync,
+            "sync": self.sync.value,
             "shape": self.shape,
             "num_minibatches": self.num_minibatches,
             "total_ms": self.total_ms,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from pl_pipedream.planner.plan import Plan, Stage
+from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
 __all__ = [
     "SYNC_MODES",
@@ -30,45 +31,46 @@ __all__ = [
     "weight_version",
 ]
 
-SYNC_MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe")
-PER_MINIBATCH = frozenset({"async", "vertical_sync"})
-
 
 def rank_of(stage: Stage, minibatch: int) -> int:
     """The rank of the replica that serves ``minibatch`` at ``stage`` (round robin)."""
     return stage.ranks[minibatch % stage.replicas]
 
 
-def weight_version(plan: Plan, sync: str, num_microbatches: int, stage: int, minibatch: int) -> int:
+def weight_version(
+    plan: Plan, sync: SyncMode, num_microbatches: int, stage: int, minibatch: int
+) -> int:
     """The version of ``stage``'s weights that the forward and backward of ``minibatch`` use."""
     this = plan.stages[stage]
-    if sync == "async":
+    if sync is SyncMode.ASYNC:
         return max(0, minibatch // this.replicas - this.warmup)
-    if sync == "vertical_sync":
+    if sync is SyncMode.VERTICAL_SYNC:
         first = plan.stages[0]
         covered = first.replicas * max(0, minibatch // first.replicas - first.warmup)
         return covered // this.replicas
     batch = minibatch // num_microbatches
-    if sync == "2bw":
+    if sync is SyncMode.TWO_BW:
         return max(0, batch - 1)
     return batch
 
 
-def update_of(plan: Plan, sync: str, num_microbatches: int, stage: int, minibatch: int) -> int:
+def update_of(plan: Plan, sync: SyncMode, num_microbatches: int, stage: int, minibatch: int) -> int:
     """The update (1, 2, ...) of ``stage`` that the gradient of ``minibatch`` goes into."""
-    if sync in PER_MINIBATCH:
+    if sync.updates_per_minibatch:
         return minibatch // plan.stages[stage].replicas + 1
     return minibatch // num_microbatches + 1
 
 
-def num_updates(plan: Plan, sync: str, num_batches: int, num_microbatches: int, stage: int) -> int:
+def num_updates(
+    plan: Plan, sync: SyncMode, num_batches: int, num_microbatches: int, stage: int
+) -> int:
     """How many updates ``stage`` applies over the whole schedule, drain included."""
-    if sync in PER_MINIBATCH:
+    if sync.updates_per_minibatch:
         return num_batches * num_microbatches // plan.stages[stage].replicas
     return num_batches
 
 
-def stash_limit(plan: Plan, sync: str, stage: int) -> int:
+def stash_limit(plan: Plan, sync: SyncMode, stage: int) -> int:
     """The most weight versions a replica of ``stage`` may hold at once.
 
     ``async`` keeps ``Stage.weight_versions`` (``w_s + 1``, NOAM at the input stage). Vertical
@@ -76,23 +78,22 @@ def stash_limit(plan: Plan, sync: str, stage: int) -> int:
     ``1 + ceil(r_0 w_0 / r_s)``. 2BW keeps two buffers; the flushed modes one.
     """
     this = plan.stages[stage]
-    if sync == "async":
+    if sync is SyncMode.ASYNC:
         return this.weight_versions
-    if sync == "vertical_sync":
+    if sync is SyncMode.VERTICAL_SYNC:
         first = plan.stages[0]
         return 1 + math.ceil(first.replicas * first.warmup / this.replicas)
-    if sync == "2bw":
+    if sync is SyncMode.TWO_BW:
         return 2
     return 1
 
 
-def check_arguments(plan: Plan, sync: str, num_batches: int, num_microbatches: int) -> None:
-    """Raise ``ValueError`` when a schedule cannot be built from these arguments."""
-    if sync not in SYNC_MODES:
-        raise ValueError(
-            f"the sync mode must be one of {', '.join(SYNC_MODES)} (sync: {sync!r}); "
-            "pick one of them, e.g. sync='async'"
-        )
+def check_arguments(
+    plan: Plan, sync: SyncMode | str, num_batches: int, num_microbatches: int
+) -> SyncMode:
+    """The mode ``sync`` names; ``ValueError`` when a schedule cannot be built from these
+    arguments."""
+    mode = SyncMode.parse(sync)
     for name, value in (("num_batches", num_batches), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
@@ -103,23 +104,30 @@ def check_arguments(plan: Plan, sync: str, num_batches: int, num_microbatches: i
                 f"replicas {stage.replicas}, num_microbatches: {num_microbatches}); pass a "
                 f"multiple of {stage.replicas} as num_microbatches"
             )
-    if sync == "2bw":
+    _check_min_microbatches(plan, mode, num_microbatches)
+    if mode is SyncMode.TWO_BW:
         _check_two_buffers(plan, num_microbatches)
+    return mode
+
+
+def _check_min_microbatches(plan: Plan, mode: SyncMode, num_microbatches: int) -> None:
+    fewest = mode.min_microbatches(plan.num_stages)
+    if num_microbatches < fewest:
+        raise ValueError(
+            f"{mode} needs at least as many microbatches per batch as stages (num_microbatches: "
+            f"{num_microbatches}, stages: {plan.num_stages}); pass num_microbatches >= "
+            f"{fewest} or use sync='{SyncMode.FLUSH}'"
+        )
 
 
 def _check_two_buffers(plan: Plan, num_microbatches: int) -> None:
     """2BW holds two versions only if a batch outlasts the pipeline's warm-up at every stage."""
-    if num_microbatches < plan.num_stages:
-        raise ValueError(
-            "2bw needs at least as many microbatches per batch as stages (num_microbatches: "
-            f"{num_microbatches}, stages: {plan.num_stages}); pass num_microbatches >= "
-            f"{plan.num_stages} or use sync='flush'"
-        )
     for stage in plan.stages:
         per_replica = num_microbatches // stage.replicas
         if per_replica < stage.warmup:
             raise ValueError(
-                "2bw needs each replica to get at least its warm-up count of microbatches per "
-                f"batch (stage {stage.index}: warm-up {stage.warmup}, microbatches per replica "
-                f"{per_replica}); pass num_microbatches >= {stage.warmup * stage.replicas}"
+                f"{SyncMode.TWO_BW} needs each replica to get at least its warm-up count of "
+                f"microbatches per batch (stage {stage.index}: warm-up {stage.warmup}, "
+                f"microbatches per replica {per_replica}); pass num_microbatches >= "
+                f"{stage.warmup * stage.replicas}"
             )

@@ -22,6 +22,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.build import build
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.segments import segments
 
 __all__ = ["SegmentStream"]
@@ -31,14 +32,18 @@ Segment = tuple[Action, ...]
 
 @dataclass(frozen=True)
 class SegmentStream:
-    """Segments and drains of ``build(plan, sync, N, num_microbatches)`` for unbounded ``N``."""
+    """Segments and drains of ``build(plan, sync, N, num_microbatches)`` for unbounded ``N``.
+
+    ``sync`` may be given as the mode's name; it is stored as the ``SyncMode``.
+    """
 
     plan: Plan
-    sync: str
+    sync: SyncMode
     num_microbatches: int
 
     def __post_init__(self) -> None:
-        rules.check_arguments(self.plan, self.sync, 1, self.num_microbatches)
+        mode = rules.check_arguments(self.plan, self.sync, 1, self.num_microbatches)
+        object.__setattr__(self, "sync", mode)
 
     @property
     def steady_from(self) -> int:
@@ -75,7 +80,7 @@ class SegmentStream:
             return actions
         m = self.num_microbatches
         stage = self.plan.stage_of_rank(rank)
-        per_batch = m // stage.replicas if self.sync in rules.PER_MINIBATCH else 1
+        per_batch = m // stage.replicas if self.sync.updates_per_minibatch else 1
         return tuple(
             Action(
                 a.kind,

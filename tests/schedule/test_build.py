@@ -150,7 +150,7 @@ def test_every_forward_of_a_batch_precedes_the_next_batch(plan: Plan) -> None:
 @pytest.mark.parametrize(
     ("balance", "replicas", "sync", "m", "words"),
     [
-        ([1, 1], None, "bogus", 2, "sync mode"),
+        ([1, 1], None, "bogus", 2, "sync must be one of"),
         ([1, 1], [2, 1], "async", 3, "split evenly"),
         ([1, 1, 1], None, "2bw", 2, "as many microbatches per batch as stages"),
         ([1, 1, 1], [1, 3, 3], "2bw", 3, "warm-up count"),

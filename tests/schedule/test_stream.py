@@ -70,14 +70,14 @@ def test_far_step_is_fast_and_numbered(plan: Plan, sync: str, m: int) -> None:
                 assert action.batch == action.minibatch // m
             if action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                 i = action.minibatch
-                assert action.version == rules.weight_version(plan, sync, m, stage, i)  # type: ignore[arg-type]
+                assert action.version == rules.weight_version(plan, stream.sync, m, stage, i)  # type: ignore[arg-type]
         last_backward = None
         for action in piece:
             if action.kind is ActionKind.BACKWARD:
                 last_backward = action.minibatch
             elif action.kind is ActionKind.STEP:  # the update the backward before it closes
                 assert last_backward is not None
-                assert action.version == rules.update_of(plan, sync, m, stage, last_backward)
+                assert action.version == rules.update_of(plan, stream.sync, m, stage, last_backward)
 
 
 def test_async_far_step_by_hand() -> None:

@@ -141,14 +141,14 @@ class Schedule:
     """Per-rank action lists for one plan, sync mode and number of batches.
 
     ``actions[r]`` is rank r's list; minibatch ``i`` belongs to Lightning batch
-    ``i // num_microbatches``. ``sync`` may be given as the mode's name; it is stored as the
+    ``i // microbatches``. ``sync`` may be given as the mode's name; it is stored as the
     ``SyncMode``.
     """
 
     sync: SyncMode
     plan: Plan
     num_batches: int
-    num_microbatches: int
+    microbatches: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
 
     def __post_init__(self) -> None:
@@ -160,14 +160,14 @@ class Schedule:
 
     @property
     def num_minibatches(self) -> int:
-        return self.num_batches * self.num_microbatches
+        return self.num_batches * self.microbatches
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "sync": self.sync.value,
             "plan": self.plan.to_dict(),
             "num_batches": self.num_batches,
-            "num_microbatches": self.num_microbatches,
+            "microbatches": self.microbatches,
             "actions": [[action.to_dict() for action in rank] for rank in self.actions],
         }
 
@@ -177,7 +177,7 @@ class Schedule:
             sync=SyncMode.parse(data["sync"]),
             plan=Plan.from_dict(dict(data["plan"])),
             num_batches=int(data["num_batches"]),
-            num_microbatches=int(data["num_microbatches"]),
+            microbatches=int(data["microbatches"]),
             actions=tuple(
                 tuple(Action.from_dict(action) for action in rank) for rank in data["actions"]
             ),

@@ -19,43 +19,43 @@ from pl_pipedream.schedule.modes import SyncMode
 __all__ = ["build"]
 
 
-def build(plan: Plan, sync: SyncMode | str, num_batches: int, num_microbatches: int) -> Schedule:
-    """The schedule that feeds ``num_batches`` batches of ``num_microbatches`` through ``plan``.
+def build(plan: Plan, sync: SyncMode | str, num_batches: int, microbatches: int) -> Schedule:
+    """The schedule that feeds ``num_batches`` batches of ``microbatches`` through ``plan``.
 
     ``sync`` is a ``SyncMode`` or its name. The asynchronous modes (``async``, ``vertical_sync``,
     ``2bw``) never flush between batches and end with a drain; ``flush`` and ``gpipe`` flush after
     every batch. Raises ``ValueError`` for an unknown mode or counts the mode cannot serve.
     """
-    mode = rules.check_arguments(plan, sync, num_batches, num_microbatches)
+    mode = rules.check_arguments(plan, sync, num_batches, microbatches)
     lists: list[tuple[Action, ...]] = [()] * plan.num_workers
     for stage in plan.stages:
         for replica, rank in enumerate(stage.ranks):
-            tokens = replica_order(plan, mode, num_batches, num_microbatches, stage.index, replica)
-            lists[rank] = tuple(expand(plan, mode, num_microbatches, rank, tokens))
-    return Schedule(mode, plan, num_batches, num_microbatches, tuple(lists))
+            tokens = replica_order(plan, mode, num_batches, microbatches, stage.index, replica)
+            lists[rank] = tuple(expand(plan, mode, microbatches, rank, tokens))
+    return Schedule(mode, plan, num_batches, microbatches, tuple(lists))
 
 
 def replica_order(
-    plan: Plan, sync: SyncMode, num_batches: int, num_microbatches: int, stage: int, replica: int
+    plan: Plan, sync: SyncMode, num_batches: int, microbatches: int, stage: int, replica: int
 ) -> list[order.Token]:
     """Forwards, backwards and updates of one replica, in the order it runs them."""
     this = plan.stages[stage]
-    mine = range(replica, num_batches * num_microbatches, this.replicas)
+    mine = range(replica, num_batches * microbatches, this.replicas)
     if sync.flushes:
         tokens: list[order.Token] = []
         for batch in range(num_batches):
-            ours = [i for i in mine if i // num_microbatches == batch]
+            ours = [i for i in mine if i // microbatches == batch]
             if sync.forwards_first:
                 tokens += order.forwards_first(ours)
             else:
                 tokens += order.one_f_one_b(ours, this.warmup)
     else:
         tokens = order.one_f_one_b(list(mine), this.warmup)
-    return order.with_updates(tokens, partial(rules.update_of, plan, sync, num_microbatches, stage))
+    return order.with_updates(tokens, partial(rules.update_of, plan, sync, microbatches, stage))
 
 
 def expand(
-    plan: Plan, sync: SyncMode, num_microbatches: int, rank: int, tokens: list[order.Token]
+    plan: Plan, sync: SyncMode, microbatches: int, rank: int, tokens: list[order.Token]
 ) -> list[Action]:
     """Turn one replica's tokens into actions, adding its messages and collectives."""
     stage = plan.stage_of_rank(rank)
@@ -71,8 +71,8 @@ def expand(
                 out.append(Action(ActionKind.ALLREDUCE, batch=batch, version=index, **here))
             out.append(Action(ActionKind.STEP, batch=batch, version=index, **here))
             continue
-        batch = index // num_microbatches
-        version = rules.weight_version(plan, sync, num_microbatches, stage.index, index)
+        batch = index // microbatches
+        version = rules.weight_version(plan, sync, microbatches, stage.index, index)
         tagged = {**here, "minibatch": index, "batch": batch}
         if kind == "F":
             if before is not None:

@@ -78,7 +78,7 @@ def _check_placement(schedule: Schedule, action: Action) -> str | None:
                 f"a minibatch index must lie in 0..{schedule.num_minibatches - 1} "
                 f"(action {action}: minibatch {i}); build with the schedule's counts"
             )
-        if action.batch != i // schedule.num_microbatches:
+        if action.batch != i // schedule.microbatches:
             return (
                 f"minibatch i belongs to batch i // m (action {action}: batch {action.batch}); "
                 "tag it with its batch"
@@ -249,7 +249,7 @@ def check_segments(schedule: Schedule) -> Problem | None:
             steps = [segment[rank][pos] for rank, pos in cells]
             return Problem(
                 f"the replicas of an ALLREDUCE meet in the same Lightning step (steps: {steps}); "
-                "use num_microbatches that the replicas share evenly",
+                "use microbatches that the replicas share evenly",
                 tuple(cells),
             )
     return None

@@ -84,7 +84,7 @@ def _window(
 def _title(schedule: Schedule) -> str:
     return (
         f"{schedule.sync} schedule, plan {schedule.plan.shape}, {schedule.num_batches} batches x "
-        f"{schedule.num_microbatches} microbatches (cells: stage kind minibatch v version)"
+        f"{schedule.microbatches} microbatches (cells: stage kind minibatch v version)"
     )
 
 

@@ -120,7 +120,7 @@ def steady_window(
     schedule: Schedule, spans: tuple[tuple[Span, ...], ...], total: float
 ) -> tuple[float, float, int]:
     """(start, end, minibatches) of the steady-state window described in the module docstring."""
-    num_batches, m = schedule.num_batches, schedule.num_microbatches
+    num_batches, m = schedule.num_batches, schedule.microbatches
     first, last = num_batches // 4, num_batches - 1 - num_batches // 4
     if last <= first:
         return 0.0, total, schedule.num_minibatches

@@ -24,6 +24,7 @@ from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 __all__ = [
     "SYNC_MODES",
     "check_arguments",
+    "fewest_microbatches",
     "num_updates",
     "rank_of",
     "stash_limit",
@@ -38,7 +39,7 @@ def rank_of(stage: Stage, minibatch: int) -> int:
 
 
 def weight_version(
-    plan: Plan, sync: SyncMode, num_microbatches: int, stage: int, minibatch: int
+    plan: Plan, sync: SyncMode, microbatches: int, stage: int, minibatch: int
 ) -> int:
     """The version of ``stage``'s weights that the forward and backward of ``minibatch`` use."""
     this = plan.stages[stage]
@@ -48,25 +49,23 @@ def weight_version(
         first = plan.stages[0]
         covered = first.replicas * max(0, minibatch // first.replicas - first.warmup)
         return covered // this.replicas
-    batch = minibatch // num_microbatches
+    batch = minibatch // microbatches
     if sync is SyncMode.TWO_BW:
         return max(0, batch - 1)
     return batch
 
 
-def update_of(plan: Plan, sync: SyncMode, num_microbatches: int, stage: int, minibatch: int) -> int:
+def update_of(plan: Plan, sync: SyncMode, microbatches: int, stage: int, minibatch: int) -> int:
     """The update (1, 2, ...) of ``stage`` that the gradient of ``minibatch`` goes into."""
     if sync.updates_per_minibatch:
         return minibatch // plan.stages[stage].replicas + 1
-    return minibatch // num_microbatches + 1
+    return minibatch // microbatches + 1
 
 
-def num_updates(
-    plan: Plan, sync: SyncMode, num_batches: int, num_microbatches: int, stage: int
-) -> int:
+def num_updates(plan: Plan, sync: SyncMode, num_batches: int, microbatches: int, stage: int) -> int:
     """How many updates ``stage`` applies over the whole schedule, drain included."""
     if sync.updates_per_minibatch:
-        return num_batches * num_microbatches // plan.stages[stage].replicas
+        return num_batches * microbatches // plan.stages[stage].replicas
     return num_batches
 
 
@@ -89,45 +88,59 @@ def stash_limit(plan: Plan, sync: SyncMode, stage: int) -> int:
 
 
 def check_arguments(
-    plan: Plan, sync: SyncMode | str, num_batches: int, num_microbatches: int
+    plan: Plan, sync: SyncMode | str, num_batches: int, microbatches: int
 ) -> SyncMode:
     """The mode ``sync`` names; ``ValueError`` when a schedule cannot be built from these
     arguments."""
     mode = SyncMode.parse(sync)
-    for name, value in (("num_batches", num_batches), ("num_microbatches", num_microbatches)):
+    for name, value in (("num_batches", num_batches), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
+    fix = _use(fewest_microbatches(plan, mode, microbatches))
     for stage in plan.stages:
-        if num_microbatches % stage.replicas:
+        if microbatches % stage.replicas:
             raise ValueError(
                 f"each batch must split evenly over a stage's replicas (stage {stage.index}: "
-                f"replicas {stage.replicas}, num_microbatches: {num_microbatches}); pass a "
-                f"multiple of {stage.replicas} as num_microbatches"
+                f"replicas {stage.replicas}, microbatches: {microbatches}); {fix}"
             )
-    _check_min_microbatches(plan, mode, num_microbatches)
+    if microbatches < mode.min_microbatches(plan.num_stages):
+        raise ValueError(
+            f"{mode} needs at least as many microbatches per batch as stages (microbatches: "
+            f"{microbatches}, stages: {plan.num_stages}); {fix}, or sync='{SyncMode.FLUSH}'"
+        )
     if mode is SyncMode.TWO_BW:
-        _check_two_buffers(plan, num_microbatches)
+        _check_two_buffers(plan, microbatches, fix)
     return mode
 
 
-def _check_min_microbatches(plan: Plan, mode: SyncMode, num_microbatches: int) -> None:
-    fewest = mode.min_microbatches(plan.num_stages)
-    if num_microbatches < fewest:
-        raise ValueError(
-            f"{mode} needs at least as many microbatches per batch as stages (num_microbatches: "
-            f"{num_microbatches}, stages: {plan.num_stages}); pass num_microbatches >= "
-            f"{fewest} or use sync='{SyncMode.FLUSH}'"
-        )
-
-
-def _check_two_buffers(plan: Plan, num_microbatches: int) -> None:
+def _check_two_buffers(plan: Plan, microbatches: int, fix: str) -> None:
     """2BW holds two versions only if a batch outlasts the pipeline's warm-up at every stage."""
     for stage in plan.stages:
-        per_replica = num_microbatches // stage.replicas
+        per_replica = microbatches // stage.replicas
         if per_replica < stage.warmup:
             raise ValueError(
                 f"{SyncMode.TWO_BW} needs each replica to get at least its warm-up count of "
                 f"microbatches per batch (stage {stage.index}: warm-up {stage.warmup}, "
-                f"microbatches per replica {per_replica}); pass num_microbatches >= "
-                f"{stage.warmup * stage.replicas}"
+                f"microbatches per replica {per_replica}); {fix}"
             )
+
+
+def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
+    """The smallest count from ``at_least`` up that ``check_arguments`` accepts for ``plan``.
+
+    It is a multiple of every stage's replicas; 2BW also needs ``mode.min_microbatches`` and,
+    at every stage, the warm-up forwards of each replica.
+    """
+    need = max(at_least, sync.min_microbatches(plan.num_stages))
+    if sync is SyncMode.TWO_BW:
+        need = max([need] + [stage.warmup * stage.replicas for stage in plan.stages])
+    step = math.lcm(*(stage.replicas for stage in plan.stages))
+    return step * math.ceil(need / step)
+
+
+def _use(microbatches: int) -> str:
+    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag."""
+    return (
+        f"use PipeDreamStrategy(microbatches={microbatches}) (pl-pipedream simulate "
+        f"--microbatches {microbatches})"
+    )

@@ -32,17 +32,17 @@ Segment = tuple[Action, ...]
 
 @dataclass(frozen=True)
 class SegmentStream:
-    """Segments and drains of ``build(plan, sync, N, num_microbatches)`` for unbounded ``N``.
+    """Segments and drains of ``build(plan, sync, N, microbatches)`` for unbounded ``N``.
 
     ``sync`` may be given as the mode's name; it is stored as the ``SyncMode``.
     """
 
     plan: Plan
     sync: SyncMode
-    num_microbatches: int
+    microbatches: int
 
     def __post_init__(self) -> None:
-        mode = rules.check_arguments(self.plan, self.sync, 1, self.num_microbatches)
+        mode = rules.check_arguments(self.plan, self.sync, 1, self.microbatches)
         object.__setattr__(self, "sync", mode)
 
     @property
@@ -53,7 +53,7 @@ class SegmentStream:
         ``2 (p - 1) / m`` in a straight pipeline; ``2 + ceil(2 W / m)`` over ``W`` workers bounds
         it for every plan with room to spare.
         """
-        return 2 + math.ceil(2 * self.plan.num_workers / self.num_microbatches)
+        return 2 + math.ceil(2 * self.plan.num_workers / self.microbatches)
 
     def segment(self, rank: int, t: int) -> Segment:
         """Rank's actions for Lightning step ``t`` when the pipeline goes on after it."""
@@ -78,7 +78,7 @@ class SegmentStream:
         """Move ``actions`` ``steps`` batches later."""
         if steps == 0:
             return actions
-        m = self.num_microbatches
+        m = self.microbatches
         stage = self.plan.stage_of_rank(rank)
         per_batch = m // stage.replicas if self.sync.updates_per_minibatch else 1
         return tuple(
@@ -98,7 +98,7 @@ class SegmentStream:
     @cached_property
     def _segments(self) -> tuple[tuple[Segment, ...], ...]:
         """Per rank, the segments of steps ``0 .. steady_from`` with more batches after them."""
-        schedule = build(self.plan, self.sync, self.steady_from + 2, self.num_microbatches)
+        schedule = build(self.plan, self.sync, self.steady_from + 2, self.microbatches)
         return tuple(
             tuple(segments(schedule, rank)[: self.steady_from + 1])
             for rank in range(self.plan.num_workers)
@@ -108,7 +108,7 @@ class SegmentStream:
     def _drains(self) -> tuple[tuple[Segment, ...], ...]:
         """Per rank, the drain after each of steps ``0 .. steady_from``."""
         ends = [
-            build(self.plan, self.sync, t + 1, self.num_microbatches)
+            build(self.plan, self.sync, t + 1, self.microbatches)
             for t in range(self.steady_from + 1)
         ]
         return tuple(

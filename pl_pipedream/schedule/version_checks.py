@@ -32,7 +32,7 @@ def _check_rank_versions(
     schedule: Schedule, rank: int, actions: tuple[Action, ...]
 ) -> Problem | None:
     """Walk one rank's list, counting the steps it has applied so far."""
-    plan, sync, m = schedule.plan, schedule.sync, schedule.num_microbatches
+    plan, sync, m = schedule.plan, schedule.sync, schedule.microbatches
     stage = plan.stage_of_rank(rank)
     steps = reduced = 0
     for pos, action in enumerate(actions):
@@ -85,9 +85,7 @@ def _check_totals(
     """Every update applied by the end, and never more versions held than the stash allows."""
     plan, sync = schedule.plan, schedule.sync
     stage = plan.stage_of_rank(rank)
-    wanted = rules.num_updates(
-        plan, sync, schedule.num_batches, schedule.num_microbatches, stage.index
-    )
+    wanted = rules.num_updates(plan, sync, schedule.num_batches, schedule.microbatches, stage.index)
     if steps != wanted:
         return Problem(
             f"the drain applies every update (rank {rank}: steps {steps}, expected {wanted}); "

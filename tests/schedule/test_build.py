@@ -19,7 +19,7 @@ def lists(schedule: Schedule) -> list[str]:
 
 
 def test_golden_async_two_stages_four_minibatches() -> None:
-    schedule = build(Plan.from_balance([1, 1]), "async", num_batches=4, num_microbatches=1)
+    schedule = build(Plan.from_balance([1, 1]), "async", num_batches=4, microbatches=1)
     assert lists(schedule) == [
         "0F0v0 0>a0@1 0F1v0 0>a1@1 0<g0@1 0B0v0 0Sv1 0F2v1 0>a2@1 0<g1@1 0B1v0 0Sv2 "
         "0F3v2 0>a3@1 0<g2@1 0B2v1 0Sv3 0<g3@1 0B3v2 0Sv4",

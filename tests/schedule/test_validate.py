@@ -124,6 +124,6 @@ def test_collective_split_across_lightning_steps() -> None:
         tuple(a if a.minibatch is None else dataclasses.replace(a, batch=a.minibatch) for a in rank)
         for rank in schedule.actions
     )
-    one_each = dataclasses.replace(schedule, num_batches=4, num_microbatches=1, actions=relabel)
+    one_each = dataclasses.replace(schedule, num_batches=4, microbatches=1, actions=relabel)
     with pytest.raises(ScheduleError, match="meet in the same Lightning step"):
         validate(one_each)

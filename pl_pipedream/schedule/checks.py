@@ -20,9 +20,9 @@ from pl_pipedream.schedule.actions import (
     collective_key,
     message_key,
 )
-from pl_pipedream.schedule.execution import execute
 from pl_pipedream.schedule.problem import Cell, Problem
 from pl_pipedream.schedule.segments import segment_indices
+from pl_pipedream.schedule.unit_time import run_in_unit_time
 from pl_pipedream.schedule.version_checks import check_versions
 
 __all__ = ["CHECKS", "Problem"]
@@ -215,7 +215,7 @@ def check_messages(schedule: Schedule) -> Problem | None:
 
 def check_deadlock(schedule: Schedule) -> Problem | None:
     """Blocking receives, unbounded sends: some rank can always move until all lists end."""
-    run = execute(schedule, lambda rank, pos, action: action.kind in COMPUTE)
+    run = run_in_unit_time(schedule, lambda rank, pos, action: action.kind in COMPUTE)
     if run.finished:
         return None
     waiting = ", ".join(f"rank {r}: {schedule.actions[r][p]}" for r, p in run.stuck)

@@ -1,7 +1,7 @@
 """Print a schedule as a step x rank table.
 
 Rows are logical time steps of a unit-time run that respects every dependency (see
-``execution``): each shown action takes one step, a rank waits for its receives and collectives.
+``unit_time``): each shown action takes one step, a rank waits for its receives and collectives.
 Messages and updates are hidden by default and then take no time. Marked cells (the validator's
 failing actions) print as ``*cell*``; if a rank gets stuck, a last ``stuck`` row shows the action
 it waits on.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from pl_pipedream.schedule.actions import COMPUTE, MESSAGES, UPDATES, Schedule
-from pl_pipedream.schedule.execution import Execution, execute
+from pl_pipedream.schedule.unit_time import UnitTimeRun, run_in_unit_time
 
 __all__ = ["render"]
 
@@ -39,7 +39,7 @@ def render(
     kinds = set(COMPUTE)
     kinds |= MESSAGES if show_messages else set()
     kinds |= UPDATES if show_updates else set()
-    run = execute(schedule, lambda rank, pos, action: action.kind in kinds)
+    run = run_in_unit_time(schedule, lambda rank, pos, action: action.kind in kinds)
 
     def cell(rank: int, pos: int | None) -> str:
         if pos is None:
@@ -108,7 +108,7 @@ def _table(
     return "\n".join(lines)
 
 
-def _unseen(schedule: Schedule, run: Execution, marked: set[tuple[int, int]]) -> str:
+def _unseen(schedule: Schedule, run: UnitTimeRun, marked: set[tuple[int, int]]) -> str:
     """A note for marked actions the run never reached (they sit after a stuck rank's action)."""
     shown = {(rank, pos) for row in run.rows for rank, pos in enumerate(row) if pos is not None}
     shown |= set(run.stuck)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pl_pipedream.schedule.actions import ActionKind, Schedule
+from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.schedule.versions import in_flight_counts, live_version_counts
 
 __all__ = ["SimulationResult", "summarize"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import COMPUTE, Action, ActionKind, Schedule
+from pl_pipedream.schedule.footprint import live_version_counts
 from pl_pipedream.schedule.problem import Problem
-from pl_pipedream.schedule.versions import live_version_counts
 
 __all__ = ["check_versions"]
 

@@ -7,7 +7,7 @@ import dataclasses
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SYNC_MODES, ActionKind, Schedule, build, segments
 from pl_pipedream.schedule.checks import check_segments
-from pl_pipedream.schedule.execution import execute
+from pl_pipedream.schedule.unit_time import run_in_unit_time
 
 K = ActionKind
 
@@ -60,5 +60,6 @@ def test_steps_run_in_lock_step(plan: Plan) -> None:
             prefix = tuple(
                 tuple(a for piece in rank_pieces[:steps] for a in piece) for rank_pieces in pieces
             )
-            run = execute(dataclasses.replace(schedule, actions=prefix), lambda r, p, a: True)
+            shortened = dataclasses.replace(schedule, actions=prefix)
+            run = run_in_unit_time(shortened, lambda r, p, a: True)
             assert run.finished, (schedule.sync, steps, run.stuck)

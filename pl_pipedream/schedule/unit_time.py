@@ -1,4 +1,4 @@
-"""Run a schedule in logical time steps, without any process: the deadlock check and the table.
+"""Run a schedule in unit time steps, without any process: the deadlock check and the table.
 
 Every rank walks its own list. A receive waits until its send has run; sends never wait (as if
 buffers were unbounded); an ``ALLREDUCE`` waits until every replica of its stage stands at the
@@ -23,13 +23,13 @@ from pl_pipedream.schedule.actions import (
     message_key,
 )
 
-__all__ = ["Execution", "execute"]
+__all__ = ["UnitTimeRun", "run_in_unit_time"]
 
 Shown = Callable[[int, int, Action], bool]
 
 
 @dataclass(frozen=True)
-class Execution:
+class UnitTimeRun:
     """``rows[k][r]`` is the index of the shown action rank r ran at step k (None: idle)."""
 
     rows: tuple[tuple[int | None, ...], ...]
@@ -89,7 +89,7 @@ class _State:
         return [rank]
 
 
-def execute(schedule: Schedule, shown: Shown) -> Execution:
+def run_in_unit_time(schedule: Schedule, shown: Shown) -> UnitTimeRun:
     """Run ``schedule`` step by step; ``shown(rank, index, action)`` picks the timed actions."""
     state = _State(schedule)
     rows: list[tuple[int | None, ...]] = []
@@ -108,7 +108,7 @@ def execute(schedule: Schedule, shown: Shown) -> Execution:
                 state.run(rank)
         rows.append(tuple(row))
     lengths = tuple(len(actions) for actions in state.actions)
-    return Execution(tuple(rows), tuple(state.position), lengths)
+    return UnitTimeRun(tuple(rows), tuple(state.position), lengths)
 
 
 def _movers(state: _State, rank: int, action: Action) -> list[int]:

@@ -5,17 +5,18 @@ Pure Python (no torch): ``build`` turns a ``Plan`` into a ``Schedule``; ``valida
 list into one piece per Lightning training step.
 """
 
-from pl_pipedream.schedule.actions import Action, ActionKind, Schedule, ScheduleError
+from pl_pipedream.schedule.actions import BUSY_KINDS, Action, ActionKind, Schedule, ScheduleError
 from pl_pipedream.schedule.build import build
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 from pl_pipedream.schedule.render import render
-from pl_pipedream.schedule.result import SimulationResult
+from pl_pipedream.schedule.result import SimulationResult, bubble_fraction
 from pl_pipedream.schedule.segments import segments
 from pl_pipedream.schedule.simulate import simulate
 from pl_pipedream.schedule.stream import SegmentStream
 from pl_pipedream.schedule.validate import validate
 
 __all__ = [
+    "BUSY_KINDS",
     "SYNC_MODES",
     "Action",
     "ActionKind",
@@ -24,6 +25,7 @@ __all__ = [
     "SegmentStream",
     "SimulationResult",
     "SyncMode",
+    "bubble_fraction",
     "build",
     "render",
     "segments",

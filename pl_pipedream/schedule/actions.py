@@ -34,7 +34,7 @@ from typing import Any
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleError"]
+__all__ = ["BUSY_KINDS", "Action", "ActionKind", "Schedule", "ScheduleError"]
 
 
 class ScheduleError(ValueError):
@@ -67,6 +67,10 @@ SENDS = frozenset({ActionKind.SEND_ACTIVATION, ActionKind.SEND_GRAD})
 RECVS = frozenset({ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRAD})
 MESSAGES = SENDS | RECVS
 UPDATES = frozenset({ActionKind.ALLREDUCE, ActionKind.STEP})
+# The kinds during which a rank works; the rest of its time is bubble, waiting for messages and
+# all-reduces included (the simulator's and the runtime's measured bubbles alike). A kind's name
+# is in it too: ActionKind is a str enum, so "FORWARD" in BUSY_KINDS holds.
+BUSY_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP})
 
 _SYMBOL = {
     ActionKind.FORWARD: "F",

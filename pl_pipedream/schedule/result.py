@@ -1,7 +1,8 @@
 """What a simulation measured, as a frozen value with a short text summary.
 
-Busy time is forward, backward and optimizer-step time; a rank's bubble is the part of a window
-it is not busy (waiting for messages and all-reduces counts as bubble).
+Busy time is the time spent in actions of ``BUSY_KINDS`` (forward, backward, optimizer step); a
+rank's bubble is the part of a window it is not busy (waiting for messages and all-reduces counts
+as bubble). ``bubble_fraction`` is that share, for the simulator and the runtime's timeline alike.
 
 Steady state. Let ``C(t)`` be the time the input stage finishes the last backward of batch ``t``:
 then every minibatch of batch ``t`` has left the pipeline. With ``T`` batches the steady window
@@ -14,17 +15,16 @@ For flushed modes a minibatch is a microbatch; the window then covers whole flus
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pl_pipedream.schedule.actions import ActionKind, Schedule
+from pl_pipedream.schedule.actions import BUSY_KINDS, ActionKind, Schedule
 from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["SimulationResult", "summarize"]
+__all__ = ["BUSY_KINDS", "SimulationResult", "bubble_fraction", "summarize"]
 
 Span = tuple[float, float]
-_BUSY = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP})
 
 
 @dataclass(frozen=True)
@@ -132,18 +132,28 @@ def steady_window(
     return done[first], done[last], (last - first) * m
 
 
+def bubble_fraction(busy: Iterable[Span], start: float, end: float) -> float:
+    """The share of the window ``[start, end]`` that the ``busy`` spans leave uncovered.
+
+    ``busy`` holds one rank's (start, end) spans of ``BUSY_KINDS`` actions, which do not
+    overlap; parts outside the window do not count. An empty window has no bubble (0.0).
+    """
+    if end <= start:
+        return 0.0
+    covered = sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy)
+    return 1.0 - covered / (end - start)
+
+
 def _idle(
     schedule: Schedule, spans: tuple[tuple[Span, ...], ...], rank: int, start: float, end: float
 ) -> float:
     """Fraction of [start, end] that ``rank`` is not busy."""
-    if end <= start:
-        return 0.0
-    busy = sum(
-        max(0.0, min(b, end) - max(a, start))
-        for action, (a, b) in zip(schedule.actions[rank], spans[rank], strict=True)
-        if action.kind in _BUSY
+    busy = (
+        span
+        for action, span in zip(schedule.actions[rank], spans[rank], strict=True)
+        if action.kind in BUSY_KINDS
     )
-    return 1.0 - busy / (end - start)
+    return bubble_fraction(busy, start, end)
 
 
 def _per_stage(schedule: Schedule, per_rank: Sequence[int]) -> tuple[int, ...]:

@@ -9,20 +9,12 @@ gradients back have ``Stage.output_bytes`` of stage s.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pl_pipedream.schedule.actions import (
-    RECVS,
-    SENDS,
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    collective_key,
-    message_key,
-)
+from pl_pipedream.schedule.actions import RECVS, SENDS, Action, ActionKind, Schedule, ScheduleError
+from pl_pipedream.schedule.progress import Progress
 from pl_pipedream.schedule.result import SimulationResult, summarize
 
 __all__ = ["Costs", "simulate"]
@@ -114,56 +106,41 @@ def stage_costs(
 def run(schedule: Schedule, costs: Costs) -> tuple[tuple[Span, ...], ...]:
     """(start, end) in ms of every action of every rank."""
     actions = schedule.actions
+    progress = Progress(schedule)
     clock = [0.0] * len(actions)
     spans: list[list[Span]] = [[] for _ in actions]
-    arrivals: dict[object, deque[float]] = defaultdict(deque)
     link_free: dict[tuple[int, int], float] = defaultdict(float)
-    replicas = {stage.index: stage.ranks for stage in schedule.plan.stages}
-
-    def next_of(rank: int) -> Action | None:
-        pos = len(spans[rank])
-        return actions[rank][pos] if pos < len(actions[rank]) else None
-
     moved = True
     while moved:
         moved = False
         for rank in range(len(actions)):
-            while (action := next_of(rank)) is not None:
+            while progress.ready(rank):
+                action = progress.next(rank)
+                assert action is not None
                 now = clock[rank]
                 if action.kind in SENDS:
                     link = (rank, action.peer)
                     start = max(now, link_free[link])  # type: ignore[index]
                     link_free[link] = start + costs.transfer(action)  # type: ignore[index]
-                    arrivals[message_key(action)].append(link_free[link])  # type: ignore[index]
                     spans[rank].append((now, now))
+                    progress.advance(rank, payload=link_free[link])  # type: ignore[index]
                 elif action.kind in RECVS:
-                    queue = arrivals[message_key(action)]
-                    if not queue:
-                        break
-                    clock[rank] = max(now, queue.popleft())
+                    arrival = progress.advance(rank)
+                    clock[rank] = max(now, arrival)  # type: ignore[type-var]
                     spans[rank].append((now, clock[rank]))
-                elif action.kind is ActionKind.ALLREDUCE:
-                    group = replicas[action.stage]
-                    if any(_key(next_of(other)) != collective_key(action) for other in group):
-                        break
+                else:  # compute, a step, or an ALLREDUCE that every replica reached
+                    group = progress.movers(rank)
                     start = max(clock[other] for other in group)
                     for other in group:
-                        spans[other].append((start, start + costs.of(action)))
                         clock[other] = start + costs.of(action)
-                else:
-                    clock[rank] = now + costs.of(action)
-                    spans[rank].append((now, clock[rank]))
+                        spans[other].append((start, clock[other]))
+                    progress.advance(rank)
                 moved = True
-    stuck = [rank for rank in range(len(actions)) if len(spans[rank]) < len(actions[rank])]
-    if stuck:
-        waiting = ", ".join(f"rank {r}: {next_of(r)}" for r in stuck)
+    if progress.stuck:
+        waiting = ", ".join(f"rank {r}: {actions[r][pos]}" for r, pos in progress.stuck)
         raise ScheduleError(
             f"a schedule must not deadlock to be simulated (stuck at {waiting}); run "
             "validate(schedule) for the marked table",
-            tuple((r, len(spans[r])) for r in stuck),
+            progress.stuck,
         )
     return tuple(tuple(rank_spans) for rank_spans in spans)
-
-
-def _key(action: Action | None) -> object:
-    return None if action is None else collective_key(action)

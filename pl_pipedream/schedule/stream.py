@@ -20,10 +20,11 @@ from functools import cached_property
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.actions import Action
+from pl_pipedream.schedule.actions import Action, Schedule
 from pl_pipedream.schedule.build import build
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.segments import segments
+from pl_pipedream.schedule.validate import validate
 
 __all__ = ["SegmentStream"]
 
@@ -95,26 +96,44 @@ class SegmentStream:
             for a in actions
         )
 
+    def validate(self) -> None:
+        """Run ``validate`` on every schedule the segments and drains are cut from.
+
+        Raises ``ScheduleError`` naming the first broken rule. Every later step is a shifted
+        copy of step ``steady_from`` (see the module docstring), so a runtime that calls this at
+        setup runs only segments the validator has checked, up to that shift.
+        """
+        for schedule in (self._going_on, *self._ending):
+            validate(schedule)
+
+    @cached_property
+    def _going_on(self) -> Schedule:
+        """The schedule of ``steady_from + 2`` batches: steps up to ``steady_from`` continue."""
+        return build(self.plan, self.sync, self.steady_from + 2, self.microbatches)
+
+    @cached_property
+    def _ending(self) -> tuple[Schedule, ...]:
+        """The schedules of ``t + 1`` batches for each step ``t`` up to ``steady_from``."""
+        return tuple(
+            build(self.plan, self.sync, t + 1, self.microbatches)
+            for t in range(self.steady_from + 1)
+        )
+
     @cached_property
     def _segments(self) -> tuple[tuple[Segment, ...], ...]:
         """Per rank, the segments of steps ``0 .. steady_from`` with more batches after them."""
-        schedule = build(self.plan, self.sync, self.steady_from + 2, self.microbatches)
         return tuple(
-            tuple(segments(schedule, rank)[: self.steady_from + 1])
+            tuple(segments(self._going_on, rank)[: self.steady_from + 1])
             for rank in range(self.plan.num_workers)
         )
 
     @cached_property
     def _drains(self) -> tuple[tuple[Segment, ...], ...]:
         """Per rank, the drain after each of steps ``0 .. steady_from``."""
-        ends = [
-            build(self.plan, self.sync, t + 1, self.microbatches)
-            for t in range(self.steady_from + 1)
-        ]
         return tuple(
             tuple(
                 segments(schedule, rank)[t][len(self._segments[rank][t]) :]
-                for t, schedule in enumerate(ends)
+                for t, schedule in enumerate(self._ending)
             )
             for rank in range(self.plan.num_workers)
         )

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, ActionKind, SegmentStream, build, rules, segments
+from pl_pipedream.schedule import (
+    SYNC_MODES,
+    ActionKind,
+    ScheduleError,
+    SegmentStream,
+    build,
+    rules,
+    segments,
+)
 
 PLANS = {f"straight{p}": Plan.from_balance([1] * p) for p in (1, 2, 3, 4)} | {
     shape: Plan.from_balance([1, 1], replicas=[int(r) for r in shape.split("-")])
@@ -95,3 +104,19 @@ def test_async_far_step_by_hand() -> None:
         "0B39998v39995",
         "0Sv39999",
     ]
+
+
+@pytest.mark.parametrize(("name", "sync", "m"), [c for c in CASES if c[2] in (1, 4)])
+def test_validate_checks_every_schedule_it_cuts(name: str, sync: str, m: int) -> None:
+    stream = SegmentStream(PLANS[name], sync, m)
+    stream.validate()
+    assert len(stream._ending) == stream.steady_from + 1
+
+
+def test_validate_raises_for_a_broken_schedule() -> None:
+    stream = SegmentStream(Plan.from_balance([1, 1]), "async", 2)
+    ending = stream._ending[1]
+    broken = dataclasses.replace(ending, actions=(ending.actions[0][1:], ending.actions[1]))
+    stream.__dict__["_ending"] = (*stream._ending[:1], broken, *stream._ending[2:])
+    with pytest.raises(ScheduleError):
+        stream.validate()

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in fresh processes and collect what each returns or raises."""
+"""Run a function on N gloo ranks in fresh processes and collect what each returns or raises;
+or make this process a one-rank gloo group for the duration of a test."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import io
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -63,3 +65,15 @@ def run(
             if proc.is_alive():
                 proc.kill()
     return results
+
+
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """This process as rank 0 of a one-rank gloo group, destroyed afterwards."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -21,8 +21,8 @@ from pl_pipedream.schedule.actions import (
     message_key,
 )
 from pl_pipedream.schedule.problem import Cell, Problem
+from pl_pipedream.schedule.progress import Progress
 from pl_pipedream.schedule.segments import segment_indices
-from pl_pipedream.schedule.unit_time import run_in_unit_time
 from pl_pipedream.schedule.version_checks import check_versions
 
 __all__ = ["CHECKS", "Problem"]
@@ -215,14 +215,15 @@ def check_messages(schedule: Schedule) -> Problem | None:
 
 def check_deadlock(schedule: Schedule) -> Problem | None:
     """Blocking receives, unbounded sends: some rank can always move until all lists end."""
-    run = run_in_unit_time(schedule, lambda rank, pos, action: action.kind in COMPUTE)
-    if run.finished:
+    progress = Progress(schedule)
+    progress.run_all()
+    if not progress.stuck:
         return None
-    waiting = ", ".join(f"rank {r}: {schedule.actions[r][p]}" for r, p in run.stuck)
+    waiting = ", ".join(f"rank {r}: {schedule.actions[r][p]}" for r, p in progress.stuck)
     return Problem(
         f"the schedule must not deadlock (stuck at {waiting}); reorder so that each receive's "
         "send can run first",
-        run.stuck,
+        progress.stuck,
     )
 
 

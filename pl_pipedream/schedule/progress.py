@@ -1,7 +1,7 @@
 """Where each rank stands in its list, and whether its next action may run.
 
 The dependencies between ranks, stated once for everything that steps through a schedule without
-a process (the unit-time run behind the deadlock check and the table, and the simulator): a
+a process (the deadlock check, the unit-time run behind the table, and the simulator): a
 receive waits until its send has run; sends never wait (as if buffers were unbounded); an
 ``ALLREDUCE`` waits until every replica of its stage stands at the same one, and then all of
 them move past it together. A send posts a payload that its receive gets back (the simulator's
@@ -71,6 +71,22 @@ class Progress:
         for mover in self.movers(rank):
             self.position[mover] += 1
         return received
+
+    def run_all(self) -> None:
+        """Move every rank as far as it can go.
+
+        Where the ranks stop does not depend on the order they move in: a ready action stays
+        ready until its own rank runs it (only that rank takes its message; replicas standing at
+        an ``ALLREDUCE`` cannot move otherwise). So this is where every run of the schedule
+        stops, the deadlock check's answer without timing anything.
+        """
+        moved = True
+        while moved:
+            moved = False
+            for rank in range(len(self.actions)):
+                while self.ready(rank):
+                    self.advance(rank)
+                    moved = True
 
     @property
     def stuck(self) -> tuple[tuple[int, int], ...]:

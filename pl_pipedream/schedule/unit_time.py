@@ -1,10 +1,10 @@
-"""Run a schedule in unit time steps, without any process: the deadlock check and the table.
+"""Run a schedule in unit time steps, without any process: the rows of ``render``'s table.
 
 Every rank walks its own list, waiting as ``progress`` says (a receive for its send, an
 ``ALLREDUCE`` for every replica). Actions the caller shows take one time step each; hidden ones
 take none and run as soon as they can. The result lists, per step, which action each rank ran;
 if the ranks stop before their lists end, the schedule deadlocks and ``position`` says where each
-rank is stuck.
+rank is stuck (where ``Progress.run_all`` stops too).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Subcommands:
 * ``simulate`` plans the same way (or reads ``--plan plan.json``), builds the schedule of a sync
   mode and prints its timeline and figures.
 
-This module imports neither torch nor Lightning, so both commands start in well under a second.
+This module imports neither torch nor Lightning (planner and schedule are pure Python), so
+neither command pays for loading them.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def run_in_unit_time(schedule: Schedule, shown: Shown) -> UnitTimeRun:
         if all(cell is None for cell in row):
             break
         for rank, cell in enumerate(row):
-            if cell is not None and progress.position[rank] == cell:  # a collective moved it
+            if cell is not None and progress.position[rank] == cell:  # not moved by its collective
                 progress.advance(rank)
         rows.append(tuple(row))
     lengths = tuple(len(actions) for actions in schedule.actions)

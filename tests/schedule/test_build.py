@@ -6,8 +6,6 @@ The version oracle below restates DESIGN.md's table (straight pipelines) and the
 
 from __future__ import annotations
 
-import pytest
-
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SYNC_MODES, ActionKind, Schedule, build, validate
 
@@ -145,20 +143,3 @@ def test_every_forward_of_a_batch_precedes_the_next_batch(plan: Plan) -> None:
         for actions in build(plan, sync, 3, 4).actions:
             batches = [a.batch for a in actions if a.kind is K.FORWARD]
             assert batches == sorted(batches)
-
-
-@pytest.mark.parametrize(
-    ("balance", "replicas", "sync", "m", "words"),
-    [
-        ([1, 1], None, "bogus", 2, "sync must be one of"),
-        ([1, 1], [2, 1], "async", 3, "split evenly"),
-        ([1, 1, 1], None, "2bw", 2, "as many microbatches per batch as stages"),
-        ([1, 1, 1], [1, 3, 3], "2bw", 3, "warm-up count"),
-        ([1, 1], None, "async", 0, "positive integer"),
-    ],
-)
-def test_bad_arguments_raise_value_error(
-    balance: list[int], replicas: list[int] | None, sync: str, m: int, words: str
-) -> None:
-    with pytest.raises(ValueError, match=words):
-        build(Plan.from_balance(balance, replicas=replicas), sync, 2, m)

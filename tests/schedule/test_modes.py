@@ -1,0 +1,104 @@
+"""SyncMode: each mode's properties, parsing, the update settings, and names stated once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pl_pipedream.schedule import SYNC_MODES, SyncMode
+from pl_pipedream.schedule.modes import update_settings
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
+
+
+def test_names_and_order() -> None:
+    assert SYNC_MODES == ("async", "vertical_sync", "2bw", "flush", "gpipe")
+    assert tuple(SyncMode) == tuple(SyncMode(name) for name in SYNC_MODES)
+    assert SyncMode.ASYNC == "async"
+    assert str(SyncMode.TWO_BW) == "2bw" and f"{SyncMode.FLUSH}" == "flush"
+    assert f"{SyncMode.GPIPE:>6}" == " gpipe"
+
+
+@pytest.mark.parametrize(
+    ("mode", "per_minibatch", "flushes", "forwards_first"),
+    [
+        (SyncMode.ASYNC, True, False, False),
+        (SyncMode.VERTICAL_SYNC, True, False, False),
+        (SyncMode.TWO_BW, False, False, False),
+        (SyncMode.FLUSH, False, True, False),
+        (SyncMode.GPIPE, False, True, True),
+    ],
+)
+def test_properties(
+    mode: SyncMode, per_minibatch: bool, flushes: bool, forwards_first: bool
+) -> None:
+    assert mode.updates_per_minibatch is per_minibatch
+    assert mode.flushes is flushes
+    assert mode.updates_in_pipeline is not flushes
+    assert mode.forwards_first is forwards_first
+
+
+def test_min_microbatches() -> None:
+    for stages in (1, 2, 5):
+        assert SyncMode.TWO_BW.min_microbatches(stages) == stages
+        assert {m.min_microbatches(stages) for m in SyncMode if m is not SyncMode.TWO_BW} == {1}
+
+
+def test_parse_takes_a_name_or_a_mode() -> None:
+    for mode in SyncMode:
+        assert SyncMode.parse(mode.value) is mode
+        assert SyncMode.parse(mode) is mode
+
+
+@pytest.mark.parametrize("bad", ["fast", "ASYNC", "", "flush "])
+def test_parse_names_the_choices(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"sync must be one of async, vertical_sync, 2bw, flush, "):
+        SyncMode.parse(bad)
+    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(sync='async'\)"):
+        SyncMode.parse(bad)
+
+
+def old_update_settings(sync: str, m: int, replicas: int) -> tuple[int, float, bool]:
+    """The formulas as they stood before ``update_settings``, restated by hand."""
+    if sync in ("async", "vertical_sync"):
+        return replicas, 1.0, False
+    if m & (m - 1) == 0:  # a power of two: dividing the loss seed is exact
+        return 1, 1.0 / m, m > replicas
+    return m, 1.0, m > replicas
+
+
+@pytest.mark.parametrize("sync", SYNC_MODES)
+def test_update_settings_match_the_formulas(sync: str) -> None:
+    for m in range(1, 17):
+        for replicas in range(1, 5):
+            settings = update_settings(SyncMode(sync), m, replicas)
+            expected = old_update_settings(sync, m, replicas)
+            assert (
+                settings.update_size,
+                settings.loss_scale,
+                settings.sum_linear_gradients,
+            ) == expected, (sync, m, replicas)
+
+
+def mode_literals(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in SYNC_MODES
+    ]
+
+
+def test_mode_names_are_literals_only_in_modes() -> None:
+    """Everything else asks a SyncMode; configs (YAML beside Python) are where users name modes."""
+    configs = PACKAGE / "configs"
+    files = [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "schedule" / "modes.py" and configs not in path.parents
+    ]
+    assert files
+    found = {str(p.relative_to(PACKAGE)): mode_literals(p) for p in files}
+    assert {path: hits for path, hits in found.items() if hits} == {}

@@ -1,0 +1,87 @@
+"""The update rules' arguments: what the checks reject, how they say so, the fewest microbatches."""
+
+from __future__ import annotations
+
+import pytest
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import SYNC_MODES, SyncMode, build, rules
+
+SHAPES = [[1], [1, 1], [1, 1, 1], [1] * 4, [2, 1], [1, 2], [2, 2], [3, 1], [1, 3, 3], [3, 2, 1]]
+
+
+@pytest.mark.parametrize(
+    ("balance", "replicas", "sync", "m", "words"),
+    [
+        ([1, 1], None, "bogus", 2, "sync must be one of"),
+        ([1, 1], [2, 1], "async", 3, "split evenly"),
+        ([1, 1, 1], None, "2bw", 2, "as many microbatches per batch as stages"),
+        ([1, 1, 1], [1, 3, 3], "2bw", 3, "warm-up count"),
+        ([1, 1], None, "async", 0, "positive integer"),
+    ],
+)
+def test_bad_arguments_raise_value_error(
+    balance: list[int], replicas: list[int] | None, sync: str, m: int, words: str
+) -> None:
+    with pytest.raises(ValueError, match=words):
+        build(Plan.from_balance(balance, replicas=replicas), sync, 2, m)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "sync", "m", "fix"),
+    [
+        ([2, 1], "async", 3, 4),
+        ([3, 2], "flush", 4, 6),
+        ([1, 1, 1], "2bw", 2, 3),
+        ([1, 3, 3], "2bw", 3, 6),
+    ],
+)
+def test_errors_name_the_users_fix(replicas: list[int], sync: str, m: int, fix: int) -> None:
+    """The count to pass, as the strategy's argument and as the command line's flag."""
+    plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
+    with pytest.raises(ValueError) as error:
+        rules.check_arguments(plan, sync, 1, m)
+    text = str(error.value)
+    assert f"PipeDreamStrategy(microbatches={fix})" in text
+    assert f"--microbatches {fix}" in text
+    rules.check_arguments(plan, sync, 1, fix)
+
+
+def test_check_arguments_returns_the_mode() -> None:
+    plan = Plan.from_balance([1, 1])
+    for name in SYNC_MODES:
+        assert rules.check_arguments(plan, name, 1, 2) is SyncMode(name)
+        assert rules.check_arguments(plan, SyncMode(name), 1, 2) is SyncMode(name)
+
+
+@pytest.mark.parametrize("replicas", SHAPES, ids=str)
+def test_fewest_microbatches_is_the_smallest_accepted(replicas: list[int]) -> None:
+    plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
+    for mode in SyncMode:
+        fewest = rules.fewest_microbatches(plan, mode)
+        rules.check_arguments(plan, mode, 1, fewest)
+        for m in range(1, fewest):
+            with pytest.raises(ValueError):
+                rules.check_arguments(plan, mode, 1, m)
+        assert rules.fewest_microbatches(plan, mode, fewest + 1) > fewest
+
+
+def test_stash_limits() -> None:
+    """async keeps w_s + 1 versions, vertical sync the input stage's w_0 + 1, 2BW two."""
+    plan = Plan.from_balance([1] * 4)
+    limits = {mode: [rules.stash_limit(plan, mode, s) for s in range(4)] for mode in SyncMode}
+    assert limits == {
+        SyncMode.ASYNC: [4, 3, 2, 1],
+        SyncMode.VERTICAL_SYNC: [4, 4, 4, 4],
+        SyncMode.TWO_BW: [2, 2, 2, 2],
+        SyncMode.FLUSH: [1, 1, 1, 1],
+        SyncMode.GPIPE: [1, 1, 1, 1],
+    }
+
+
+def test_updates_per_mode() -> None:
+    plan = Plan.from_balance([1, 1], replicas=[2, 1])
+    assert [rules.num_updates(plan, SyncMode.ASYNC, 3, 4, s) for s in (0, 1)] == [6, 12]
+    assert [rules.num_updates(plan, SyncMode.TWO_BW, 3, 4, s) for s in (0, 1)] == [3, 3]
+    assert [rules.update_of(plan, SyncMode.ASYNC, 4, 0, i) for i in range(4)] == [1, 1, 2, 2]
+    assert [rules.update_of(plan, SyncMode.FLUSH, 4, 0, i) for i in (0, 3, 4)] == [1, 1, 2]

@@ -9,14 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.schedule import SegmentStream
-from pl_pipedream.strategy.batches import slice_batch
-from pl_pipedream.strategy.stage import PipelineSetupError, pipeline_layers
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
 SCRIPT = Path(__file__).with_name("failing_script.py")
@@ -30,16 +26,6 @@ def test_unknown_sync_mode() -> None:
 def test_balance_that_does_not_cover_the_layers() -> None:
     with pytest.raises(PlanError, match=r"layers: 6, sum of balance: 5\); change balance"):
         Plan.from_balance([3, 2], [str(i) for i in range(6)])
-
-
-def test_module_without_configure_pipeline() -> None:
-    with pytest.raises(PipelineSetupError, match="has no configure_pipeline"):
-        pipeline_layers(nn.Linear(2, 2))
-
-
-def test_batch_that_does_not_split_into_microbatches() -> None:
-    with pytest.raises(ValueError, match=r"batch size: 5, microbatches: 2\)"):
-        slice_batch((torch.zeros(5, 3), torch.zeros(5)), 2)
 
 
 def test_too_few_microbatches_for_2bw() -> None:

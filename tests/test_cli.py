@@ -1,10 +1,14 @@
-"""``pl-pipedream plan``: the table, the JSON contract, and clear errors."""
+"""``pl-pipedream plan`` and ``simulate``: the table, the JSON contract, and clear errors."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from pl_pipedream.cli import main
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import SYNC_MODES
 
 
 def test_plan_json_has_the_documented_fields(profiles_dir, capsys) -> None:
@@ -71,3 +75,22 @@ def test_missing_profile_is_a_clear_error(tmp_path, capsys) -> None:
         == 2
     )
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_simulate_a_plan_file_with_each_mode(tmp_path, capsys) -> None:
+    """The default microbatches: what the replicas share, raised to the stages for 2bw."""
+    path = tmp_path / "plan.json"
+    path.write_text(Plan.from_balance([1, 1, 1]).to_json())
+    for sync in SYNC_MODES:
+        args = ["simulate", "--plan", str(path), "--sync", sync, "--batches", "2", "--json"]
+        assert main(args) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["sync"] == sync
+        assert data["num_minibatches"] == (6 if sync == "2bw" else 2)
+
+
+def test_simulate_rejects_an_unknown_mode(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["simulate", "--plan", str(tmp_path / "plan.json"), "--sync", "fast"])
+    assert exit.value.code == 2
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

@@ -90,8 +90,11 @@ def stash_limit(plan: Plan, sync: SyncMode, stage: int) -> int:
 def check_arguments(
     plan: Plan, sync: SyncMode | str, num_batches: int, microbatches: int
 ) -> SyncMode:
-    """The mode ``sync`` names; ``ValueError`` when a schedule cannot be built from these
-    arguments."""
+    """The ``SyncMode`` that ``sync`` names, once the arguments are checked.
+
+    Raises ``ValueError`` when no schedule can be built from them; the message names the
+    fewest microbatches that work (``fewest_microbatches``).
+    """
     mode = SyncMode.parse(sync)
     for name, value in (("num_batches", num_batches), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -128,8 +131,8 @@ def _check_two_buffers(plan: Plan, microbatches: int, fix: str) -> None:
 def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
     """The smallest count from ``at_least`` up that ``check_arguments`` accepts for ``plan``.
 
-    It is a multiple of every stage's replicas; 2BW also needs ``mode.min_microbatches`` and,
-    at every stage, the warm-up forwards of each replica.
+    It is a multiple of every stage's replicas and at least ``sync.min_microbatches``; 2BW also
+    needs, at every stage, the warm-up forwards of each replica.
     """
     need = max(at_least, sync.min_microbatches(plan.num_stages))
     if sync is SyncMode.TWO_BW:

@@ -1,8 +1,9 @@
 """Per-rank action lists for every sync mode, with a validator, a renderer and a simulator.
 
-Pure Python (no torch): ``build`` turns a ``Plan`` into a ``Schedule``; ``validate`` checks it;
-``render`` prints it as a step x rank table; ``simulate`` times it; ``segments`` cuts a rank's
-list into one piece per Lightning training step.
+Pure Python (no torch): ``SyncMode`` states what each mode implies; ``build`` turns a ``Plan``
+into a ``Schedule``; ``validate`` checks it; ``render`` prints it as a step x rank table;
+``simulate`` times it; ``segments`` cuts a rank's list into one piece per Lightning training
+step, and ``SegmentStream`` gives those pieces for any step without building the whole run.
 """
 
 from pl_pipedream.schedule.actions import BUSY_KINDS, Action, ActionKind, Schedule, ScheduleError

@@ -1,0 +1,192 @@
+"""Who applies a stage's updates: the stage inside the pipeline, or Lightning after ``backward``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy.updates import (
+    PipelineUpdates,
+    TrainerUpdates,
+    check_trainer,
+    stage_updates,
+)
+from tests.runtime.distributed import run
+
+CPU = torch.device("cpu")
+
+
+def trainer(**kwargs) -> Trainer:  # type: ignore[no-untyped-def]
+    return Trainer(accelerator="cpu", devices=1, logger=False, barebones=True, **kwargs)
+
+
+def stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 2))
+
+
+def gradients(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"0.weight": torch.full((2, 2), scale), "0.bias": torch.full((2,), scale)}
+
+
+def pipeline_updates(module: nn.Module, optimizer, run_trainer=None) -> PipelineUpdates:  # type: ignore[no-untyped-def]
+    return PipelineUpdates(SyncMode.ASYNC, module, lambda: [optimizer], run_trainer or trainer())
+
+
+def test_sgd_steps_out_of_place_into_the_storage_and_copies_nothing() -> None:
+    module = stage()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    stashed = module[0].weight.data  # a kept weight version shares this storage
+    before = stashed.clone()
+    storage = {"0.weight": torch.empty(2, 2)}
+    copied = pipeline_updates(module, optimizer)(gradients(), storage)
+    assert copied == 0
+    assert module[0].weight.data_ptr() == storage["0.weight"].data_ptr()
+    assert torch.equal(module[0].weight, before - 0.5)
+    assert torch.equal(stashed, before)
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_adam_copies_the_weights_a_version_shares_then_steps_in_place() -> None:
+    module = stage()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    stashed = module[0].weight.data
+    before = stashed.clone()
+    storage = {"0.weight": torch.empty(2, 2)}
+    copied = pipeline_updates(module, optimizer)(gradients(), storage)
+    assert copied == 4 * 4
+    assert module[0].weight.data_ptr() == storage["0.weight"].data_ptr()
+    assert torch.equal(stashed, before) and not torch.equal(module[0].weight, before)
+
+
+def test_a_parameter_no_optimizer_steps_keeps_its_values_in_new_storage() -> None:
+    module = stage()
+    optimizer = torch.optim.SGD([module[0].bias], lr=0.5)
+    before = module[0].weight.detach().clone()
+    storage = {"0.weight": torch.empty(2, 2)}
+    copied = pipeline_updates(module, optimizer)(gradients(), storage)
+    assert copied == 4 * 4
+    assert module[0].weight.data_ptr() == storage["0.weight"].data_ptr()
+    assert torch.equal(module[0].weight, before)
+
+
+def test_clipping_by_value_is_per_stage() -> None:
+    module = stage()
+    before = module[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    run_trainer = trainer(gradient_clip_val=0.25, gradient_clip_algorithm="value")
+    pipeline_updates(module, optimizer, run_trainer)(gradients(10.0), {})
+    assert torch.allclose(module[0].weight, before - 0.25)
+
+
+def test_clipping_by_norm_is_per_stage() -> None:
+    module = stage()
+    before = [p.detach().clone() for p in module.parameters()]
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    pipeline_updates(module, optimizer, trainer(gradient_clip_val=1.0))(gradients(10.0), {})
+    change = torch.cat(
+        [(b - p).flatten() for b, p in zip(before, module.parameters(), strict=True)]
+    )
+    assert change.norm().item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_without_clipping_the_gradient_is_applied_as_is() -> None:
+    module = stage()
+    before = module[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    pipeline_updates(module, optimizer)(gradients(10.0), {})
+    assert torch.allclose(module[0].weight, before - 10.0)
+
+
+@pytest.mark.parametrize("mode", list(SyncMode))
+def test_accumulating_gradients_needs_a_flushed_mode(mode: SyncMode) -> None:
+    run_trainer = trainer(accumulate_grad_batches=2)
+    if mode.flushes:
+        check_trainer(mode, run_trainer)
+        return
+    with pytest.raises(
+        ValueError, match=rf"\(sync: {mode}, accumulate_grad_batches: 2\); use .*sync='flush'"
+    ):
+        check_trainer(mode, run_trainer)
+
+
+def test_every_mode_accepts_a_trainer_without_accumulation() -> None:
+    for mode in SyncMode:
+        check_trainer(mode, trainer())
+
+
+def trainer_updates(module: nn.Module, run_trainer: Trainer) -> TrainerUpdates:
+    return TrainerUpdates(SyncMode.FLUSH, module, lambda: [], run_trainer, 1, CPU)
+
+
+def test_trainer_updates_hold_the_gradient_until_backward_adds_it_scaled() -> None:
+    module = stage()
+    updates = trainer_updates(module, trainer(accumulate_grad_batches=2))
+    before = module[0].weight.detach().clone()
+    loss = torch.tensor(3.0)
+    assert updates(gradients(4.0), {}) == 0
+    assert module[0].weight.grad is None and torch.equal(module[0].weight, before)
+    assert updates.backward(loss) is loss
+    assert torch.equal(module[0].weight.grad, torch.full((2, 2), 2.0))
+    updates(gradients(2.0), {})
+    updates.backward(loss)
+    assert torch.equal(module[0].bias.grad, torch.full((2,), 3.0))
+    updates.backward(loss)  # nothing held any more
+    assert torch.equal(module[0].bias.grad, torch.full((2,), 3.0))
+
+
+def test_trainer_updates_move_a_shared_storage_before_lightning_steps_in_place() -> None:
+    module = stage()
+    stashed = module[0].weight.data
+    storage = {"0.weight": torch.empty(2, 2)}
+    assert trainer_updates(module, trainer())(gradients(), storage) == 4 * 4
+    assert module[0].weight.data_ptr() == storage["0.weight"].data_ptr()
+    assert torch.equal(module[0].weight, stashed)
+
+
+def test_pipeline_updates_leave_backward_to_the_pipeline() -> None:
+    module = stage()
+    loss = torch.tensor(1.0)
+    assert (
+        pipeline_updates(module, torch.optim.SGD(module.parameters(), lr=1)).backward(loss) is loss
+    )
+    assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize("mode", list(SyncMode))
+def test_stage_updates_pick_the_class_by_mode(mode: SyncMode) -> None:
+    updates = stage_updates(mode, stage(), lambda: [], trainer(), 1, CPU)
+    expected = PipelineUpdates if mode.updates_in_pipeline else TrainerUpdates
+    assert type(updates) is expected
+    assert updates.steps_in_pipeline == mode.updates_in_pipeline
+
+
+def _clip_over_two_ranks(rank: int, world: int) -> dict[str, list[float]]:
+    """Rank r holds gradient 3 or 4 in its own coordinate: the norm over both ranks is 5."""
+    out = {}
+    for name, clip, replicas, grad in (
+        ("stages", 1.0, 1, [3.0, 0.0] if rank == 0 else [0.0, 4.0]),
+        ("below", 10.0, 1, [3.0, 0.0] if rank == 0 else [0.0, 4.0]),
+        ("replicas", 1.0, 2, [3.0, 4.0]),  # two replicas of one stage: the norm is 5, not 5√2
+    ):
+        param = nn.Parameter(torch.zeros(2))
+        param.grad = torch.tensor(grad)
+        updates = TrainerUpdates(SyncMode.FLUSH, nn.Module(), lambda: [], None, replicas, CPU)
+        updates.clip_global_norm(torch.optim.SGD([param], lr=1.0), clip)
+        out[name] = param.grad.tolist()
+    return out
+
+
+@pytest.mark.slow  # two processes that import Lightning: about 5 s
+def test_clip_global_norm_clips_the_norm_over_every_rank() -> None:
+    results = run(2, _clip_over_two_ranks, timeout=60.0)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    first, second = results[0][1], results[1][1]
+    assert first["stages"] == pytest.approx([0.6, 0.0], rel=1e-5)
+    assert second["stages"] == pytest.approx([0.0, 0.8], rel=1e-5)
+    assert first["below"] == [3.0, 0.0] and second["below"] == [0.0, 4.0]
+    assert first["replicas"] == second["replicas"] == pytest.approx([0.6, 0.8], rel=1e-5)

@@ -126,7 +126,8 @@ def run(schedule: Schedule, costs: Costs) -> tuple[tuple[Span, ...], ...]:
                     progress.advance(rank, payload=link_free[link])  # type: ignore[index]
                 elif action.kind in RECVS:
                     arrival = progress.advance(rank)
-                    clock[rank] = max(now, arrival)  # type: ignore[type-var]
+                    assert arrival is not None  # a receive returns its send's payload
+                    clock[rank] = max(now, arrival)
                     spans[rank].append((now, clock[rank]))
                 else:  # compute, a step, or an ALLREDUCE that every replica reached
                     group = progress.movers(rank)

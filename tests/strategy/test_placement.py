@@ -1,0 +1,96 @@
+"""Where a rank's work lives: its tensors on its device, its optimizers on its parameters, its
+threads on its share of the cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from pl_pipedream.runtime.affinity import bind_threads, current_cpus
+from pl_pipedream.strategy.placement import (
+    bind_to_cpu_share,
+    keep_local_parameters,
+    move_to_device,
+)
+from tests.runtime.distributed import one_rank_group, run
+
+
+def cut_module() -> nn.Module:
+    """A module after ``cut_stage``: another stage's layers on ``meta``, this stage's on the CPU."""
+    module = nn.Module()
+    module.other = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).to("meta")
+    module.mine = nn.BatchNorm1d(2)
+    return module
+
+
+def test_move_to_device_skips_meta_tensors() -> None:
+    module = cut_module()
+    weight = module.mine.weight
+    move_to_device(module, torch.device("cpu"))  # a meta tensor cannot be copied out: skipped
+    assert {t.device.type for t in module.other.state_dict().values()} == {"meta"}
+    assert module.mine.weight is weight and weight.device.type == "cpu"
+
+
+def test_keep_local_parameters_drops_the_other_stages_from_every_group() -> None:
+    module = cut_module()
+    module.scale = nn.Parameter(torch.ones(1))  # outside the pipeline: kept
+    optimizers = [
+        torch.optim.SGD(
+            [
+                {"params": [module.other[0].weight, module.scale, module.other[1].bias]},
+                {"params": list(module.mine.parameters()), "lr": 0.5},
+            ],
+            lr=0.1,
+        ),
+        torch.optim.Adam(module.other[0].parameters()),
+    ]
+    keep_local_parameters(module, optimizers)
+    first, second = optimizers[0].param_groups
+    assert first["params"] == [module.scale]
+    assert second["params"] == list(module.mine.parameters()) and second["lr"] == 0.5
+    assert optimizers[1].param_groups[0]["params"] == []
+
+
+needs_two_cores = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a process that may run on 2 cores",
+)
+
+
+def test_a_lone_rank_is_left_where_it_is() -> None:
+    before = current_cpus()
+    with one_rank_group():
+        assert bind_to_cpu_share(0, 1, range(1)) is None
+    assert current_cpus() == before
+
+
+def _bind(rank: int, world: int) -> dict:
+    pool = current_cpus()
+    assert pool is not None
+    out: dict = {"pool": sorted(pool)}
+    bind_threads(frozenset([sorted(pool)[rank]]))  # as a launcher that placed each rank would
+    out["placed by the launcher"] = bind_to_cpu_share(rank, world, range(world))
+    bind_threads(pool)
+    bound = bind_to_cpu_share(rank, world, range(world))
+    out["bound"] = None if bound is None else (sorted(bound[0]), sorted(bound[1]))
+    out["threads"] = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]
+    bind_threads(pool)  # what teardown does
+    out["restored"] = sorted(current_cpus() or ())
+    return out
+
+
+@pytest.mark.slow  # two processes that import Lightning: about 5 s
+@needs_two_cores
+def test_ranks_on_one_node_are_bound_to_their_share_of_the_cores() -> None:
+    results = run(2, _bind, timeout=60.0)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        pool = value["pool"]
+        share = pool[rank * (len(pool) // 2) : (rank + 1) * (len(pool) // 2)]
+        assert value["placed by the launcher"] is None
+        assert value["bound"] == (pool, share)
+        assert all(cpus == share for cpus in value["threads"])
+        assert value["restored"] == pool

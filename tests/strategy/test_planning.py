@@ -1,0 +1,169 @@
+"""Choosing the plan at setup: which plan wins, the sample input, planning on rank 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
+from pl_pipedream.strategy.planning import (
+    choose_plan,
+    plan_at_setup,
+    plan_automatically,
+    sample_input,
+)
+from pl_pipedream.strategy.stage import PipelineSetupError
+from tests.runtime.distributed import one_rank_group
+
+GIVEN = Plan.from_balance([1, 3])
+PREVIOUS = Plan.from_balance([2, 2])
+RESUMED = Plan.from_balance([3, 1])
+AUTOMATIC = Plan.from_balance([1, 1, 2])
+
+
+def automatic() -> Plan:
+    return AUTOMATIC
+
+
+def never() -> Plan:
+    raise AssertionError("planned automatically although a plan was at hand")
+
+
+def choose(given=None, balance=None, previous=None, resumed=None, plan=never, world=2) -> Plan:  # type: ignore[no-untyped-def]
+    return choose_plan(given, balance, previous, resumed, 4, world, plan)
+
+
+def test_the_given_plan_wins() -> None:
+    assert choose(GIVEN, previous=PREVIOUS, resumed=RESUMED) is GIVEN
+
+
+def test_an_earlier_setups_plan_comes_next() -> None:
+    """A validate/test/predict after fit keeps the training layout."""
+    assert choose(previous=PREVIOUS, resumed=RESUMED) is PREVIOUS
+    assert choose(balance=[3, 1], previous=PREVIOUS) is PREVIOUS
+
+
+def test_a_resumed_checkpoints_plan_comes_next() -> None:
+    assert choose(resumed=RESUMED) is RESUMED
+
+
+def test_balance_comes_before_the_resumed_plan() -> None:
+    """``balance=`` given with a checkpoint wins; the checkpoint's layout is checked on load."""
+    assert choose(balance=[1, 3], resumed=RESUMED) == Plan.from_balance([1, 3])
+
+
+def test_balance_builds_a_plan_over_the_layer_indices() -> None:
+    plan = choose(balance=[1, 3])
+    assert [stage.nodes for stage in plan.stages] == [("0",), ("1", "2", "3")]
+
+
+def test_without_any_plan_it_plans_automatically() -> None:
+    assert choose(plan=automatic, world=3) is AUTOMATIC
+
+
+def test_balance_and_a_plan_together_are_refused() -> None:
+    with pytest.raises(PipelineSetupError, match="either balance= or plan="):
+        choose(GIVEN, balance=[2, 2])
+
+
+def test_the_plan_needs_one_process_per_worker() -> None:
+    with pytest.raises(PipelineSetupError) as error:
+        choose(plan=automatic, world=2)
+    assert (
+        "the plan needs one process per worker (plan workers: 3, devices: 2); use "
+        "Trainer(devices=3) or a plan for 2 workers"
+    ) in str(error.value)
+
+
+class Model(LightningModule):
+    def __init__(self, example: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        if example:
+            self.example_input_array = torch.ones(3, 4)
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return self(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer(tmp_path: Path, **kwargs) -> Trainer:  # type: ignore[no-untyped-def]
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def test_outside_fit_the_sample_is_the_example_input_array(tmp_path: Path) -> None:
+    sample = sample_input(trainer(tmp_path), Model(), 2, lambda x: x * 2)
+    assert torch.equal(sample, torch.full((3, 4), 2.0))  # moved with to_device
+
+
+def test_without_a_sample_planning_names_the_ways_to_give_one(tmp_path: Path) -> None:
+    with pytest.raises(
+        PipelineSetupError, match="example_input_array .* or pass balance= or plan="
+    ):
+        sample_input(trainer(tmp_path), Model(example=False), 2, lambda x: x)
+
+
+class RecordSample(Callback):
+    """What ``sample_input`` sees at setup, where the strategy calls it."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.sample = sample_input(trainer, pl_module, 2, lambda batch: batch)
+
+
+def test_while_fitting_the_sample_is_one_microbatch_of_the_first_batch(tmp_path: Path) -> None:
+    x = torch.arange(32.0).reshape(8, 4)
+    data = DataLoader(TensorDataset(x, torch.zeros(8)), batch_size=4)
+    record = RecordSample()
+    trainer(tmp_path, max_steps=1, callbacks=[record]).fit(Model(), data)
+    assert torch.equal(record.sample, x[:2])
+
+
+def test_plan_at_setup_profiles_and_plans_over_the_layer_indices() -> None:
+    layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with one_rank_group():
+        plan, seconds = plan_at_setup(layers, torch.ones(2, 4), None, torch.device("cpu"))
+    assert plan.num_workers == 1 and seconds > 0
+    assert [stage.nodes for stage in plan.stages] == [("0", "1", "2")]
+
+
+def test_plan_at_setup_needs_a_topology_of_the_world_size() -> None:
+    layers = nn.Sequential(nn.Linear(4, 2))
+    with one_rank_group(), pytest.raises(ValueError, match=r"topology workers: 2, devices: 1\)"):
+        plan_at_setup(layers, torch.ones(2, 4), Topology.flat(2, 1e9), torch.device("cpu"))
+
+
+def test_a_failure_on_rank_zero_reaches_every_rank_as_one_error() -> None:
+    layers = nn.Sequential(nn.Linear(4, 2))
+    with one_rank_group(), pytest.raises(RuntimeError, match="automatic planning failed on rank 0"):
+        plan_at_setup(layers, torch.ones(2, 3), None, torch.device("cpu"))  # wrong width
+
+
+def test_plan_automatically_announces_the_plan_beside_the_logs(tmp_path: Path) -> None:
+    with one_rank_group():
+        plan, _ = plan_automatically(trainer(tmp_path), Model(), None, 1, lambda x: x)
+    written = Plan.from_dict(json.loads((tmp_path / "pipedream_plan.json").read_text()))
+    assert written == plan and plan.num_workers == 1

@@ -1,4 +1,8 @@
-"""Pipelined validation, test and predict; metrics on every rank for callbacks."""
+"""Pipelined validation, test and predict; metrics on every rank for callbacks.
+
+One process: the evaluation pipe of a one-stage plan and of a replica that does not evaluate.
+Spawned: fit, validate, test and predict on three stages with callbacks that monitor metrics.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.strategy.evaluation import EvaluationPipe
+from pl_pipedream.strategy.stage import cut_stage
 
 
 class Classifier(LightningModule):
@@ -55,6 +62,36 @@ def data(n: int = 96) -> DataLoader:
     x = torch.randn(n, 8, generator=generator)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
     return DataLoader(TensorDataset(x, y), batch_size=12)
+
+
+class Doubled(Classifier):
+    def test_step(self, batch, batch_idx, dataloader_idx=0):  # type: ignore[no-untyped-def]
+        return 2 * self(batch[0]), batch_idx, dataloader_idx
+
+
+def one_stage(replicas: int = 1, rank: int = 0) -> tuple[Doubled, EvaluationPipe]:
+    model = Doubled()
+    plan = Plan.from_balance([5], replicas=[replicas])
+    local = cut_stage(model, model.configure_pipeline(), plan, rank)
+    return model, EvaluationPipe(plan, local, channel=None, rank=rank)  # type: ignore[arg-type]
+
+
+def test_the_last_stage_runs_the_hook_with_self_x_returning_the_pipelines_output() -> None:
+    model, pipe = one_stage()
+    x = torch.randn(4, 8)
+    output, batch_idx, dataloader_idx = pipe.run(model, "test_step", (x, None), 3, 1)
+    assert torch.allclose(output, 2 * model.head(model.body(x)))
+    assert (batch_idx, dataloader_idx) == (3, 1)
+    assert "forward" not in vars(model)
+    assert pipe.predictions_to_rank_zero(output, 3) is output  # rank 0 is the last stage
+    assert pipe.metrics_source == 0
+
+
+def test_only_the_first_replica_of_a_stage_evaluates() -> None:
+    model, pipe = one_stage(replicas=2, rank=1)
+    assert not pipe.evaluates
+    assert pipe.run(model, "test_step", (torch.randn(4, 8), None), 0) is None
+    assert pipe.metrics_source == 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,8 @@ from tests.runtime import oracle
 from tests.runtime.distributed import run
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 
+pytestmark = pytest.mark.slow  # one spawn of two ranks for the module: about 3 s
+
 M = 2  # microbatches per batch
 STEPS = 3
 

@@ -18,11 +18,6 @@ from tests.strategy.test_lightning_features import Net, loader, trainer
 SCRIPT = Path(__file__).with_name("failing_script.py")
 
 
-def test_unknown_sync_mode() -> None:
-    with pytest.raises(ValueError, match=r"sync must be one of async, .* \(sync: 'fast'\)"):
-        PipeDreamStrategy(sync="fast")
-
-
 def test_balance_that_does_not_cover_the_layers() -> None:
     with pytest.raises(PlanError, match=r"layers: 6, sum of balance: 5\); change balance"):
         Plan.from_balance([3, 2], [str(i) for i in range(6)])

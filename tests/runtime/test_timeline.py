@@ -29,7 +29,8 @@ EVENTS = [
 
 
 def test_busy_kinds_are_action_kinds() -> None:
-    assert set(BUSY) == {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP}
+    kinds = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP)
+    assert set(BUSY) == {kind.value for kind in kinds}
 
 
 def test_a_ranks_bubble_is_its_span_without_compute_and_updates() -> None:

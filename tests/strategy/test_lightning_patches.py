@@ -155,11 +155,10 @@ class Record(Callback):
         self.last.append(patches.is_last_batch(trainer))
 
 
-def test_lightning_keeps_the_training_data_source_on_the_fit_loop() -> None:
-    assert "_data_source" in vars(_FitLoop(trainer(), max_epochs=1))
-    epoch_loop = trainer().fit_loop.epoch_loop
-    assert patches.is_last_batch(trainer()) is False
-    assert hasattr(epoch_loop.batch_progress, "is_last_batch")
+def test_lightning_keeps_the_data_source_and_the_last_batch_flag_on_the_loops() -> None:
+    fit_loop = trainer().fit_loop
+    assert isinstance(fit_loop, _FitLoop) and "_data_source" in vars(fit_loop)
+    assert fit_loop.epoch_loop.batch_progress.is_last_batch is False
 
 
 def test_outside_fit_there_is_no_first_training_batch() -> None:

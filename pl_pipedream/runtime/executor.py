@@ -125,6 +125,7 @@ class StageExecutor:
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
         self.newest_loss: MinibatchLoss | None = None  # of the highest minibatch seen
+        self._newest_minibatch = -1  # of newest_loss, in the current run
         self._feed: Feed | None = None
         self._update: Update | None = None
         self._received: dict[int, Message] = {}
@@ -192,7 +193,8 @@ class StageExecutor:
         self.position = len(self.actions)
 
     def _record_loss(self, loss: MinibatchLoss) -> None:
-        if self.newest_loss is None or loss.minibatch >= self.newest_loss.minibatch:
+        if loss.minibatch >= self._newest_minibatch:
+            self._newest_minibatch = loss.minibatch
             self.newest_loss = loss
 
     def restart(self) -> None:
@@ -205,7 +207,8 @@ class StageExecutor:
                 f"{bool(self._accumulated) or pending}); drain it first"
             )
         self.stash.reset(0)
-        self.newest_loss = None
+        self._newest_minibatch = -1  # the next run counts minibatches from 0; its first
+        # loss replaces newest_loss, which until then stays the newest this rank knows
 
     # ----- messages ---------------------------------------------------------------------------
 

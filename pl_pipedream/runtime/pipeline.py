@@ -48,6 +48,7 @@ class PipelineRunner:
         self.executor = executor
         self.update = update
         self.stream = SegmentStream(plan, sync, microbatches)
+        self.stream.validate()  # the executor runs only what the validator checked
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
         self.groups: list[Any] = []  # process groups made for this pipeline alone

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["TimelineEvent", "bubble_fractions", "chrome_trace", "gather_trace", "write_trace"]
+from pl_pipedream.schedule.result import BUSY_KINDS, bubble_fraction
 
-BUSY = ("FORWARD", "BACKWARD", "STEP")
+__all__ = ["TimelineEvent", "bubble_fractions", "chrome_trace", "gather_trace", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,8 @@ def bubble_fractions(events: Sequence[TimelineEvent]) -> dict[int, float]:
         by_rank.setdefault(event.rank, []).append(event)
     out = {}
     for rank, mine in sorted(by_rank.items()):
-        span = max(e.end for e in mine) - min(e.start for e in mine)
-        busy = sum(e.end - e.start for e in mine if e.kind in BUSY)
-        out[rank] = 1.0 - busy / span if span > 0 else 0.0
+        busy = [(e.start, e.end) for e in mine if e.kind in BUSY_KINDS]
+        out[rank] = bubble_fraction(busy, min(e.start for e in mine), max(e.end for e in mine))
     return out
 
 

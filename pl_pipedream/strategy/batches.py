@@ -40,7 +40,8 @@ def slice_batch(batch: Any, microbatches: int) -> list[Any]:
     if isinstance(batch, (tuple, list)):
         parts = [slice_batch(item, microbatches) for item in batch]
         if isinstance(batch, tuple):
-            return [type(batch)(p[j] for p in parts) for j in range(microbatches)]
+            rebuild = type(batch)._make if hasattr(type(batch), "_make") else type(batch)
+            return [rebuild(p[j] for p in parts) for j in range(microbatches)]
         return [[p[j] for p in parts] for j in range(microbatches)]
     if isinstance(batch, dict):
         split = {key: slice_batch(value, microbatches) for key, value in batch.items()}

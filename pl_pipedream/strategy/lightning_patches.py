@@ -133,11 +133,14 @@ def summary_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
 
 
 def stop_metric_sync(module: nn.Module) -> None:
-    """Turn off torchmetrics' gather over all ranks on ``compute()`` (``Metric.sync_on_compute``)
-    for every metric of ``module``."""
+    """Turn off torchmetrics' gather over all ranks on ``compute()`` for every metric of
+    ``module``: ``Metric.sync_on_compute``, and ``Metric._to_sync``, which ``compute()`` reads
+    and which is copied from it only when the metric is built and on each forward call."""
     for sub in module.modules():
         if hasattr(sub, "sync_on_compute") and hasattr(sub, "compute"):
             sub.sync_on_compute = False
+            if hasattr(sub, "_to_sync"):
+                sub._to_sync = False
 
 
 def first_training_batch(trainer: Any) -> Any | None:

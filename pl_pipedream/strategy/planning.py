@@ -51,7 +51,7 @@ def choose_plan(
 ) -> Plan:
     """The plan this setup uses, in order of precedence: the one passed to the strategy, the
     one an earlier setup used (a validate/test/predict after fit keeps the training layout),
-    the one a resumed checkpoint saved, one from ``balance``, else an automatic one."""
+    one from ``balance``, the one a resumed checkpoint saved, else an automatic one."""
     if given is not None and balance is not None:
         raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
     if given is not None:

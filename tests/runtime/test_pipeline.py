@@ -128,12 +128,6 @@ def test_the_losses_reach_the_first_stage_with_the_gradients(runs) -> None:  # t
     assert runs[1]["async"]["newest"][:2] == [1, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StageExecutor.restart sets newest_loss to None, so after a drained step (every step "
-    "of flush/gpipe, an epoch's last in async) no stage but the last has a loss to log as "
-    "train_loss; before 7a59ab4 restart kept the value and reset only the minibatch index",
-)
 def test_a_drained_step_leaves_its_newest_loss_for_train_loss(runs) -> None:  # type: ignore[no-untyped-def]
     assert runs[0]["async"]["newest"][-1] == STEPS * M - 1
 

@@ -32,13 +32,6 @@ def test_slice_batch_splits_tuples_lists_and_dicts_and_repeats_the_rest() -> Non
 Pair = namedtuple("Pair", "inputs targets")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="slice_batch rebuilds a tuple as type(batch)(generator), which a namedtuple does not "
-    "accept (Pair() missing 1 required positional argument); Lightning's own collections "
-    "handle namedtuples",
-)
 def test_slice_batch_keeps_a_named_tuple() -> None:
     pieces = slice_batch(Pair(torch.zeros(4, 1), torch.arange(4)), 2)
     assert isinstance(pieces[1], Pair) and torch.equal(pieces[1].targets, torch.arange(2, 4))

@@ -248,13 +248,6 @@ def test_a_metric_called_after_stop_metric_sync_computes_locally(two_ranks) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="stop_metric_sync sets Metric.sync_on_compute, but torchmetrics' compute() reads "
-    "Metric._to_sync, copied from sync_on_compute at construction and after each forward: a "
-    "metric fed only by .update() still gathers over every rank on compute(), which only the "
-    "evaluating rank calls",
-)
 def test_a_metric_updated_after_stop_metric_sync_computes_locally(two_ranks) -> None:  # type: ignore[no-untyped-def]
     for rank, value in two_ranks.items():
         assert value["mean after update"] == float(rank)

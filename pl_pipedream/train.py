@@ -2,7 +2,7 @@
 
 ``train(cfg)`` builds the data module, the model, the strategy and the Trainer from the composed
 config (each with ``_target_``), fits, validates and returns the final metrics; ``main`` only adds
-Hydra and the start of the other ranks (``pl_pipedream.ranks``). The configs live in
+Hydra and the start of the other ranks (``pl_pipedream.hydra_ranks``). The configs live in
 ``pl_pipedream/configs`` so that an installed package finds them; one group per swappable piece:
 ``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
 
@@ -22,8 +22,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from pl_pipedream.hydra_ranks import other_ranks
 from pl_pipedream.planner.topology import Level, Topology, TopologyError
-from pl_pipedream.ranks import other_ranks
 
 __all__ = ["main", "num_processes", "topology_for_devices", "train"]
 

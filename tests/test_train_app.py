@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream import PipeDreamStrategy, Topology
 from pl_pipedream.planner.topology import TopologyError
-from pl_pipedream.ranks import child_command
+from pl_pipedream.hydra_ranks import child_command
 from pl_pipedream.train import num_processes, topology_for_devices
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,10 +23,10 @@ from torch.optim.optimizer import Optimizer
 __all__ = ["has_out_of_place_step", "move_storage", "step"]
 
 
-def step(optimizer: Optimizer, fresh: Mapping[Tensor, Tensor]) -> int:
-    """``optimizer.step()`` with the new values of the parameters in ``fresh`` written into
-    ``fresh[param]`` (which then holds the parameter's data); returns the bytes copied."""
-    given = {id(param): target for param, target in fresh.items()}
+def step(optimizer: Optimizer, new_storage: Mapping[Tensor, Tensor]) -> int:
+    """``optimizer.step()`` with the new values of the parameters in ``new_storage`` written into
+    ``new_storage[param]`` (which then holds the parameter's data); returns the bytes copied."""
+    given = {id(param): target for param, target in new_storage.items()}
     mine = {
         id(p): given[id(p)]
         for group in optimizer.param_groups
@@ -36,17 +36,17 @@ def step(optimizer: Optimizer, fresh: Mapping[Tensor, Tensor]) -> int:
     if mine and has_out_of_place_step(optimizer):
         _sgd_step(optimizer, mine)
         return 0
-    copied = move_storage({p: t for p, t in fresh.items() if id(p) in mine})
+    copied = move_storage({p: t for p, t in new_storage.items() if id(p) in mine})
     optimizer.step()
     return copied
 
 
 @torch.no_grad()
-def move_storage(fresh: Mapping[Tensor, Tensor]) -> int:
-    """Copy each parameter's values into ``fresh[param]`` and make that its storage, so an
+def move_storage(new_storage: Mapping[Tensor, Tensor]) -> int:
+    """Copy each parameter's values into ``new_storage[param]`` and make that its storage, so an
     in-place step leaves the old storage as it was; returns the bytes copied."""
     copied = 0
-    for param, target in fresh.items():
+    for param, target in new_storage.items():
         target.copy_(param)
         param.data = target
         copied += target.numel() * target.element_size()
@@ -77,8 +77,8 @@ def has_out_of_place_step(optimizer: Optimizer) -> bool:
 
 
 @torch.no_grad()
-def _sgd_step(optimizer: Optimizer, fresh: dict[int, Tensor]) -> None:
-    """``torch.optim.SGD.step`` with ``param - lr * direction`` written into ``fresh``."""
+def _sgd_step(optimizer: Optimizer, new_storage: dict[int, Tensor]) -> None:
+    """``torch.optim.SGD.step`` with ``param - lr * direction`` written into ``new_storage``."""
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler checks
     for group in optimizer.param_groups:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
@@ -90,7 +90,7 @@ def _sgd_step(optimizer: Optimizer, fresh: dict[int, Tensor]) -> None:
                 grad = grad.add(param, alpha=decay)
             if momentum != 0:
                 grad = _momentum(optimizer.state[param], grad, momentum, group)
-            target = fresh.get(id(param))
+            target = new_storage.get(id(param))
             if target is None:
                 param.add_(grad, alpha=-lr)
             else:

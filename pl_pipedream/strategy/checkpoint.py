@@ -29,6 +29,7 @@ from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = [
     "CheckpointError",
+    "ShardedCheckpointHooks",
     "check_layout",
     "consolidate_checkpoint",
     "is_sharded",
@@ -165,3 +166,56 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """The LightningModule's full ``state_dict``, every stage merged under the original names."""
     _, shards = read_shards(path)
     return merge_states(shard["state_dict"] for shard in shards)
+
+
+class ShardedCheckpointHooks:
+    """The strategy's checkpoint hooks (mixed into ``PipeDreamStrategy`` before Lightning's
+    ``ParallelStrategy``): each stage's first replica writes its shard; loading merges the shards
+    and keeps them so that each stage restores its own optimizer state."""
+
+    # Set by PipeDreamStrategy; listed for readers and type checkers.
+    local_stage: Any
+    plan: Plan | None
+    sync: Any
+    microbatches: int
+    global_rank: int
+    lightning_module: Any
+    optimizers: list[Any]
+    _resume: Shards | None
+
+    def drain(self) -> None:
+        raise NotImplementedError
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's state under the LightningModule's names (drains first)."""
+        self.drain()
+        assert self.local_stage is not None
+        return self.local_stage.state_dict(self.lightning_module)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        assert self.local_stage is not None and self.plan is not None
+        stage, rank = self.local_stage.stage, self.global_rank
+        save(filepath, checkpoint, rank, stage, self.plan, self.sync, self.microbatches)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._resume = read_shards(checkpoint_path)
+        return merged_checkpoint(self._resume[1])
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes the optimizer state its own stage saved."""
+        if self._resume is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        assert self.local_stage is not None and self.plan is not None
+        states = optimizer_states(self._resume, self.plan, self.local_stage.stage.index)
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.global_rank == 0:
+            remove(filepath)

@@ -51,6 +51,7 @@ __all__ = [
     "init_dist_connection",
     "is_last_batch",
     "check_sigterm_per_rank",
+    "patch_for_pipeline",
     "share_evaluation_metrics",
     "stop_metric_sync",
     "summary_forward",
@@ -75,6 +76,27 @@ def _require(owner: Any, attribute: str, where: str) -> Any:
             f"{attribute}); install {SUPPORTED}, the versions pl_pipedream supports"
         )
     return getattr(owner, attribute)
+
+
+def patch_for_pipeline(
+    trainer: Any,
+    module: nn.Module,
+    summary: Callable[..., Any],
+    precision: Any,
+    clip: Callable[[Any, float], None] | None,
+    metrics_source: int,
+    before_sharing: Callable[[], None],
+) -> None:
+    """Every patch a pipeline's setup applies: the model summary runs ``summary``, metrics
+    compute locally, evaluation metrics come from rank ``metrics_source`` (after
+    ``before_sharing``), clipping by norm uses ``clip`` (the flushed modes' global norm; None
+    keeps Lightning's), and each rank checks its own SIGTERM flag."""
+    summary_forward(module, summary)
+    stop_metric_sync(module)
+    share_evaluation_metrics(trainer, metrics_source, before_sharing)
+    if clip is not None:
+        clip_by_global_norm(precision, clip)
+    check_sigterm_per_rank(trainer)
 
 
 def check_sigterm_per_rank(trainer: Any) -> None:

@@ -39,9 +39,9 @@ from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import checkpoint as sharded
 from pl_pipedream.strategy import collectives, lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
+from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.evaluation import EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
@@ -52,7 +52,7 @@ from pl_pipedream.strategy.updates import StageUpdates, TrainerUpdates, check_tr
 __all__ = ["PipeDreamStrategy"]
 
 
-class PipeDreamStrategy(ParallelStrategy):
+class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
@@ -102,14 +102,7 @@ class PipeDreamStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(
-                f"microbatches must be a positive integer (microbatches: {microbatches!r})"
-            )
-        if start_method not in ("popen", "spawn", "fork"):
-            raise ValueError(
-                f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
-            )
+        _check_arguments(microbatches, start_method)
         self.sync = SyncMode.parse(sync)
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
@@ -183,11 +176,11 @@ class PipeDreamStrategy(ParallelStrategy):
             self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
         )
         if self.bind_cpus and on_cpu:
-            first = self.node_rank * self.num_processes
-            node_ranks = range(first, first + self.num_processes)
-            bound = bind_to_cpu_share(self.global_rank, self.world_size, node_ranks)
-            if bound is not None:
-                self._unbound_cpus, self.cpu_binding = bound
+            node = range(
+                self.node_rank * self.num_processes, (self.node_rank + 1) * self.num_processes
+            )
+            bound = bind_to_cpu_share(self.global_rank, self.world_size, node)
+            self._unbound_cpus, self.cpu_binding = bound or (None, None)
         super().setup_environment()
 
     # ----- setup ------------------------------------------------------------------------------
@@ -208,7 +201,17 @@ class PipeDreamStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             keep_local_parameters(module, self.optimizers)
         self.setup_precision_plugin()
-        self._patch_lightning(trainer, module, layers)
+        assert self.evaluation is not None and self.runner is not None
+        clip = self.updates.clip_global_norm if isinstance(self.updates, TrainerUpdates) else None
+        lightning_patches.patch_for_pipeline(
+            trainer,
+            module,
+            shape_forward(layers),
+            self.precision_plugin,
+            clip,
+            self.evaluation.metrics_source,
+            self.runner.executor.channel.flush,
+        )
 
     def _choose_plan(self, trainer: pl.Trainer, module: pl.LightningModule, layers: int) -> Plan:
         def automatically() -> Plan:
@@ -218,14 +221,9 @@ class PipeDreamStrategy(ParallelStrategy):
             return plan
 
         resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
+        given, balance, previous = self._given_plan, self.balance, self.plan
         return choose_plan(
-            self._given_plan,
-            self.balance,
-            self.plan,
-            resumed,
-            layers,
-            self.world_size,
-            automatically,
+            given, balance, previous, resumed, layers, self.world_size, automatically
         )
 
     def _build_pipeline(self, trainer: pl.Trainer) -> None:
@@ -249,21 +247,6 @@ class PipeDreamStrategy(ParallelStrategy):
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
-
-    def _patch_lightning(
-        self, trainer: pl.Trainer, module: pl.LightningModule, layers: torch.nn.Sequential
-    ) -> None:
-        assert self.evaluation is not None and self.runner is not None
-        lightning_patches.summary_forward(module, shape_forward(layers))
-        lightning_patches.stop_metric_sync(module)
-        lightning_patches.share_evaluation_metrics(
-            trainer, self.evaluation.metrics_source, self.runner.executor.channel.flush
-        )
-        if isinstance(self.updates, TrainerUpdates):
-            lightning_patches.clip_by_global_norm(
-                self.precision_plugin, self.updates.clip_global_norm
-            )
-        lightning_patches.check_sigterm_per_rank(trainer)
 
     @override
     def model_to_device(self) -> None:
@@ -311,10 +294,9 @@ class PipeDreamStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         self.drain()
         if self.timeline is not None and self.runner is not None:
-            bubbles = gather_trace(self.runner.executor.timeline, self.timeline)
-            if bubbles is not None:
-                self.bubbles = bubbles
-                summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in bubbles.items())
+            self.bubbles = gather_trace(self.runner.executor.timeline, self.timeline) or {}
+            if self.bubbles:
+                summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in self.bubbles.items())
                 rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
 
     # ----- evaluation -------------------------------------------------------------------------
@@ -337,58 +319,8 @@ class PipeDreamStrategy(ParallelStrategy):
         assert self.evaluation is not None
         return self.evaluation.run(self.lightning_module, hook, batch, batch_idx, *rest, **kw)
 
-    @override
-    def on_validation_start(self) -> None:
-        self.drain()
-
-    @override
-    def on_test_start(self) -> None:
-        self.drain()
-
-    @override
-    def on_predict_start(self) -> None:
-        self.drain()
-
-    # ----- checkpoints ------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This stage's state under the LightningModule's names (drains first)."""
-        self.drain()
-        assert self.local_stage is not None
-        return self.local_stage.state_dict(self.lightning_module)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        assert self.local_stage is not None and self.plan is not None
-        stage, rank = self.local_stage.stage, self.global_rank
-        sharded.save(filepath, checkpoint, rank, stage, self.plan, self.sync, self.microbatches)
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        if not sharded.is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        self._resume = sharded.read_shards(checkpoint_path)
-        return sharded.merged_checkpoint(self._resume[1])
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each stage takes the optimizer state its own stage saved."""
-        if self._resume is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        assert self.local_stage is not None and self.plan is not None
-        states = sharded.optimizer_states(self._resume, self.plan, self.local_stage.stage.index)
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.global_rank == 0:
-            sharded.remove(filepath)
+    # Evaluation runs on drained weights.
+    on_validation_start = on_test_start = on_predict_start = drain
 
     # ----- collectives Lightning asks for (setup, evaluation, checkpoints) ----------------------
 
@@ -427,4 +359,15 @@ class PipeDreamStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "pipedream", cls, description="PipeDream pipeline parallelism (1F1B, weight stashing)"
+        )
+
+
+def _check_arguments(microbatches: Any, start_method: str) -> None:
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"microbatches must be a positive integer (microbatches: {microbatches!r})"
+        )
+    if start_method not in ("popen", "spawn", "fork"):
+        raise ValueError(
+            f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
         )

@@ -102,7 +102,7 @@ def test_an_lr_scheduler_sees_the_out_of_place_step() -> None:
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
-def test_an_empty_fresh_steps_in_place() -> None:
+def test_no_new_storage_steps_in_place() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pointers = [p.data_ptr() for p in model.parameters()]

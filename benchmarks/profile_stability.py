@@ -3,10 +3,25 @@
 Profiles a small MLP and a small CNN five times each on one CPU thread and prints, per layer, the
 median over the calls and the relative spread ``(max - min) / median`` of the forward and backward
 times, then the wall time of one profiling call (the first call in a process is
-cold, so it is reported apart). The figures quoted in
-``pl_pipedream/profile/measure.py`` come from this script.
+cold, so it is reported apart).
 
-Run: ``OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/profile_stability.py``
+Run: ``OMP_NUM_THREADS=1 python benchmarks/profile_stability.py``
+
+Measured with that command ``OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/profile_stability.py`` on a 2-vCPU VM
+(torch 2.13 CPU, one thread, defaults ``warmup=2, repeats=5``, five calls per model, spread =
+(max - min) / median of a layer's time over the five calls, first call of the process included):
+
+* MLP, 6 x (Linear 512 + ReLU), batch 64: a call takes 0.064 s (0.36 s for the first call of a
+  process). Linear: forward 0.33 ms, spread 1-9%; backward 0.36-0.74 ms, spread 4-13% (one
+  layer 56%). ReLU (0.006 / 0.024 ms): 4-23%.
+* CNN, conv 32-64-128 with pooling and BatchNorm on 64 x 3 x 32 x 32: a call takes 0.41 s
+  (0.49 s first). Convolutions: forward 1.2-3.0 ms, spread 2-5%; backward 1.3-6.3 ms, spread
+  4-14%. MaxPool and BatchNorm (0.6-8 ms): 2-11%. Layers under 0.5 ms: 5-41%.
+
+A call therefore costs about ``2 * warmup + repeats`` training steps of the model; layers above
+~1 ms are reproducible to ~5-15%, and the noisy ones are the sub-0.5 ms layers that weigh little in
+a stage. With the other cores busy, spreads grew to 50-280% on single layers (whole calls run 2x
+slower), so profile on an otherwise idle machine.
 """
 
 from __future__ import annotations

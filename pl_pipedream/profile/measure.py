@@ -21,22 +21,11 @@ The model is left as it was: parameter values and ``.grad`` tensors, buffers (e.
 running statistics), train/eval flags and the random number generator state are all restored.
 A layer stored on another device than ``device`` is measured on a temporary copy.
 
-Cost and stability, measured with
-``OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/profile_stability.py`` on a 2-vCPU VM
-(torch 2.13 CPU, one thread, defaults ``warmup=2, repeats=5``, five calls per model, spread =
-(max - min) / median of a layer's time over the five calls, first call of the process included):
-
-* MLP, 6 x (Linear 512 + ReLU), batch 64: a call takes 0.064 s (0.36 s for the first call of a
-  process). Linear: forward 0.33 ms, spread 1-9%; backward 0.36-0.74 ms, spread 4-13% (one
-  layer 56%). ReLU (0.006 / 0.024 ms): 4-23%.
-* CNN, conv 32-64-128 with pooling and BatchNorm on 64 x 3 x 32 x 32: a call takes 0.41 s
-  (0.49 s first). Convolutions: forward 1.2-3.0 ms, spread 2-5%; backward 1.3-6.3 ms, spread
-  4-14%. MaxPool and BatchNorm (0.6-8 ms): 2-11%. Layers under 0.5 ms: 5-41%.
-
-A call therefore costs about ``2 * warmup + repeats`` training steps of the model; layers above
-~1 ms are reproducible to ~5-15%, and the noisy ones are the sub-0.5 ms layers that weigh little in
-a stage. With the other cores busy, spreads grew to 50-280% on single layers (whole calls run 2x
-slower), so profile on an otherwise idle machine.
+A call costs about ``2 * warmup + repeats`` training steps of the model. Layers that take a
+millisecond or more are reproducible to a few percent between calls; sub-millisecond layers are
+noisier but weigh little in a stage, and a machine whose other cores are busy makes every layer
+noisier: profile on an otherwise idle machine. ``benchmarks/profile_stability.py`` measures both
+and its header records the figures.
 """
 
 from __future__ import annotations

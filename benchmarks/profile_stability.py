@@ -7,9 +7,9 @@ cold, so it is reported apart).
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/profile_stability.py``
 
-Measured with that command ``OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/profile_stability.py`` on a 2-vCPU VM
-(torch 2.13 CPU, one thread, defaults ``warmup=2, repeats=5``, five calls per model, spread =
-(max - min) / median of a layer's time over the five calls, first call of the process included):
+Measured with that command on a 2-vCPU VM (torch 2.13 CPU, one thread, defaults ``warmup=2,
+repeats=5``, five calls per model, spread = (max - min) / median of a layer's time over the five
+calls, first call of the process included):
 
 * MLP, 6 x (Linear 512 + ReLU), batch 64: a call takes 0.064 s (0.36 s for the first call of a
   process). Linear: forward 0.33 ms, spread 1-9%; backward 0.36-0.74 ms, spread 4-13% (one

@@ -3,8 +3,9 @@
 A pipeline runs at the pace of its slowest stage. When the ranks of one node may all run on the
 same cores, the kernel decides where each one runs, and it may put two busy ranks on one core
 for seconds at a time while another core idles, and the whole pipeline then runs at that core's
-pace (``benchmarks/pipeline_throughput.py``'s header has the measurements). Binding each local rank to its share of the cores, as CPU launchers do for data parallelism,
-takes that choice away from the kernel.
+pace (``benchmarks/pipeline_throughput.py``'s header has the measurements). Binding each local
+rank to its share of the cores, as CPU launchers do for data parallelism, takes that choice away
+from the kernel.
 
 Only ranks that could all run on the same cores are bound: a launcher that has already given
 each rank cores of its own (SLURM's ``--cpu-bind``, ``taskset`` per rank) is left alone.

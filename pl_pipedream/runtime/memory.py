@@ -2,12 +2,11 @@
 
 A stage allocates and frees tensors of a layer's size every minibatch (gradients, received
 activations). glibc serves such a block from fresh pages once it has handed the freed one back to
-the kernel, and the kernel then faults in every 4 KiB page on first touch, which for a gradient of tens of
-megabytes costs as long as a small backward pass (``benchmarks/pipeline_throughput.py`` counts
-the page faults per batch). Two settings of
-``mallopt`` stop that: blocks up to 32 MiB come from the heap, and the heap's free top is never
-trimmed. The process then keeps its peak memory instead of returning it, which is what a caching
-allocator (CUDA's, jemalloc's) does too.
+the kernel, and the kernel then faults in every 4 KiB page on first touch, which for a gradient of
+tens of megabytes costs as long as a small backward pass (``benchmarks/pipeline_throughput.py``
+counts the page faults per batch). Two settings of ``mallopt`` stop that: blocks up to 32 MiB come
+from the heap, and the heap's free top is never trimmed. The process then keeps its peak memory
+instead of returning it, which is what a caching allocator (CUDA's, jemalloc's) does too.
 """
 
 from __future__ import annotations

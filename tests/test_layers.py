@@ -1,0 +1,251 @@
+"""The package's layering, read from the source (AST): a lower layer never imports a higher one.
+
+Layers, lowest first: profile < planner < schedule < runtime < strategy < the example models and
+data modules < the apps (cli, train, hydra_ranks, the Hydra configs, the package's own
+``__init__``). A unit may import itself and any lower layer; models and data, though on one
+layer, do not import each other; the apps may import one another. Every import counts: at module
+level, inside functions, under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``,
+``from pl_pipedream.x import y``, ``from pl_pipedream import x``) and relative
+(``from ..x import y``, ``from . import x``).
+
+Two more rules ride on the same reading: only the strategy and the Lightning apps (models, data,
+train) import Lightning, and the pure layers (planner, schedule, the profile's graph) import
+neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pl_pipedream"
+NAME = "pl_pipedream"
+
+# Lowest first; a set is one layer.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"profile"}),
+    frozenset({"planner"}),
+    frozenset({"schedule"}),
+    frozenset({"runtime"}),
+    frozenset({"strategy"}),
+    frozenset({"models", "data"}),
+    frozenset({"cli", "train", "hydra_ranks", "configs", "__init__"}),
+)
+APPS = LAYERS[-1]
+RANK = {unit: number for number, layer in enumerate(LAYERS) for unit in layer}
+
+LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
+TORCH = frozenset({"torch"})
+LIGHTNING_USERS = frozenset({"strategy", "models", "data", "train"})
+# Modules that must import neither torch nor Lightning (paths relative to the package).
+PURE = ("planner", "schedule", "profile/graph.py", "profile/__init__.py")
+
+
+def unit_of(path: Path) -> str:
+    """The layer unit a file belongs to: its subpackage, or its module name at the top."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else Path(parts[0]).stem
+
+
+def dotted_name(path: Path) -> str:
+    parts = [NAME, *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every absolute module name ``source`` imports, relative imports resolved.
+
+    ``module`` is the dotted name of the file (``pl_pipedream.runtime.executor``); for a
+    package's ``__init__`` pass the package's name and ``is_package=True``. ``from a import b``
+    yields both ``a`` and ``a.b`` (``b`` may be a submodule; an extra name is harmless).
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                if node.level - 1 >= len(parts):
+                    raise ValueError(f"relative import beyond the top package in {module}")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                origin = f"{base}.{node.module}" if node.module else base
+            else:
+                origin = node.module or ""
+            found.add(origin)
+            found |= {f"{origin}.{alias.name}" for alias in node.names if alias.name != "*"}
+    return found
+
+
+def units_imported(names: set[str]) -> set[str]:
+    """The package's units that a set of imported module names reaches."""
+    units = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] != NAME:
+            continue
+        if len(parts) == 1:
+            units.add("__init__")
+        elif parts[1] in RANK:
+            units.add(parts[1])
+        else:  # a name the package re-exports: ``from pl_pipedream import Plan``
+            units.add("__init__")
+    return units
+
+
+def roots_imported(names: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in names}
+
+
+def may_import(importer: str, imported: str) -> bool:
+    return importer == imported or RANK[imported] < RANK[importer] or importer in APPS
+
+
+def imports_of(path: Path, source: str | None = None) -> set[str]:
+    """``imports`` of a file of the package (``source`` replaces its text when given)."""
+    text = path.read_text() if source is None else source
+    return imports(text, dotted_name(path), is_package=path.name == "__init__.py")
+
+
+def layering_violations(path: Path, source: str | None = None) -> list[str]:
+    importer = unit_of(path)
+    names = imports_of(path, source)
+    return sorted(
+        f"{path.relative_to(PACKAGE)} ({importer}) imports {imported}"
+        for imported in units_imported(names)
+        if not may_import(importer, imported)
+    )
+
+
+def python_files() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 40  # the package, not an empty folder
+    return files
+
+
+# ----- the package ------------------------------------------------------------------------------
+
+
+def test_every_part_of_the_package_is_on_a_layer() -> None:
+    units = {unit_of(path) for path in python_files()}
+    assert units - set(RANK) == set(), "add the new module or subpackage to LAYERS"
+    assert set(RANK) - units == set(), "a unit of LAYERS no longer exists: remove it"
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    violations = [v for path in python_files() for v in layering_violations(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_only_the_strategy_and_the_lightning_apps_import_lightning() -> None:
+    offenders = {
+        str(path.relative_to(PACKAGE)): roots_imported(imports_of(path)) & LIGHTNING
+        for path in python_files()
+        if unit_of(path) not in LIGHTNING_USERS
+    }
+    assert {f: roots for f, roots in offenders.items() if roots} == {}
+
+
+@pytest.mark.parametrize("part", PURE)
+def test_pure_layers_import_no_torch_or_lightning(part: str) -> None:
+    target = PACKAGE / part
+    files = sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    assert files and all(f.is_file() for f in files)
+    offenders = {
+        str(f.relative_to(PACKAGE)): roots_imported(imports_of(f)) & (TORCH | LIGHTNING)
+        for f in files
+    }
+    assert {f: roots for f, roots in offenders.items() if roots} == {}
+
+
+def test_the_lightning_users_do_import_lightning() -> None:
+    """The rule above is not vacuous: the units allowed Lightning are the ones that use it."""
+    users = {
+        unit_of(path) for path in python_files() if roots_imported(imports_of(path)) & LIGHTNING
+    }
+    assert users == LIGHTNING_USERS
+
+
+# ----- the checker itself -----------------------------------------------------------------------
+
+RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from pl_pipedream.strategy import stage",
+        "from pl_pipedream.strategy.stage import LocalStage",
+        "import pl_pipedream.strategy.stage",
+        "import pl_pipedream.strategy.stage as stage",
+        "from pl_pipedream import strategy",
+        "from pl_pipedream import PipeDreamStrategy",
+        "import pl_pipedream",
+        "from ..strategy import stage",
+        "from ..strategy.stage import LocalStage",
+        "from .. import strategy",
+        "from ..models import MLP",
+        "def later():\n    from pl_pipedream.train import train",
+        "if TYPE_CHECKING:\n    from pl_pipedream.strategy.stage import LocalStage",
+    ],
+)
+def test_an_upward_import_in_a_runtime_module_is_caught(line: str) -> None:
+    source = RUNTIME_MODULE.read_text() + "\n" + line + "\n"
+    assert layering_violations(RUNTIME_MODULE, source) != []
+    assert layering_violations(RUNTIME_MODULE) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from pl_pipedream.schedule.actions import Action",
+        "from ..schedule import modes",
+        "from . import stash",
+        "from .stash import WeightStash",
+        "import pl_pipedream.planner.plan",
+        "from ..profile.graph import Profile",
+    ],
+)
+def test_a_downward_or_sibling_import_is_allowed(line: str) -> None:
+    source = RUNTIME_MODULE.read_text() + "\n" + line + "\n"
+    assert layering_violations(RUNTIME_MODULE, source) == []
+
+
+def test_models_and_data_do_not_import_each_other_but_the_apps_may() -> None:
+    model = PACKAGE / "models" / "mlp.py"
+    assert layering_violations(model, "from pl_pipedream.data import DigitsDataModule") != []
+    assert layering_violations(model, "from pl_pipedream.strategy import PipeDreamStrategy") == []
+    app = PACKAGE / "train.py"
+    assert layering_violations(app, "from pl_pipedream.models import MLP\nfrom . import cli") == []
+    strategy = PACKAGE / "strategy" / "pipedream.py"
+    assert layering_violations(strategy, "from pl_pipedream.data import split") != []
+
+
+def test_relative_imports_resolve_from_modules_and_packages() -> None:
+    assert imports("from ..runtime import x", "pl_pipedream.strategy.stage") == {
+        "pl_pipedream.runtime",
+        "pl_pipedream.runtime.x",
+    }
+    assert imports("from . import x", "pl_pipedream.strategy", is_package=True) == {
+        "pl_pipedream.strategy",
+        "pl_pipedream.strategy.x",
+    }
+    assert imports("from .graph import Node", "pl_pipedream.profile", is_package=True) == {
+        "pl_pipedream.profile.graph",
+        "pl_pipedream.profile.graph.Node",
+    }
+    assert imports("from . import planner", "pl_pipedream.cli") == {
+        "pl_pipedream",
+        "pl_pipedream.planner",
+    }
+    with pytest.raises(ValueError, match="beyond the top package"):
+        imports("from ... import x", "pl_pipedream.cli")
+
+
+def test_lightning_in_a_lower_layer_is_caught() -> None:
+    for line in ("import lightning.pytorch as pl", "from lightning_fabric import Fabric"):
+        roots = roots_imported(imports(line, "pl_pipedream.runtime.executor"))
+        assert roots & LIGHTNING

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream.planner.plan import Plan, PlanError
-from pl_pipedream.planner.topology import Topology, TopologyError
 
 
 def test_from_balance_builds_a_straight_pipeline() -> None:
@@ -45,12 +44,3 @@ def test_ranks_must_cover_all_workers() -> None:
 
     with pytest.raises(PlanError, match="exactly one stage"):
         Plan((Stage(0, ("a",), 1, (0,)), Stage(1, ("b",), 1, (2,))))
-
-
-def test_topology_errors_name_the_value() -> None:
-    with pytest.raises(TopologyError, match=r"workers: 0"):
-        Topology.from_lists([0], [1e9])
-    with pytest.raises(TopologyError, match="one bandwidth per level"):
-        Topology.from_lists([4, 4], [1e9])
-    with pytest.raises(TopologyError, match="bandwidth"):
-        Topology.from_lists([4], [-1.0])

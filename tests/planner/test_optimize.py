@@ -1,4 +1,6 @@
-"""The DP against brute force: every partition of a chain and every replica assignment."""
+"""``plan``: a chain worked out by hand, the promises of its docstring (ties, cuts, memory,
+inputs and selectors), and the whole optimizer against brute force (every partition of a chain
+and every replica assignment, on one level and on two)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,122 @@ import random
 
 import pytest
 
-from pl_pipedream.planner.optimize import plan
+from pl_pipedream.planner.optimize import data_parallel_time, plan
+from pl_pipedream.planner.plan import PlanError
+from pl_pipedream.planner.states import StateSpaceError
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.profile.graph import Profile
+from pl_pipedream.profile.graph import Node, Profile
+
+
+def three_layers() -> Profile:
+    """Layers of 1, 2 and 3 s; only the last has parameters (2.5e8 bytes); the first sends
+    5e8 bytes on, the second 1e9 (see tests/planner/test_dp.py for the same chain's DP table)."""
+    return Profile.chain([1000.0, 2000.0, 3000.0], [0.0, 0.0, 0.0], [5e8, 1e9, 0.0], [0, 0, 2.5e8])
+
+
+def test_a_three_layer_chain_by_hand() -> None:
+    """Two workers at 1e9 bytes/s. Replicating everything takes (6 + 4 x 2.5e8 / 2e9) / 2 =
+    3.25 s; layers 0-1 then layer 2 take max(3, 3, 2 x 1e9 / 1e9) = 3 s; layer 0 then 1-2
+    takes 5 s."""
+    result = plan(three_layers(), Topology.flat(2, 1e9))
+    assert result.shape == "1-1"
+    assert [stage.nodes for stage in result.stages] == [("layer0", "layer1"), ("layer2",)]
+    assert [stage.ranks for stage in result.stages] == [(0,), (1,)]
+    assert result.slowest_stage_time == 3.0
+    assert result.data_parallel_time == pytest.approx(3.25, rel=1e-15)
+    assert result.single_worker_time == 6.0
+    first, last = result.stages
+    assert (first.forward_ms, first.parameter_bytes, first.input_bytes, first.output_bytes) == (
+        3000.0,
+        0.0,
+        0.0,
+        1e9,
+    )
+    assert (last.forward_ms, last.parameter_bytes, last.input_bytes, last.output_bytes) == (
+        3000.0,
+        2.5e8,
+        1e9,
+        0.0,
+    )
+    assert [(s.warmup, s.weight_versions) for s in result.stages] == [(1, 2), (0, 1)]
+    assert result.meta == {"cuts": "antichain", "states": "3"}
+
+
+def test_data_parallel_time_by_hand() -> None:
+    """8 s of compute, 1e9 bytes of parameters; 4 workers at 1e10 inside a server, 2 servers at
+    1e9: (8 + 4 x 3 x 1e9 / 4e10) / 4 = 2.075 s, then (2.075 + (4 x 1e9 / 2e9) / 4) / 2."""
+    topology = Topology.from_lists([4, 2], [1e10, 1e9])
+    assert data_parallel_time(8.0, 1e9, topology) == pytest.approx(1.2875, rel=1e-15)
+    assert data_parallel_time(8.0, 1e9, Topology.flat(1, 1e9)) == 8.0
+
+
+def test_a_tie_keeps_the_single_stage() -> None:
+    """Two 1 s layers on two workers: 0 | 1 and both layers replicated both take 1 s."""
+    result = plan(Profile.chain([1000.0, 1000.0], [0, 0], [0, 0], [0, 0]), Topology.flat(2, 1e9))
+    assert result.shape == "2"
+    assert result.slowest_stage_time == 1.0
+
+
+def test_a_tie_between_cuts_takes_the_earliest() -> None:
+    """Layers of 1, 0 and 1 s with parameters too large to replicate: 0 | 12 and 01 | 2 tie."""
+    profile = Profile.chain([1000.0, 0.0, 1000.0], [0, 0, 0], [0, 0, 0], [1e12] * 3)
+    result = plan(profile, Topology.flat(2, 1e9))
+    assert [stage.nodes for stage in result.stages] == [("layer0",), ("layer1", "layer2")]
+    assert result.slowest_stage_time == 1.0
+
+
+def test_straight_with_more_workers_than_layers_cannot_fit() -> None:
+    with pytest.raises(PlanError, match=r"no pipeline fits .*workers: 4.*straight: True"):
+        plan(three_layers(), Topology.flat(4, 1e9), straight=True)
+    assert plan(three_layers(), Topology.flat(4, 1e9)).num_workers == 4
+
+
+@pytest.mark.parametrize("memory", [0.0, -1.0])
+def test_memory_must_be_positive(memory: float) -> None:
+    with pytest.raises(PlanError, match=rf"must be positive \(memory: {memory}\)"):
+        plan(three_layers(), Topology.flat(2, 1e9), memory=memory)
+
+
+def test_memory_by_hand() -> None:
+    """Layers 0-1 on one of two workers stash 5e8 + 1e9 bytes of activations; with 1e9 bytes
+    per worker the 3 s plan is out and replication (3.25 s, no stash) wins."""
+    result = plan(three_layers(), Topology.flat(2, 1e9), memory=1e9)
+    assert result.shape == "2"
+    assert result.slowest_stage_time == pytest.approx(3.25, rel=1e-15)
+    assert plan(three_layers(), Topology.flat(2, 1e9), memory=1.5e9).shape == "1-1"
+
+
+def _node(node_id: str, desc: str = "Linear", forward_ms: float = 1000.0) -> Node:
+    return Node(node_id, desc, forward_ms, 0.0, (0.0,), 0.0)
+
+
+def test_inputs_go_first_and_unused_selectors_stay_with_their_producer() -> None:
+    profile = Profile(
+        (_node("in", "Input0", 0.0), _node("a"), _node("a1", "__getitem__(1)", 0.0), _node("b")),
+        (("in", "a"), ("a", "a1"), ("a", "b")),
+    )
+    result = plan(profile, Topology.flat(2, 1e9), straight=True)
+    assert [stage.nodes for stage in result.stages] == [("in", "a", "a1"), ("b",)]
+
+
+def diamond() -> Profile:
+    return Profile(
+        (_node("a"), _node("b"), _node("c"), _node("d")),
+        (("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")),
+    )
+
+
+def test_auto_cuts_fall_back_to_topological_prefixes() -> None:
+    """The diamond has 5 antichain states, 4 topological ones."""
+    topology = Topology.flat(2, 1e9)
+    assert plan(diamond(), topology).meta == {"cuts": "antichain", "states": "5"}
+    assert plan(diamond(), topology, max_states=4).meta == {"cuts": "topological", "states": "4"}
+    assert plan(diamond(), topology, cuts="topological").meta["cuts"] == "topological"
+    with pytest.raises(StateSpaceError, match="more than 4"):
+        plan(diamond(), topology, max_states=4, cuts="antichain")
+
+
+# ----- against brute force ----------------------------------------------------------------------
 
 
 def _compositions(total: int, parts: int):

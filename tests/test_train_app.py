@@ -93,18 +93,6 @@ def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
     assert len(net.configure_pipeline()) >= 2
 
 
-def test_the_split_is_the_same_in_every_process_and_disjoint() -> None:
-    cfg = composed()
-    first, second = instantiate(cfg.data), instantiate(cfg.data)
-    first.setup("fit")
-    second.setup("fit")
-    assert first.splits["val"].indices == second.splits["val"].indices
-    seen = [set(first.splits[name].indices) for name in ("train", "val", "test")]
-    assert sum(len(s) for s in seen) == len(set().union(*seen)) == 1797
-    batches = [next(iter(dm.train_dataloader()))[1] for dm in (first, second)]
-    assert torch.equal(*batches)
-
-
 @pytest.mark.parametrize("sync", options("sync"))
 def test_every_sync_mode_builds_the_strategy(sync: str) -> None:
     cfg = composed(f"sync={sync}")

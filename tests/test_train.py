@@ -1,5 +1,7 @@
 """The Hydra app ``pl-pipedream-train``: every config composes, the pieces build, runs work.
 
+How rank 0 starts the other ranks is tested in test_hydra_ranks.py.
+
 Composition and construction run in-process (no training). The slow tests run the app as a
 user would, in a subprocess (the app starts its other ranks by re-running itself, which must not
 happen inside pytest), and check what it prints and writes.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import get_class, get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream import PipeDreamStrategy, Topology
 from pl_pipedream.planner.topology import TopologyError
-from pl_pipedream.hydra_ranks import child_command
 from pl_pipedream.train import num_processes, topology_for_devices
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,35 +123,31 @@ def test_processes_fill_the_cluster_innermost_first() -> None:
         topology_for_devices(cluster_a, 32)
 
 
+@pytest.mark.parametrize(("devices", "count"), [(1, 1), (4, 4), ("3", 3), ([0, 2], 2), ((5,), 1)])
+def test_processes_are_what_trainer_devices_asks_for(devices: object, count: int) -> None:
+    assert num_processes(OmegaConf.create({"devices": devices})) == count
+
+
+def test_devices_default_to_one_process() -> None:
+    assert num_processes(OmegaConf.create({"accelerator": "cpu"})) == 1
+
+
+@pytest.mark.parametrize(
+    ("devices", "shown"), [(0, "0"), (-1, "-1"), ("-1", "-1"), ("auto", "'auto'"), (1.5, "1.5")]
+)
+def test_devices_that_are_no_process_count_are_refused(devices: object, shown: str) -> None:
+    with pytest.raises(
+        ValueError, match=re.escape(f"(devices: {shown}); for example trainer.devices=2")
+    ):
+        num_processes(OmegaConf.create({"devices": devices}))
+
+
 def test_cpu_trainer_builds_with_the_strategy(tmp_path: Path) -> None:
     cfg = composed(output_dir=str(tmp_path))
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
     assert isinstance(trainer.strategy, PipeDreamStrategy)
     assert trainer.num_devices == 2
     assert Path(trainer.logger.log_dir) == tmp_path
-
-
-def test_a_child_reruns_exactly_this_job_in_its_output_dir() -> None:
-    folder = "/runs/multirun/2024-01-01/12-00-00/1 a=b'c"
-    command = child_command(
-        ["sync=flush", "model.hidden=[32,32]"],
-        ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/runs/m", "hydra.verbose=true"],
-        folder,
-        "train",
-        ["/extra/configs"],
-    )
-    assert command[:3] == [sys.executable, "-m", "pl_pipedream.train"]
-    overrides = command[3:]
-    assert "--config-name=train" in overrides and "--config-dir=/extra/configs" in overrides
-    assert "hydra.verbose=true" in overrides
-    assert not any(o.startswith(("hydra.mode", "hydra.sweep", "--multirun")) for o in overrides)
-    parsed = OverridesParser.create().parse_overrides(
-        [o for o in overrides if not o.startswith("--")]
-    )
-    values = {o.key_or_group: o.value() for o in parsed}
-    assert values["hydra.run.dir"] == folder
-    assert values["hydra.output_subdir"] is None
-    assert values["sync"] == "flush" and values["model.hidden"] == [32, 32]
 
 
 def test_main_is_a_hydra_app_over_the_package_configs() -> None:

@@ -10,7 +10,8 @@ level, inside functions, under ``TYPE_CHECKING``, absolute (``import pl_pipedrea
 
 Two more rules ride on the same reading: only the strategy and the Lightning apps (models, data,
 train) import Lightning, and the pure layers (planner, schedule, the profile's graph) import
-neither torch nor Lightning.
+neither torch nor Lightning. Last, the tests mirror the package: ``pl_pipedream/a/b.py`` is
+tested in ``tests/a/test_b.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pl_pipedream"
+TESTS = Path(__file__).resolve().parent
+PACKAGE = TESTS.parent / "pl_pipedream"
 NAME = "pl_pipedream"
 
 # Lowest first; a set is one layer.
@@ -167,6 +169,18 @@ def test_the_lightning_users_do_import_lightning() -> None:
         unit_of(path) for path in python_files() if roots_imported(imports_of(path)) & LIGHTNING
     }
     assert users == LIGHTNING_USERS
+
+
+def test_every_module_has_its_mirrored_test_file() -> None:
+    expected = {
+        path.relative_to(PACKAGE).with_name(f"test_{path.name}")
+        for path in python_files()
+        if path.name != "__init__.py"
+    }
+    missing = sorted(str(t) for t in expected if not (TESTS / t).is_file())
+    assert not missing, f"add these test files under tests/: {missing}"
+    folders = {TESTS / t.parent for t in expected}
+    assert sorted(str(f) for f in folders if not (f / "__init__.py").is_file()) == []
 
 
 # ----- the checker itself -----------------------------------------------------------------------

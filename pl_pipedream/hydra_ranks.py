@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -121,8 +122,11 @@ def _free_port() -> int:
 
 
 def _quoted(path: str) -> str:
-    """A path as a Hydra override value (quoted, so ':' or '=' in it stay literal)."""
-    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    """A path as a Hydra override value (quoted, so ':' or '=' in it stay literal). Inside a
+    quoted value Hydra reads a backslash as an escape only in a run of backslashes before a quote
+    or at the end, so only those runs are doubled, and each quote gets its backslash."""
+    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, path)
+    return "'" + doubled.replace("'", "\\'") + "'"
 
 
 def _wait(children: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> None:

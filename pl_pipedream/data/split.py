@@ -63,18 +63,18 @@ class SplitDataModule(LightningDataModule):
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))
         num_val = max(1, round(self.val_fraction * count))
         num_test = round(self.test_fraction * count)
+        num_train = count - num_val - num_test
+        if num_train < self.batch_size:
+            raise ValueError(
+                f"the training split is smaller than one batch (training examples: "
+                f"{num_train}, batch_size: {self.batch_size}); lower data.batch_size"
+            )
         data = TensorDataset(inputs, targets)
         self.splits = {
             "val": Subset(data, order[:num_val].tolist()),
             "test": Subset(data, order[num_val : num_val + num_test].tolist()),
             "train": Subset(data, order[num_val + num_test :].tolist()),
         }
-        if len(self.splits["train"]) < self.batch_size:
-            raise ValueError(
-                f"the training split is smaller than one batch (training examples: "
-                f"{len(self.splits['train'])}, batch_size: {self.batch_size}); lower "
-                "data.batch_size"
-            )
 
     def train_dataloader(self) -> DataLoader[Any]:
         # Every rank draws the same permutation each epoch from identically seeded generators.

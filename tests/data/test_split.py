@@ -81,10 +81,12 @@ def test_bad_fractions_are_refused(val_fraction: float, test_fraction: float) ->
 
 
 def test_a_training_split_smaller_than_a_batch_is_refused() -> None:
-    with pytest.raises(
-        ValueError, match=r"training examples: 70, batch_size: 71\).*data.batch_size"
-    ):
-        ready(count=100, batch_size=71)
+    module = Numbered(count=100, batch_size=71)
+    for _ in range(2):  # a second setup() refuses as well
+        with pytest.raises(
+            ValueError, match=r"training examples: 70, batch_size: 71\).*data.batch_size"
+        ):
+            module.setup("fit")
     assert len(ready(count=100, batch_size=70).train_dataloader()) == 1
 
 

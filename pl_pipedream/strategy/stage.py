@@ -122,9 +122,10 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     aliases = {all_names[0]: all_names for all_names in full_names.values() if len(all_names) > 1}
     ties = find_ties(module, layers, plan, stage_module)
     keep = {id(t) for _, t in _state(stage_module)}  # a tied tensor stays on every holder
+    moved: dict[int, nn.Parameter] = {}
     for index, layer in enumerate(layers):
         if index not in local:
-            _to_meta(layer, keep)
+            _to_meta(layer, keep, moved)
     return LocalStage(stage, stage_module, names, shared, aliases, ties)
 
 
@@ -154,12 +155,17 @@ def find_ties(
     return ties
 
 
-def _to_meta(layer: nn.Module, keep: set[int]) -> None:
-    """Move ``layer``'s parameters and buffers to ``meta``, except the tensors in ``keep``."""
+def _to_meta(layer: nn.Module, keep: set[int], moved: dict[int, nn.Parameter]) -> None:
+    """Move ``layer``'s parameters and buffers to ``meta``, except the tensors in ``keep``;
+    ``moved`` maps each parameter already moved to its ``meta`` twin, so a parameter that
+    several layers share stays one parameter."""
     for sub in layer.modules():
         for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) not in keep:
-                sub._parameters[name] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+            if param is None or id(param) in keep:
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+            sub._parameters[name] = moved[id(param)]
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and id(buffer) not in keep:
                 sub._buffers[name] = buffer.to("meta")

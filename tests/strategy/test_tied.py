@@ -183,6 +183,20 @@ CASES3 = {"straight 1-2-1": ([1, 2, 1], None), "replicated 2-1": ([1, 3], [2, 1]
 def test_three_ranks_flush_equals_one_device_2bw_the_oracle(tmp_path: Path, label: str) -> None:
     balance, replicas = CASES3[label]
     plan = Plan.from_balance(balance, replicas=replicas)
-    launch(tmp_path, balance, replicas, ["flush:sgd", "2bw:sgd"])
-    check_run(tmp_path / "flush-sgd", plan, one_device(2), f"{label} flush")
-    check_run(tmp_path / "2bw-sgd", plan, the_oracle(plan, "2bw", 2), f"{label} 2bw")
+    m = 4  # 2bw needs at least as many microbatches as stages
+    launch(tmp_path, balance, replicas, ["flush:sgd", "2bw:sgd"], m)
+    check_run(tmp_path / "flush-sgd", plan, one_device(m), f"{label} flush")
+    check_run(tmp_path / "2bw-sgd", plan, the_oracle(plan, "2bw", m), f"{label} 2bw")
+
+
+def test_automatic_plans_count_the_ties_traffic() -> None:
+    from dataclasses import replace
+
+    from pl_pipedream.planner.topology import Topology
+    from pl_pipedream.strategy.planning import _count_ties
+
+    plan = replace(Plan.from_balance([1, 3]), slowest_stage_time=0.01)
+    counted = _count_ties(plan, tied_model().configure_pipeline(), Topology.flat(2, 1e9))
+    wte_bytes = 128 * 16 * 4
+    assert counted.slowest_stage_time == pytest.approx(0.01 + wte_bytes / 1e9)
+    assert f"{wte_bytes} B" in counted.meta["tied"]

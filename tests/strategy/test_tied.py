@@ -28,7 +28,7 @@ from pl_pipedream.strategy.checkpoint import merge_states
 from pl_pipedream.strategy.stage import cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import check_ties
 from tests.runtime import oracle
-from tests.strategy.tied_script import tied_batches, tied_loader, tied_model
+from tests.strategy.tied_script import CLIP, tied_batches, tied_loader, tied_model
 
 SCRIPT = Path(__file__).with_name("tied_script.py")
 TIED = ("embed.wte.weight", "head.out.weight")
@@ -117,9 +117,10 @@ def launch(tmp_path: Path, balance, replicas, configs, m: int = 2) -> None:  # t
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def one_device(m: int) -> dict[str, torch.Tensor]:
+def one_device(m: int, clip: float | None = None) -> dict[str, torch.Tensor]:
     model = tied_model("sgd")
     Trainer(
+        gradient_clip_val=clip,
         accelerator="cpu",
         devices=1,
         max_epochs=1,
@@ -168,10 +169,12 @@ def check_run(out: Path, plan: Plan, expected: dict[str, torch.Tensor], label: s
 @pytest.mark.slow
 def test_two_stages_flush_and_gpipe_equal_one_device_2bw_the_oracle(tmp_path: Path) -> None:
     plan = Plan.from_balance([1, 3])
-    launch(tmp_path, [1, 3], None, ["flush:sgd", "gpipe:sgd", "2bw:sgd"])
+    launch(tmp_path, [1, 3], None, ["flush:sgd", "gpipe:sgd", "2bw:sgd", "flush:sgd:clip"])
     reference = one_device(2)
     for sync in ("flush", "gpipe"):
         check_run(tmp_path / f"{sync}-sgd", plan, reference, sync)
+    # clipping by the norm over every stage counts the tied gradient once, as on one device
+    check_run(tmp_path / "flush-sgd-clip", plan, one_device(2, CLIP), "flush clipped")
     check_run(tmp_path / "2bw-sgd", plan, the_oracle(plan, "2bw", 2), "2bw")
 
 

@@ -1,8 +1,9 @@
 """Train ``CharGPT`` (head tied to the token embedding) with PipeDreamStrategy, as a user would.
 
-Run as ``python tests/strategy/tied_script.py --configs flush:sgd 2bw:adam --balance 1 3
---microbatches 2 --out DIR``. Every rank saves the sharded checkpoint; rank 0 consolidates it into
-``DIR/<sync>-<optimizer>/weights.pt``. ``tied_model`` and ``tied_loader`` are what the tests
+Run as ``python tests/strategy/tied_script.py --configs flush:sgd 2bw:adam flush:sgd:clip
+--balance 1 3 --microbatches 2 --out DIR`` (``:clip``: clip the gradient norm at ``CLIP``).
+Every rank saves the sharded checkpoint; rank 0 consolidates it into
+``DIR/<sync>-<optimizer>[-clip]/weights.pt``. ``tied_model`` and ``tied_loader`` are what the tests
 compare against.
 """
 
@@ -26,6 +27,7 @@ from pl_pipedream.models import CharGPT  # noqa: E402
 
 LENGTH = 8
 NUM_BATCHES = 4
+CLIP = 0.05
 
 
 def tied_model(optimizer: str = "sgd", blocks: int = 2) -> CharGPT:
@@ -60,8 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     m = args.microbatches
     for config in args.configs:
-        sync, optimizer = config.split(":")
-        out = Path(args.out) / f"{sync}-{optimizer}"
+        sync, optimizer, *clip = config.split(":")  # "flush:sgd:clip" clips the norm at 0.05
+        out = Path(args.out) / "-".join([sync, optimizer, *clip])
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
         strategy = PipeDreamStrategy(sync=sync, plan=plan, microbatches=m, timeout=60)
         trainer = Trainer(
@@ -74,6 +76,7 @@ def main() -> None:
             enable_model_summary=False,
             logger=False,
             enable_checkpointing=False,
+            gradient_clip_val=CLIP if clip else None,
         )
         trainer.fit(tied_model(optimizer, args.blocks), tied_loader(m))
         trainer.save_checkpoint(out / "run.ckpt")

@@ -41,8 +41,8 @@ def composed(*overrides: str, output_dir: str = "/tmp/pl-pipedream-test") -> Dic
 
 
 def test_every_group_has_its_options() -> None:
-    assert options("model") == ["cnn", "mlp"]
-    assert options("data") == ["digits", "synthetic"]
+    assert options("model") == ["cnn", "gpt", "mlp"]
+    assert options("data") == ["digits", "synthetic", "text"]
     assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
     assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
     assert options("trainer") == ["cpu", "gpu"]
@@ -61,7 +61,7 @@ def test_every_combination_composes_and_resolves() -> None:
             assert cfg.strategy.sync == choice[GROUPS.index("sync")]
             assert cfg.data.batch_size % cfg.strategy.microbatches == 0
             assert cfg.strategy.timeline == "/tmp/x/timeline.json"
-    assert len(combinations) == 2 * 2 * 4 * 5 * 2
+    assert len(combinations) == 3 * 3 * 4 * 5 * 2
 
 
 def test_defaults_are_the_main_job() -> None:
@@ -75,8 +75,10 @@ def test_defaults_are_the_main_job() -> None:
     assert cfg.trainer.logger.save_dir == "/tmp/pl-pipedream-test"
 
 
-@pytest.mark.parametrize("data", options("data"))
-@pytest.mark.parametrize("model", options("model"))
+IMAGES = [(d, m) for d in ("digits", "synthetic") for m in ("cnn", "mlp")]
+
+
+@pytest.mark.parametrize(("data", "model"), IMAGES)
 def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
     cfg = composed(f"data={data}", f"model={model}")
     datamodule = instantiate(cfg.data)
@@ -92,6 +94,22 @@ def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
     assert net.example_input_array.shape[1:] == x.shape[1:]
     assert net.predict_step((x, y), 0).shape == y.shape
     assert len(net.configure_pipeline()) >= 2
+
+
+def test_the_gpt_reads_text_and_ties_its_head_to_the_embedding() -> None:
+    cfg = composed("data=text", "model=gpt")
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    net = instantiate(
+        cfg.model, input_shape=list(datamodule.input_shape), num_classes=datamodule.num_classes
+    )
+    x, y = next(iter(datamodule.train_dataloader()))
+    assert x.shape == y.shape == (cfg.data.batch_size, *datamodule.input_shape)
+    logits = net(x)
+    assert logits.shape == (*x.shape, datamodule.num_classes)
+    assert torch.equal(net.configure_pipeline()(x), logits)
+    assert net.head.out.weight is net.embed.wte.weight
+    assert len(net.configure_pipeline()) == cfg.model.blocks + 2
 
 
 @pytest.mark.parametrize("sync", options("sync"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pl_pipedream.models.classifier import PipelineClassifier
 from pl_pipedream.models.cnn import DigitsCNN
+from pl_pipedream.models.gpt import CharGPT
 from pl_pipedream.models.mlp import MLP
 
-__all__ = ["MLP", "DigitsCNN", "PipelineClassifier"]
+__all__ = ["MLP", "CharGPT", "DigitsCNN", "PipelineClassifier"]

@@ -226,6 +226,8 @@ class Plan:
                 f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
             )
         lines.append(f"NOAM                 {self.noam}")
+        if self.meta.get("tied"):
+            lines.append(f"tied parameters      all-reduce per update ({self.meta['tied']})")
         if self.meta.get("cuts") == "topological":
             lines.append(
                 "cuts                 prefixes of one topological order (too many antichains)"

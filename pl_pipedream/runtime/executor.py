@@ -35,6 +35,7 @@ from torch.func import functional_call
 from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.stash import WeightStash
+from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
@@ -108,8 +109,10 @@ class StageExecutor:
         num_replicas: int = 1,
         device: torch.device | None = None,
         record_timeline: bool = False,
+        ties: TiedGradients | None = None,
     ) -> None:
         self.module = module
+        self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
         self.rank = rank
         self.stage = stage
         self.num_stages = num_stages
@@ -359,24 +362,21 @@ class StageExecutor:
         self._take_linear_sums()
         if self.num_replicas <= 1:
             return
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        tied = self.ties.names  # summed over every holder rank at the step instead
+        reduced = [
+            (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in tied
+        ]
         flat = (
             torch.cat(
-                [
-                    self._accumulated.get(n, torch.zeros_like(p)).reshape(-1)
-                    for n, p in self.module.named_parameters()
-                    if p.requires_grad
-                ]
+                [self._accumulated.get(n, torch.zeros_like(p)).reshape(-1) for n, p in reduced]
             )
-            if names
+            if reduced
             else torch.zeros(0)
         )
         if flat.numel():
             dist.all_reduce(flat, group=self.replica_group)
             offset = 0
-            for n, p in self.module.named_parameters():
-                if not p.requires_grad:
-                    continue
+            for n, p in reduced:
                 size = p.numel()
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
                 self._writable.add(n)
@@ -384,6 +384,7 @@ class StageExecutor:
 
     def _step(self, action: Action) -> None:
         self._take_linear_sums()
+        self._writable |= self.ties.reduce(self._accumulated, self.module)
         live = self.stash.live_version
         if self._last_use.get(live, -1) > self.position:
             self.stash.get(live)

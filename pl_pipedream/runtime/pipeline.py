@@ -13,7 +13,7 @@ complete during the next, and a drain waits for all of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
@@ -65,15 +66,18 @@ class PipelineRunner:
         device: torch.device,
         timeout: float,
         record_timeline: bool = False,
+        ties: Sequence[TiedGroup] = (),
     ) -> PipelineRunner:
-        """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel and
-        replica groups of its own (every rank must call this at the same point)."""
+        """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel, replica
+        groups and a group per tied parameter (``ties``, every one of the pipeline, in the same
+        order on every rank) of its own (every rank must call this at the same point)."""
         replica_groups = [
             dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
         ]
         # A receive posted ahead that training never matched stays posted: the messages of each
         # pipeline get a group of their own, so it cannot take a later pipeline's message.
         messages = dist.new_group(list(range(plan.num_workers)))
+        tied = TiedGradients.create(ties, rank)
         stage = plan.stage_of_rank(rank)
         describe = f"rank {rank} (stage {stage.index})"
         executor = StageExecutor(
@@ -87,9 +91,10 @@ class PipelineRunner:
             num_replicas=stage.replicas,
             device=device,
             record_timeline=record_timeline,
+            ties=tied,
         )
         runner = cls(plan, sync, microbatches, executor, update)
-        runner.groups = [group for group in replica_groups if group is not None]
+        runner.groups = [group for group in replica_groups if group is not None] + tied.groups
         return runner
 
     @property

@@ -37,6 +37,7 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.ties import TiedGroup
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import collectives, lightning_patches
@@ -47,7 +48,13 @@ from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import choose_plan, plan_automatically
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
-from pl_pipedream.strategy.updates import StageUpdates, TrainerUpdates, check_trainer, stage_updates
+from pl_pipedream.strategy.updates import (
+    StageUpdates,
+    TrainerUpdates,
+    check_ties,
+    check_trainer,
+    stage_updates,
+)
 
 __all__ = ["PipeDreamStrategy"]
 
@@ -195,6 +202,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         layers = pipeline_layers(module)
         self.plan = self._choose_plan(trainer, module, len(layers))
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
+        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties])
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -231,8 +239,18 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         assert self.local_stage is not None and self.plan is not None
         stage, module = self.local_stage.stage, self.local_stage.module
         optimizers = lambda: self.optimizers  # noqa: E731 - set up after the pipeline
+        ties = self.local_stage.ties
+        counted_elsewhere = frozenset(
+            t.local_name for t in ties if t.local_name and t.stages[0] != stage.index
+        )
         self.updates = stage_updates(
-            self.sync, module, optimizers, trainer, stage.replicas, self.root_device
+            self.sync,
+            module,
+            optimizers,
+            trainer,
+            stage.replicas,
+            self.root_device,
+            counted_elsewhere,
         )
         self.runner = PipelineRunner.create(
             self.plan,
@@ -244,6 +262,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             self.root_device,
             self.timeout,
             record_timeline=self.timeline is not None,
+            ties=[TiedGroup(t.ranks, t.local_name, t.describe()) for t in ties],
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)

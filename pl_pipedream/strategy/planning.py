@@ -24,11 +24,12 @@ from torch import nn
 
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.ties import with_tied_traffic
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.measure import profile_layers
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.lightning_patches import first_training_batch
-from pl_pipedream.strategy.stage import PipelineSetupError, pipeline_layers
+from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
     "announce",
@@ -185,7 +186,7 @@ def plan_at_setup(
                     "Use PipeDreamStrategy(microbatches=...) with a multiple of the replica counts "
                     "to allow replication."
                 )
-            box[0] = _by_layer_index(planned).to_dict()
+            box[0] = _count_ties(_by_layer_index(planned), layers, topology).to_dict()
         except Exception as error:  # noqa: BLE001 - every rank must learn of it
             box[0] = {"error": f"{type(error).__name__}: {error}"}
     dist.broadcast_object_list(box, src=0)
@@ -193,6 +194,17 @@ def plan_at_setup(
     if "error" in result:
         raise RuntimeError(f"automatic planning failed on rank 0: {result['error']}")
     return Plan.from_dict(result), time.perf_counter() - start
+
+
+def _count_ties(plan: Plan, layers: nn.Sequential, topology: Topology) -> Plan:
+    """The plan with the gradient all-reduce of each tied parameter counted
+    (``planner.ties``, at the outermost level's bandwidth)."""
+    state = layers.state_dict(keep_vars=True)
+    ties = [
+        (tie.stages, state[tie.names[0]].numel() * state[tie.names[0]].element_size())
+        for tie in find_ties(layers, layers, plan)
+    ]
+    return with_tied_traffic(plan, ties, topology.levels[-1].bandwidth)
 
 
 def _by_layer_index(plan: Plan) -> Plan:

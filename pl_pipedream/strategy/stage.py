@@ -4,23 +4,42 @@ The module lists its layers with ``configure_pipeline() -> nn.Sequential``; thos
 submodules of the module, so every parameter keeps the name the module's ``state_dict`` gives
 it. A rank keeps its stage's layers on its device and moves every other layer to the ``meta``
 device, which frees their memory while keeping the module's structure (and the names) intact.
+
+A parameter that layers on several stages use (a tied weight: ``head.weight = wte.weight``) is
+one parameter: every stage whose layers use it keeps its copy on its device, and the stage
+records it as a ``Tie`` so that the holders sum its gradient and apply the same updates
+(DESIGN.md, "Update rules"). A tensor reachable under several names (a tied weight, or a module
+that is an attribute twice) is saved under every name ``module.state_dict()`` gives it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 
-__all__ = ["LocalStage", "PipelineSetupError", "cut_stage", "pipeline_layers"]
+__all__ = ["LocalStage", "PipelineSetupError", "Tie", "cut_stage", "find_ties", "pipeline_layers"]
 
 
 class PipelineSetupError(ValueError):
     """The module, the plan and the launch do not fit together."""
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter that layers of several stages use (the same ``Parameter`` object)."""
+
+    names: tuple[str, ...]  # every LightningModule state name it has
+    stages: tuple[int, ...]  # the stages whose layers use it, each holding a copy
+    ranks: tuple[int, ...]  # every rank of those stages (replicas included)
+    local_name: str | None  # its name in this rank's stage module; None if not held here
+
+    def describe(self) -> str:
+        return f"{' = '.join(self.names)} on stages {list(self.stages)}"
 
 
 @dataclass
@@ -31,17 +50,23 @@ class LocalStage:
     module: nn.Sequential  # children named by layer index: "0", "3", ...
     names: dict[str, str]  # stage-module state name -> LightningModule state name
     shared: list[str]  # LightningModule state outside the pipeline (every rank has it)
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> every name
+    ties: list[Tie] = field(default_factory=list)  # every tie of the pipeline, in one order
 
     def state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """This stage's state under ``module``'s names, on the CPU; stage 0 adds the state
-        outside the pipeline."""
-        state = {
-            self.names[name]: tensor.detach().cpu()
-            for name, tensor in self.module.state_dict(keep_vars=True).items()
-        }
+        """This stage's state under ``module``'s names (each tensor under every name it has),
+        on the CPU; stage 0 adds the state outside the pipeline."""
+        state = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            full = self.names[name]
+            for alias in self.aliases.get(full, (full,)):
+                state[alias] = tensor.detach().cpu()
         if self.stage.index == 0:
-            full = module.state_dict()
-            state.update({name: full[name] for name in self.shared if name in full})
+            whole = module.state_dict()
+            for name in self.shared:
+                for alias in self.aliases.get(name, (name,)):
+                    if alias in whole:
+                        state[alias] = whole[alias]
         return state
 
 
@@ -91,13 +116,59 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     stage_module = nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(local)))
     names = {}
     for local_name, tensor in _state(stage_module):
-        names[local_name] = full_names[id(tensor)]
+        names[local_name] = full_names[id(tensor)][0]
     in_pipeline = {id(t) for layer in layers for _, t in _state(layer)}
-    shared = [full_names[id(t)] for _, t in _state(module) if id(t) not in in_pipeline]
+    shared = [full_names[id(t)][0] for _, t in _state(module) if id(t) not in in_pipeline]
+    aliases = {all_names[0]: all_names for all_names in full_names.values() if len(all_names) > 1}
+    ties = find_ties(module, layers, plan, stage_module)
+    keep = {id(t) for _, t in _state(stage_module)}  # a tied tensor stays on every holder
+    moved: dict[int, nn.Parameter] = {}
     for index, layer in enumerate(layers):
         if index not in local:
-            layer.to("meta")
-    return LocalStage(stage, stage_module, names, shared)
+            _to_meta(layer, keep, moved)
+    return LocalStage(stage, stage_module, names, shared, aliases, ties)
+
+
+def find_ties(
+    module: nn.Module, layers: nn.Sequential, plan: Plan, stage_module: nn.Module | None = None
+) -> list[Tie]:
+    """The parameters that layers on more than one stage of ``plan`` use, in the order of
+    ``module.named_parameters()`` (the same on every rank); ``local_name`` is set for those
+    that ``stage_module`` (this rank's stage) holds."""
+    stage_of = {int(node): s for s in plan.stages for node in s.nodes}
+    users: dict[int, set[int]] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            users.setdefault(id(param), set()).add(stage_of[index].index)
+    local = {}
+    if stage_module is not None:
+        local = {id(p): name for name, p in stage_module.named_parameters()}
+    full_names = _full_names(module)
+    ties = []
+    for _, param in module.named_parameters():
+        stages = sorted(users.get(id(param), ()))
+        if len(stages) < 2:
+            continue
+        ranks = tuple(r for s in stages for r in plan.stages[s].ranks)
+        names = full_names[id(param)]
+        ties.append(Tie(names, tuple(stages), ranks, local.get(id(param))))
+    return ties
+
+
+def _to_meta(layer: nn.Module, keep: set[int], moved: dict[int, nn.Parameter]) -> None:
+    """Move ``layer``'s parameters and buffers to ``meta``, except the tensors in ``keep``;
+    ``moved`` maps each parameter already moved to its ``meta`` twin, so a parameter that
+    several layers share stays one parameter."""
+    for sub in layer.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or id(param) in keep:
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+            sub._parameters[name] = moved[id(param)]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and id(buffer) not in keep:
+                sub._buffers[name] = buffer.to("meta")
 
 
 def _layer_order(node: str) -> tuple[int, str]:
@@ -108,5 +179,12 @@ def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + list(module.named_buffers())
 
 
-def _full_names(module: nn.Module) -> dict[int, str]:
-    return {id(t): name for name, t in _state(module)}
+def _full_names(module: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every state name of each tensor of ``module``, by tensor id: ``state_dict`` lists a tied
+    parameter, and the state of a module that is an attribute twice, under each name."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    for name, tensor in _state(module):  # non-persistent buffers: not in state_dict
+        names.setdefault(id(tensor), [name])
+    return {key: tuple(value) for key, value in names.items()}

@@ -18,7 +18,7 @@ shares (``runtime.update``), so a stashed version never changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,14 @@ from torch.optim import Optimizer
 from pl_pipedream.runtime import update
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["PipelineUpdates", "StageUpdates", "TrainerUpdates", "check_trainer", "stage_updates"]
+__all__ = [
+    "PipelineUpdates",
+    "StageUpdates",
+    "TrainerUpdates",
+    "check_ties",
+    "check_trainer",
+    "stage_updates",
+]
 
 
 class StageUpdates:
@@ -101,10 +108,13 @@ class TrainerUpdates(StageUpdates):
         trainer: Any,
         replicas: int,
         device: torch.device,
+        counted_elsewhere: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(mode, module, optimizers, trainer)
         self.replicas = replicas
         self.device = device
+        # tied parameters whose gradient another stage counts in the global norm
+        self.counted_elsewhere = counted_elsewhere
         self._held: dict[str, Tensor] = {}
 
     def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
@@ -128,15 +138,23 @@ class TrainerUpdates(StageUpdates):
 
     def clip_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         """Scale gradients so their norm over every stage is at most ``clip_val`` (one
-        all-reduce over all ranks; replicas of a stage hold the same gradient)."""
+        all-reduce over all ranks; replicas of a stage hold the same gradient, and a tied
+        parameter's holders the same one, counted by its first stage only)."""
         grads = [
             p.grad
             for group in optimizer.param_groups
             for p in group["params"]
             if p.grad is not None
         ]
+        skip = {id(p) for n, p in self.module.named_parameters() if n in self.counted_elsewhere}
+        counted = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and id(p) not in skip
+        ]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for grad in grads:
+        for grad in counted:
             square += grad.detach().double().pow(2).sum()
         square /= self.replicas
         dist.all_reduce(square)
@@ -156,6 +174,19 @@ def check_trainer(mode: SyncMode, trainer: Any) -> None:
         )
 
 
+def check_ties(mode: SyncMode, ties: Sequence[str]) -> None:
+    """Raise for tied parameters (``ties``: each described) under a mode whose tie rule is
+    not built: the per-minibatch modes give a tied parameter a version of its own."""
+    if ties and mode.updates_per_minibatch:
+        raise ValueError(
+            f"tied parameters (one parameter used by layers on several stages) train only in "
+            f"the modes with one update per batch for now (sync: {mode}, tied: "
+            f"{'; '.join(ties)}); use PipeDreamStrategy(sync='{SyncMode.FLUSH}'), "
+            f"'{SyncMode.GPIPE}' or '{SyncMode.TWO_BW}', or place every layer using the "
+            "parameter on one stage with balance="
+        )
+
+
 def stage_updates(
     mode: SyncMode,
     module: nn.Module,
@@ -163,8 +194,10 @@ def stage_updates(
     trainer: Any,
     replicas: int,
     device: torch.device,
+    counted_elsewhere: frozenset[str] = frozenset(),
 ) -> StageUpdates:
-    """The updates of a stage under ``mode``."""
+    """The updates of a stage under ``mode``; ``counted_elsewhere``: the tied parameters whose
+    gradient another stage counts in the global clipping norm."""
     if mode.updates_in_pipeline:
         return PipelineUpdates(mode, module, optimizers, trainer)
-    return TrainerUpdates(mode, module, optimizers, trainer, replicas, device)
+    return TrainerUpdates(mode, module, optimizers, trainer, replicas, device, counted_elsewhere)

@@ -11,6 +11,12 @@ Rules (stage s, replicas r_s, warm-up w_s, Lightning batch t of m microbatches, 
 * vertical_sync: c = r_0 * max(0, i // r_0 - w_0); stage s uses version c // r_s; updates as async;
 * 2bw: batch t uses version max(0, t - 1); one update per batch, mean over its microbatches;
 * flush, gpipe: batch t uses version t; one update per batch, mean over its microbatches.
+
+Tied parameters (one parameter object used by layers of several stages) have a history of their
+own: minibatch i uses version max(0, i - (p-1)) in the per-minibatch modes (one update per
+minibatch), the mode's batch version otherwise (one update per batch, mean over its
+microbatches); every update applies the gradient summed over all uses, from an optimizer of its
+own (the optimizers here keep per-parameter state, so this equals one optimizer over both).
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ def version_of(plan: Plan, sync: str, stage: int, i: int, m: int) -> int:
     return t
 
 
+def tie_version(plan: Plan, sync: str, i: int, m: int) -> int:
+    if sync in PER_MINIBATCH:
+        return max(0, i - (plan.num_stages - 1))
+    return max(0, i // m - 1) if sync == "2bw" else i // m
+
+
 def train(
     model: nn.Sequential,
     plan: Plan,
@@ -53,11 +65,15 @@ def train(
     """Train a copy of ``model`` (layers named "0", "1", ...) and return its final state dict."""
     model = copy.deepcopy(model)
     stages = [nn.ModuleDict({n: model[int(n)] for n in stage.nodes}) for stage in plan.stages]
-    optimizers = [
-        make_optimizer(list(stage.parameters())) if list(stage.parameters()) else None
-        for stage in stages
-    ]
-    history = [[_clone(stage)] for stage in stages]
+    ties = _ties(stages)  # param id -> the tied parameter
+    optimizers = [make_optimizer(own) if (own := _own(stage, ties)) else None for stage in stages]
+    tie_optimizers = {key: make_optimizer([param]) for key, param in ties.items()}
+    tie_history = {
+        key: [param.detach().clone().requires_grad_(True)] for key, param in ties.items()
+    }
+    tie_pending: dict[int, torch.Tensor] = {}
+    tie_count = 0
+    history = [[_clone(stage, ties)] for stage in stages]
     pending: list[dict[str, torch.Tensor]] = [{} for _ in stages]
     counts = [0 for _ in stages]
     m = num_microbatches
@@ -66,34 +82,68 @@ def train(
         for j in range(m):
             i = t * m + j
             params = [history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))]
-            grads = _gradients(stages, params, xs[j], ys[j], loss_fn)
+            tied = {key: h[tie_version(plan, sync, i, m)] for key, h in tie_history.items()}
+            grads, tie_grads = _gradients(stages, params, tied, xs[j], ys[j], loss_fn)
             for s, stage_grads in enumerate(grads):
                 for name, grad in stage_grads.items():
                     pending[s][name] = pending[s].get(name, 0) + grad
                 counts[s] += 1
                 size = plan.stages[s].replicas if sync in PER_MINIBATCH else m
                 if counts[s] == size:
-                    _apply(stages[s], optimizers[s], pending[s], size)
-                    history[s].append(_clone(stages[s]))
+                    _apply(stages[s], optimizers[s], pending[s], size, ties)
+                    history[s].append(_clone(stages[s], ties))
                     pending[s], counts[s] = {}, 0
+            for key, grad in tie_grads.items():
+                tie_pending[key] = tie_pending.get(key, 0) + grad
+            tie_count += 1
+            size = 1 if sync in PER_MINIBATCH else m
+            if ties and tie_count == size:
+                for key, param in ties.items():
+                    param.grad = tie_pending[key] / size if key in tie_pending else None
+                    tie_optimizers[key].step()
+                    tie_optimizers[key].zero_grad(set_to_none=True)
+                    tie_history[key].append(param.detach().clone().requires_grad_(True))
+                tie_pending, tie_count = {}, 0
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _clone(stage: nn.ModuleDict) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone().requires_grad_(True) for n, p in stage.named_parameters()}
+def _ties(stages: list[nn.ModuleDict]) -> dict[int, nn.Parameter]:
+    """The parameters that more than one stage uses, by id."""
+    users: dict[int, set[int]] = {}
+    objects = {}
+    for s, stage in enumerate(stages):
+        for param in stage.parameters():
+            users.setdefault(id(param), set()).add(s)
+            objects[id(param)] = param
+    return {key: objects[key] for key, used in users.items() if len(used) > 1}
 
 
-def _gradients(stages, params, x, y, loss_fn):  # type: ignore[no-untyped-def]
+def _own(stage: nn.ModuleDict, ties: dict[int, nn.Parameter]) -> list[nn.Parameter]:
+    return [p for p in stage.parameters() if id(p) not in ties]
+
+
+def _clone(stage: nn.ModuleDict, ties: dict[int, nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone().requires_grad_(True)
+        for n, p in stage.named_parameters()
+        if id(p) not in ties
+    }
+
+
+def _gradients(stages, params, tied, x, y, loss_fn):  # type: ignore[no-untyped-def]
     activation = x
     for stage, weights in zip(stages, params, strict=True):
         for name, layer in stage.items():
             prefix = f"{name}."
             own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            for local, param in layer.named_parameters(remove_duplicate=False):
+                if id(param) in tied:
+                    own[local] = tied[id(param)]
             buffers = dict(layer.named_buffers())
             activation = functional_call(layer, {**own, **buffers}, (activation,))
     loss = loss_fn(activation, y)
     leaves = [list(p.values()) for p in params]
-    flat = [leaf for group in leaves for leaf in group]
+    flat = [leaf for group in leaves for leaf in group] + list(tied.values())
     found = torch.autograd.grad(loss, flat, allow_unused=True) if flat else ()
     out, position = [], 0
     for group, weights in zip(leaves, params, strict=True):
@@ -101,13 +151,16 @@ def _gradients(stages, params, x, y, loss_fn):  # type: ignore[no-untyped-def]
         grads = found[position : position + len(group)]
         out.append({n: g for n, g in zip(names, grads, strict=True) if g is not None})
         position += len(group)
-    return out
+    tie_grads = {key: g for key, g in zip(tied, found[position:], strict=True) if g is not None}
+    return out, tie_grads
 
 
-def _apply(stage: nn.ModuleDict, optimizer, summed, size) -> None:  # type: ignore[no-untyped-def]
+def _apply(stage: nn.ModuleDict, optimizer, summed, size, ties) -> None:  # type: ignore[no-untyped-def]
     if optimizer is None:
         return
     for name, param in stage.named_parameters():
+        if id(param) in ties:
+            continue
         param.grad = summed[name] / size if name in summed else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

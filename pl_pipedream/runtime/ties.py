@@ -1,0 +1,76 @@
+"""Tied parameters: one parameter that layers on several stages use (DESIGN.md, "Update rules").
+
+Every stage whose layers use a tied parameter holds a copy of it. Its gradient for an update is
+the sum over all its uses, as autograd gives on one device: before each update, every holder
+rank adds its own partial sum (the backward passes it ran) in one all-reduce over the ranks of
+all holding stages, replicas included. A replicated stage's replicas therefore take part with
+their partial sums and leave the tied parameter out of their own replica all-reduce, so no
+contribution is counted twice. Every holder then divides by the same update size and steps with
+the same optimizer state, so the copies stay bit-identical (gloo's all-reduce gives every rank
+the same sum).
+
+This holds for the modes where every stage uses the same weight version for a minibatch and
+makes one update per batch (``flush``, ``gpipe``, ``2bw``); the per-minibatch modes give a tied
+parameter a version rule of its own, which the strategy refuses at setup until it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TiedGradients", "TiedGroup"]
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One tied parameter as the runtime sees it: every rank holding a copy, and its name in
+    this rank's stage module (None where this rank does not hold it)."""
+
+    ranks: tuple[int, ...]
+    local_name: str | None
+    label: str = ""  # for messages: the parameter's names and stages
+
+
+class TiedGradients:
+    """Sums the gradients of this stage's tied parameters over every holder before an update.
+
+    ``create`` makes one process group per tie (every rank must call it, in the same order; the
+    pipeline gives them back at close); ``reduce`` runs the all-reduces of the ties this rank
+    holds, in that order."""
+
+    def __init__(self, held: Sequence[tuple[str, Any]], groups: Sequence[Any] = ()) -> None:
+        self.held = list(held)  # (local name, process group) of each tie this rank holds
+        self.groups = list(groups)  # every group made, to give back at close
+
+    @classmethod
+    def create(cls, ties: Sequence[TiedGroup], rank: int) -> TiedGradients:
+        groups, held = [], []
+        for tie in ties:
+            group = dist.new_group(list(tie.ranks))
+            groups.append(group)
+            if rank in tie.ranks and tie.local_name is not None:
+                held.append((tie.local_name, group))
+        return cls(held, groups)
+
+    @property
+    def names(self) -> set[str]:
+        return {name for name, _ in self.held}
+
+    def reduce(self, accumulated: dict[str, torch.Tensor], module: nn.Module) -> set[str]:
+        """Replace each held tie's partial gradient sum in ``accumulated`` by the sum over all
+        holders (zeros where this rank had no use of it); returns the names replaced."""
+        if not self.held:
+            return set()
+        params = dict(module.named_parameters())
+        for name, group in self.held:
+            partial = accumulated.get(name)
+            total = torch.zeros_like(params[name]) if partial is None else partial.detach().clone()
+            dist.all_reduce(total, group=group)
+            accumulated[name] = total
+        return self.names

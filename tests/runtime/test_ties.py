@@ -1,0 +1,54 @@
+"""TiedGradients: the holders of a tied parameter sum their partial gradients before an update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
+from tests.runtime import distributed
+from tests.runtime.distributed import one_rank_group
+
+
+def test_one_holder_keeps_its_sum_in_a_tensor_of_its_own() -> None:
+    module = nn.Linear(3, 2)
+    partial = torch.ones(2, 3)
+    with one_rank_group():
+        ties = TiedGradients.create([TiedGroup((0,), "weight")], rank=0)
+        accumulated = {"weight": partial, "bias": torch.ones(2)}
+        assert ties.reduce(accumulated, module) == {"weight"}
+    assert torch.equal(accumulated["weight"], partial)
+    assert accumulated["weight"] is not partial  # the partial sum is not written in place
+
+
+def test_a_holder_without_a_use_adds_zeros() -> None:
+    module = nn.Linear(3, 2)
+    with one_rank_group():
+        ties = TiedGradients.create([TiedGroup((0,), "weight")], rank=0)
+        accumulated: dict[str, torch.Tensor] = {}
+        ties.reduce(accumulated, module)
+    assert torch.equal(accumulated["weight"], torch.zeros(2, 3))
+
+
+def _sum_over_holders(rank: int, world: int) -> Any:
+    module = nn.Linear(2, 2)
+    # Rank 0 and 2 hold the tie; rank 1 does not (its stage has no layer using it).
+    groups = [TiedGroup((0, 2), "weight" if rank in (0, 2) else None)]
+    ties = TiedGradients.create(groups, rank)
+    accumulated = {"weight": torch.full((2, 2), float(rank + 1))} if rank != 1 else {}
+    names = ties.reduce(accumulated, module)
+    return names, accumulated.get("weight")
+
+
+@pytest.mark.slow
+def test_holders_get_the_sum_of_every_holders_partial_sum() -> None:
+    results = distributed.run(3, _sum_over_holders)
+    assert {r: status for r, (status, _) in results.items()} == {0: "ok", 1: "ok", 2: "ok"}
+    for rank in (0, 2):
+        names, total = results[rank][1]
+        assert names == {"weight"}
+        assert torch.equal(total, torch.full((2, 2), 1.0 + 3.0))
+    assert results[1][1] == (set(), None)

@@ -2,9 +2,9 @@
 
 Every rank runs its own Lightning loop over the same batches. In each training step the rank
 runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
-the activations and gradients they exchange. The loss exists on the last stage; it travels back
+the activations and gradients they exchange. The losses exist on the last stage; they travel back
 with the gradients, so every rank (rank 0 with the progress bar and the loggers included) logs
-``train_loss`` without a collective.
+the same ``train_loss``, a finished batch's mean, without a collective (``runtime.losses``).
 
 This class is the Lightning-shaped shell: ``setup`` chooses the plan (``planning``), cuts this
 rank's stage (``stage``), places it (``placement``) and builds the pipeline; each hook delegates
@@ -263,8 +263,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
         self.runner.train_batch(work.inputs, work.loss, drain=self._must_drain(module.trainer))
-        newest = self.runner.executor.newest_loss
-        return work.log_loss(None if newest is None else newest.value, self.root_device)
+        return work.log_loss(self.runner.loss, self.root_device)
 
     def _must_drain(self, trainer: pl.Trainer) -> bool:
         if self.sync.flushes or lightning_patches.is_last_batch(trainer):

@@ -272,9 +272,15 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.updates is None:
+        """Lightning's backward of a step: the pipeline ran it. In the flushed modes this is
+        where the batch's gradient reaches ``.grad``, between ``on_before_backward`` and
+        ``on_after_backward`` as on one device; the other modes run their hooks per update."""
+        if self.updates is None or self.updates.steps_in_pipeline:
             return closure_loss
-        return self.updates.backward(closure_loss)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.updates.backward(closure_loss)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def optimizer_step(

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan
 from tests.runtime.distributed import run
-from tests.runtime.test_executor import MODES, NUM_BATCHES, loss_fn, make_batches
+from tests.runtime.test_executor import MODES, NUM_BATCHES, make_batches
 from tests.strategy.test_lightning_features import Net
 
 pytestmark = pytest.mark.slow  # two launches (2 and 3 ranks), about 25 s together
@@ -85,7 +85,9 @@ class Recording(Net):
         local = [p.grad for p in self.parameters() if p.grad is not None]
         self.log("grad_norm", torch.stack([g.norm() for g in local]).norm())
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # type: ignore[no-untyped-def]
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):  # type: ignore[no-untyped-def]
         self._note("configure_gradient_clipping")
 
     def optimizer_step(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -125,7 +127,9 @@ class LossPerStep(Recording):
         self.losses.append(None if value is None else float(value))
 
 
-def fit(model, strategy, devices: int, out: Path | None = None, batch_size: int = 2 * M, **kwargs) -> Trainer:  # type: ignore[no-untyped-def]
+def fit(  # type: ignore[no-untyped-def]
+    model, strategy, devices: int, out: Path | None = None, batch_size: int = 2 * M, **kwargs
+) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
@@ -220,7 +224,8 @@ def readme_hook_table() -> dict[str, dict[str, str]]:
     for line in lines[2:]:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         for hook in re.findall(r"`([^`]+)`", cells[0]):
-            table[hook] = {mode: cell for modes, cell in zip(columns, cells[1:]) for mode in modes}
+            pairs = zip(columns, cells[1:], strict=True)
+            table[hook] = {mode: cell for modes, cell in pairs for mode in modes}
     return table
 
 

@@ -51,7 +51,9 @@ class Recorder(LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
         self._record("on_before_optimizer_step")
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # type: ignore[no-untyped-def]
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):  # type: ignore[no-untyped-def]
         self._record("configure_gradient_clipping")
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -108,7 +108,7 @@ class StageExecutor:
         num_replicas: int = 1,
         device: torch.device | None = None,
         record_timeline: bool = False,
-        microbatches: int = 1,
+        microbatches: int | None = None,
     ) -> None:
         self.module = module
         self.rank = rank
@@ -125,7 +125,7 @@ class StageExecutor:
         self.stash = WeightStash(module, self.describe)
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
-        self.microbatches = microbatches
+        self.microbatches = microbatches  # per batch; None: replicas do not share losses
         self.losses = LossBook()  # the training losses this rank knows (runtime.losses)
         self._feed: Feed | None = None
         self._update: Update | None = None
@@ -373,7 +373,8 @@ class StageExecutor:
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
                 self._writable.add(n)
                 offset += size
-        self.losses.share(action.batch, self.microbatches, self.replica_group)
+        if self.microbatches is not None and action.batch is not None:
+            self.losses.share(action.batch, self.microbatches, self.replica_group)
 
     def _step(self, action: Action) -> None:
         self._take_linear_sums()

@@ -169,12 +169,16 @@ def _every_mode(rank: int, world: int, out: str) -> dict:
     return results
 
 
-def _replicated_last_stage(rank: int, world: int) -> dict:
+def _replicated(rank: int, world: int) -> dict:
+    """``flush`` with the last stage replicated twice, then ``async`` with either stage so."""
     _as_launched(rank, world)
-    model = LossPerStep()
-    plan = Plan.from_balance([3, 3], replicas=[1, 2])
-    fit(model, PipeDreamStrategy(sync="flush", plan=plan, microbatches=M, timeout=60), world)
-    return {"losses": model.losses}
+    out = {}
+    for sync, replicas in (("flush", [1, 2]), ("async", [1, 2]), ("async", [2, 1])):
+        model = LossPerStep()
+        plan = Plan.from_balance([3, 3], replicas=replicas)
+        fit(model, PipeDreamStrategy(sync=sync, plan=plan, microbatches=M, timeout=60), world)
+        out[sync, tuple(replicas)] = model.losses
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +286,18 @@ def test_flushed_modes_log_one_devices_batch_loss_on_every_rank(ranks, sync: str
         assert ranks[rank][sync]["losses"] == pytest.approx(expected, abs=1e-6), f"rank {rank}"
 
 
-def test_a_replicated_last_stage_logs_the_whole_batchs_mean_on_every_rank() -> None:
-    results = run(3, _replicated_last_stage, timeout=120.0)
+def test_replicated_stages_log_the_whole_batchs_mean_on_every_rank() -> None:
+    results = run(3, _replicated, timeout=180.0)
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
     expected = single_device_losses()
     for rank in range(3):
-        got = results[rank][1]["losses"]
+        got = results[rank][1]["flush", (1, 2)]
         assert got == pytest.approx(expected, abs=1e-6), f"rank {rank}"
+    for replicas in ((1, 2), (2, 1)):
+        logged = [results[rank][1]["async", replicas] for rank in range(3)]
+        assert logged[0] == logged[1] == logged[2], replicas
+        assert logged[0][-1] is not None
 
 
 # ----- BatchNorm ---------------------------------------------------------------------------------

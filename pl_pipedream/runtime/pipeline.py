@@ -59,6 +59,7 @@ class PipelineRunner:
         self.step = 0  # Lightning steps since the last drain
         self.loss: float | None = None  # the mean loss of the newest finished batch
         self._finished: dict[int, int] = {}  # batch -> backward passes done at the first stage
+        self._taken = -1  # the batch of ``loss`` in this run (-1: none yet)
         self._first_stage = plan.stages[0].ranks
         self.groups: list[Any] = []  # process groups made for this pipeline alone
 
@@ -141,10 +142,10 @@ class PipelineRunner:
 
     def _take_loss(self, batch: int) -> None:
         losses = self.executor.losses
-        for b in range(batch, -1, -1):
+        for b in range(batch, self._taken, -1):
             mean = losses.mean(b, self.microbatches)
             if mean is not None:
-                self.loss = mean
+                self.loss, self._taken = mean, b
                 losses.forget_before(b)
                 for old in [k for k in self._finished if k < b]:
                     del self._finished[old]
@@ -172,6 +173,7 @@ class PipelineRunner:
         self._take_loss(self.step - 1)  # every batch of the run has finished
         self.executor.restart()
         self._finished.clear()
+        self._taken = -1
         self.step = 0
 
     def close(self, failed: bool = False) -> None:

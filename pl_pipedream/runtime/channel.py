@@ -1,8 +1,9 @@
 """Point-to-point messages between pipeline ranks over torch.distributed.
 
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
-plus, on the way back to the first stage, the loss of the minibatch whose gradients it carries
-(its index and value, as two float64 scalars in the frame). It travels
+plus, on the way back to the first stage, the losses its sender knows of the batch of the
+minibatch whose gradients it carries (each an index and a value, two float64 scalars in the
+frame; ``runtime.losses``). It travels
 as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
 tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
@@ -71,15 +72,15 @@ class MinibatchLoss(NamedTuple):
 
 @dataclass
 class Message:
-    """The tensors crossing one stage boundary, and the loss that rides back with gradients."""
+    """The tensors crossing one stage boundary, and the losses that ride back with gradients."""
 
     tensors: list[torch.Tensor]
-    loss: MinibatchLoss | None = None
+    losses: tuple[MinibatchLoss, ...] = ()
 
     @property
     def scalars(self) -> list[float]:
-        """What the frame carries after the tensors: the loss's minibatch and value, if any."""
-        return [] if self.loss is None else [float(self.loss.minibatch), self.loss.value]
+        """What the frame carries after the tensors: each loss's minibatch and value."""
+        return [x for loss in self.losses for x in (float(loss.minibatch), loss.value)]
 
 
 def _header(message: Message) -> list[int]:
@@ -134,7 +135,7 @@ def _pack(
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    if message.loss is not None:
+    if message.losses:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
         frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
@@ -160,8 +161,9 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
     if not num_scalars:
         return Message(tensors)
-    minibatch, value = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
-    return Message(tensors, MinibatchLoss(int(minibatch), value))
+    scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
+    pairs = zip(scalars[::2], scalars[1::2], strict=True)
+    return Message(tensors, tuple(MinibatchLoss(int(i), value) for i, value in pairs))
 
 
 class Channel:

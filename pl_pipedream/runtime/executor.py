@@ -34,6 +34,7 @@ from torch.func import functional_call
 
 from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
+from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -79,7 +80,6 @@ class _InFlight:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None = None
-    reported: MinibatchLoss | None = None  # travels back to the first stage with the gradients
 
 
 def as_tensors(value: Any) -> list[torch.Tensor]:
@@ -110,6 +110,7 @@ class StageExecutor:
         device: torch.device | None = None,
         record_timeline: bool = False,
         ties: TiedGradients | None = None,
+        microbatches: int | None = None,
     ) -> None:
         self.module = module
         self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
@@ -127,8 +128,8 @@ class StageExecutor:
         self.stash = WeightStash(module, self.describe)
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
-        self.newest_loss: MinibatchLoss | None = None  # of the highest minibatch seen
-        self._newest_minibatch = -1  # of newest_loss, in the current run
+        self.microbatches = microbatches  # per batch; None: replicas do not share losses
+        self.losses = LossBook()  # the training losses this rank knows (runtime.losses)
         self._feed: Feed | None = None
         self._update: Update | None = None
         self._received: dict[int, Message] = {}
@@ -195,11 +196,6 @@ class StageExecutor:
                 self.channel.expect(*following[position])
         self.position = len(self.actions)
 
-    def _record_loss(self, loss: MinibatchLoss) -> None:
-        if loss.minibatch >= self._newest_minibatch:
-            self._newest_minibatch = loss.minibatch
-            self.newest_loss = loss
-
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
         pending = self.linear_sums is not None and self.linear_sums.pending
@@ -210,8 +206,7 @@ class StageExecutor:
                 f"{bool(self._accumulated) or pending}); drain it first"
             )
         self.stash.reset(0)
-        self._newest_minibatch = -1  # the next run counts minibatches from 0; its first
-        # loss replaces newest_loss, which until then stays the newest this rank knows
+        self.losses.clear()  # the next run counts minibatches from 0
 
     # ----- messages ---------------------------------------------------------------------------
 
@@ -247,7 +242,7 @@ class StageExecutor:
             else:
                 grads.append(torch.zeros(0))
         self.channel.send(
-            Message(grads, flight.reported),
+            Message(grads, self.losses.of(action.batch)),
             action.peer,
             TAG_GRAD,
             f"the gradients of minibatch {action.minibatch}",
@@ -273,8 +268,7 @@ class StageExecutor:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
             value = outputs[0] if len(outputs) == 1 else tuple(outputs)
             flight.loss = self._feed.loss(value, i)
-            flight.reported = MinibatchLoss(i, float(flight.loss.detach()))
-            self._record_loss(flight.reported)
+            self.losses.add(action.batch, (MinibatchLoss(i, float(flight.loss.detach())),))
         self._flight[i] = flight
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
@@ -296,9 +290,7 @@ class StageExecutor:
             roots, grads = [flight.loss], [seed]
         else:
             message = self._gradients.pop(i)
-            flight.reported = message.loss
-            if message.loss is not None:
-                self._record_loss(message.loss)
+            self.losses.add(action.batch, message.losses)
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)
@@ -381,6 +373,8 @@ class StageExecutor:
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
                 self._writable.add(n)
                 offset += size
+        if self.microbatches is not None and action.batch is not None:
+            self.losses.share(action.batch, self.microbatches, self.replica_group)
 
     def _step(self, action: Action) -> None:
         self._take_linear_sums()

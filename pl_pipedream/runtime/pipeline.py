@@ -6,6 +6,12 @@ and updates the schedule interleaves with them). In the asynchronous modes nothi
 between steps; when training stops, or before validation or a checkpoint, ``drain`` runs the
 remaining backward passes and updates, and the next step starts a new run.
 
+Every rank logs the same training loss in step ``t``: the mean of the newest batch whose every
+backward pass has reached the first stage by the end of step ``t`` (the schedule says which; all
+of its losses have reached every rank by then, ``runtime.losses``). In the flushed modes that is
+batch ``t`` itself; in the others it lags by the pipeline's depth. After a drain it is the run's
+last batch, and it stays the loss until a later batch completes.
+
 A step does not wait for its messages to leave (a gloo send completes only once the peer has
 posted its receive, which would tie the ranks together at every step); the sends of one step
 complete during the next, and a drain waits for all of them.
@@ -24,7 +30,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
-from pl_pipedream.schedule.actions import Action
+from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
 
@@ -52,6 +58,10 @@ class PipelineRunner:
         self.stream.validate()  # the executor runs only what the validator checked
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
+        self.loss: float | None = None  # the mean loss of the newest finished batch
+        self._finished: dict[int, int] = {}  # batch -> backward passes done at the first stage
+        self._taken = -1  # the batch of ``loss`` in this run (-1: none yet)
+        self._first_stage = plan.stages[0].ranks
         self.groups: list[Any] = []  # process groups made for this pipeline alone
 
     @classmethod
@@ -92,6 +102,7 @@ class PipelineRunner:
             device=device,
             record_timeline=record_timeline,
             ties=tied,
+            microbatches=microbatches,
         )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups
@@ -118,9 +129,32 @@ class PipelineRunner:
             lookahead=self._upcoming(drain),
             flush=False,
         )
+        self._note_finished(self.step)
         self.step += 1
         if drain:
             self.drain()
+
+    def _note_finished(self, t: int) -> None:
+        """After step ``t``: count the first stage's backward passes of its segments and take
+        the mean loss of the newest batch they finished (``LossBook.mean``; a batch this rank
+        does not know whole, which the schedule rules out, is passed over)."""
+        for rank in self._first_stage:
+            for action in self.stream.segment(rank, t):
+                if action.kind is ActionKind.BACKWARD and action.batch is not None:
+                    self._finished[action.batch] = self._finished.get(action.batch, 0) + 1
+        done = [b for b, count in self._finished.items() if count == self.microbatches]
+        self._take_loss(max(done, default=-1))
+
+    def _take_loss(self, batch: int) -> None:
+        losses = self.executor.losses
+        for b in range(batch, self._taken, -1):
+            mean = losses.mean(b, self.microbatches)
+            if mean is not None:
+                self.loss, self._taken = mean, b
+                losses.forget_before(b)
+                for old in [k for k in self._finished if k < b]:
+                    del self._finished[old]
+                return
 
     def _upcoming(self, drain: bool) -> list[Action]:
         """The actions after this step's segment: the drain, or the next segments. Only these
@@ -141,7 +175,10 @@ class PipelineRunner:
         self.executor.execute(
             self.stream.drain(self.executor.rank, self.step - 1), None, self.update
         )
+        self._take_loss(self.step - 1)  # every batch of the run has finished
         self.executor.restart()
+        self._finished.clear()
+        self._taken = -1
         self.step = 0
 
     def close(self, failed: bool = False) -> None:

@@ -77,7 +77,6 @@ class TrainingBatch:
         self.describe = describe  # "rank 1, stage 1", for errors
         self.slices = slice_batch(batch, microbatches)
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
-        self.losses: list[float] = []  # of the microbatches whose loss this rank computed
 
     def inputs(self, j: int) -> Any:
         return self._inputs[j]
@@ -99,16 +98,16 @@ class TrainingBatch:
                 f"the training loss is not finite (loss: {value}, {self.describe}, global step "
                 f"{module.trainer.global_step}); lower the learning rate or check the data"
             )
-        self.losses.append(value)
         return loss
 
-    def log_loss(self, newest: float | None, device: torch.device) -> Tensor:
-        """Log ``train_loss``: the mean of this batch's losses where this rank computed them
-        (the last stage), else ``newest``, the newest loss that reached this rank with the
-        gradients. Returns it (NaN while none has arrived), as ``training_step`` must."""
-        value = sum(self.losses) / len(self.losses) if self.losses else newest
-        if value is None:
+    def log_loss(self, finished: float | None, device: torch.device) -> Tensor:
+        """Log ``train_loss``: ``finished``, the mean loss of the newest batch whose backward
+        passes have all finished (``PipelineRunner.loss``, the same on every rank). Returns it,
+        as ``training_step`` must return a tensor; while the pipeline is still filling for the
+        first time there is none: nothing is logged and the tensor returned is NaN."""
+        if finished is None:
             return torch.tensor(float("nan"), device=device)
+        value = finished
         loss = torch.tensor(value, device=device)
         self.module.log(
             "train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False

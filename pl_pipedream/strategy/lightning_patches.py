@@ -19,6 +19,11 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   ``forward(example_input_array)`` on every rank, where other stages' layers are on ``meta``.
 * torchmetrics' ``Metric.sync_on_compute``: a metric would gather its state over every rank on
   ``compute()``, but only the last stage's first replica evaluates.
+* Called as Lightning calls them: ``trainer.call._call_callback_hooks`` and
+  ``_call_lightning_module_hook`` (a hook on every callback, then on the module), and
+  ``Precision._after_closure`` (``on_before_optimizer_step``, then clipping through
+  ``configure_gradient_clipping``): the modes that update inside the pipeline run the hooks of
+  gradient work at each of their updates, where Lightning's own optimizer step never comes.
 * Read-only: ``_FitLoop._data_source`` (the first training batch, to plan with) and
   ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an epoch's last step drains).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
@@ -37,6 +42,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
@@ -44,6 +50,8 @@ from torch import Tensor, nn
 __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
+    "before_optimizer_step",
+    "call_hook",
     "WorkerOutput",
     "LightningChangedError",
     "clip_by_global_norm",
@@ -163,6 +171,25 @@ def stop_metric_sync(module: nn.Module) -> None:
             sub.sync_on_compute = False
             if hasattr(sub, "_to_sync"):
                 sub._to_sync = False
+
+
+def call_hook(trainer: Any, name: str, *args: Any) -> None:
+    """Run hook ``name`` on every callback, then on the LightningModule, as Lightning's loops
+    do (``call._call_callback_hooks``, ``call._call_lightning_module_hook``: each sets the
+    module's ``_current_fx_name``, so ``self.log`` inside the hook is checked for that hook)."""
+    _require(call, "_call_callback_hooks", "lightning.pytorch.trainer.call")
+    _require(call, "_call_lightning_module_hook", "lightning.pytorch.trainer.call")
+    call._call_callback_hooks(trainer, name, *args)
+    call._call_lightning_module_hook(trainer, name, *args)
+
+
+def before_optimizer_step(trainer: Any, optimizer: Any) -> None:
+    """What Lightning runs between a backward and ``optimizer.step``
+    (``Precision._after_closure``): ``on_before_optimizer_step`` on callbacks and module, then
+    ``configure_gradient_clipping`` with the Trainer's clipping settings."""
+    precision = trainer.strategy.precision_plugin
+    after_closure = _require(precision, "_after_closure", type(precision).__name__)
+    after_closure(trainer.lightning_module, optimizer)
 
 
 def first_training_batch(trainer: Any) -> Any | None:

@@ -2,9 +2,9 @@
 
 Every rank runs its own Lightning loop over the same batches. In each training step the rank
 runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
-the activations and gradients they exchange. The loss exists on the last stage; it travels back
+the activations and gradients they exchange. The losses exist on the last stage; they travel back
 with the gradients, so every rank (rank 0 with the progress bar and the loggers included) logs
-``train_loss`` without a collective.
+the same ``train_loss``, a finished batch's mean, without a collective (``runtime.losses``).
 
 This class is the Lightning-shaped shell: ``setup`` chooses the plan (``planning``), cuts this
 rank's stage (``stage``), places it (``placement``) and builds the pipeline; each hook delegates
@@ -282,8 +282,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
         self.runner.train_batch(work.inputs, work.loss, drain=self._must_drain(module.trainer))
-        newest = self.runner.executor.newest_loss
-        return work.log_loss(None if newest is None else newest.value, self.root_device)
+        return work.log_loss(self.runner.loss, self.root_device)
 
     def _must_drain(self, trainer: pl.Trainer) -> bool:
         if self.sync.flushes or lightning_patches.is_last_batch(trainer):
@@ -292,9 +291,15 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.updates is None:
+        """Lightning's backward of a step: the pipeline ran it. In the flushed modes this is
+        where the batch's gradient reaches ``.grad``, between ``on_before_backward`` and
+        ``on_after_backward`` as on one device; the other modes run their hooks per update."""
+        if self.updates is None or self.updates.steps_in_pipeline:
             return closure_loss
-        return self.updates.backward(closure_loss)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.updates.backward(closure_loss)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def optimizer_step(

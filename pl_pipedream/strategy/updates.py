@@ -6,8 +6,11 @@ of that update (``runtime.executor``); what the update does with it depends on t
 
 * ``PipelineUpdates`` (modes that update inside the pipeline: ``async``, ``vertical_sync``,
   ``2bw``): the stage's optimizers step right there, when the schedule says, several times per
-  Lightning step in the per-minibatch modes. Clipping is per stage. Lightning's own backward and
-  step do nothing; its step counter, ``max_steps`` and LR schedulers still advance per batch.
+  Lightning step in the per-minibatch modes. Each update runs the hooks Lightning runs around an
+  optimizer step, with the update's gradients on the stage's ``.grad``: ``on_after_backward``,
+  then per optimizer ``on_before_optimizer_step`` and ``configure_gradient_clipping`` (so
+  clipping is per stage). Lightning's own backward and step do nothing; its step counter,
+  ``max_steps`` and LR schedulers still advance per batch.
 * ``TrainerUpdates`` (flushed modes: ``flush``, ``gpipe``): the one update of the batch holds
   its gradient until Lightning's ``backward`` hands it to the parameters; Lightning then clips
   (by the norm over every stage, as on one device), accumulates and steps as usual.
@@ -28,6 +31,7 @@ from torch.optim import Optimizer
 
 from pl_pipedream.runtime import update
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy import lightning_patches
 
 __all__ = [
     "PipelineUpdates",
@@ -66,7 +70,8 @@ class StageUpdates:
 
 
 class PipelineUpdates(StageUpdates):
-    """The stage's optimizers step inside the pipeline, with the stage's gradients clipped."""
+    """The stage's optimizers step inside the pipeline, after the hooks Lightning runs before
+    a step (clipping included, per stage)."""
 
     steps_in_pipeline = True
 
@@ -74,25 +79,17 @@ class PipelineUpdates(StageUpdates):
         params = dict(self.module.named_parameters())
         for name, param in params.items():
             param.grad = gradients.get(name)
-        self._clip([p for p in params.values() if p.grad is not None])
+        lightning_patches.call_hook(self.trainer, "on_after_backward")
         targets: dict[Tensor, Tensor] = {params[name]: t for name, t in storage.items()}
         optimizers = self.optimizers()
         stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         # a parameter no optimizer steps keeps its values; it still leaves the shared storage
         copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})
         for optimizer in optimizers:
+            lightning_patches.before_optimizer_step(self.trainer, optimizer)
             copied += update.step(optimizer, targets)
             optimizer.zero_grad(set_to_none=True)
         return copied
-
-    def _clip(self, params: list[Tensor]) -> None:
-        clip = self.trainer.gradient_clip_val
-        if not clip:
-            return
-        if self.trainer.gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, clip)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, clip)
 
 
 class TrainerUpdates(StageUpdates):

@@ -19,7 +19,10 @@ def _exchange(rank: int, world: int) -> list:
         for step in range(3):
             tensors = [torch.full((step + 1, 2), float(step)), torch.arange(step + 2)]
             channel.send(
-                Message(tensors, MinibatchLoss(step, step * 0.5)), 1, tag=1, what="activations"
+                Message(tensors, tuple(MinibatchLoss(i, i * 0.5) for i in range(step + 1))),
+                1,
+                tag=1,
+                what="activations",
             )
         channel.flush()
         reply = channel.recv(1, tag=2, what="gradients")
@@ -31,7 +34,7 @@ def _exchange(rank: int, world: int) -> list:
                 (
                     [tuple(t.shape) for t in message.tensors],
                     [str(t.dtype) for t in message.tensors],
-                    message.loss,
+                    message.losses,
                 )
             )
         channel.send(
@@ -47,9 +50,9 @@ def test_messages_keep_shapes_dtypes_and_the_loss() -> None:
     status, got = results[1]
     assert status == "ok"
     assert got == [
-        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], (0, 0.0)),
-        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], (1, 0.5)),
-        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], (2, 1.0)),
+        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], ((0, 0.0),)),
+        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], ((0, 0.0), (1, 0.5))),
+        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], ((0, 0.0), (1, 0.5), (2, 1.0))),
     ]
 
 
@@ -102,7 +105,7 @@ def _resizing_stream(rank: int, world: int) -> list:
         for step, shape in enumerate(SHAPES):
             before = len(sent)
             loss = MinibatchLoss(step, step / 2)
-            channel.send(Message([torch.full(shape, float(step))], loss), 1, 1, "x")
+            channel.send(Message([torch.full(shape, float(step))], (loss,)), 1, 1, "x")
             counts.append(len(sent) - before)
         channel.flush()
         return counts
@@ -112,7 +115,7 @@ def _resizing_stream(rank: int, world: int) -> list:
         message = channel.recv(0, 1, "x")
         channel.expect(0, 1)  # the next one, early; the last stays posted, unmatched
         tensor = message.tensors[0]
-        got.append((tuple(tensor.shape), tensor.mean().item(), message.loss))
+        got.append((tuple(tensor.shape), tensor.mean().item(), message.losses))
     return got
 
 
@@ -126,7 +129,7 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]
     assert status == "ok", got
-    assert got == [(shape, float(step), (step, step / 2)) for step, shape in enumerate(SHAPES)]
+    assert got == [(shape, float(step), ((step, step / 2),)) for step, shape in enumerate(SHAPES)]
 
 
 def _receive_left_posted(rank: int, world: int) -> list:

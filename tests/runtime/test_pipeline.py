@@ -50,22 +50,30 @@ def _async_run_then_close(rank: int, world: int) -> dict:
         plan, SyncMode.ASYNC, M, module, rank, _sgd_update(module), torch.device("cpu"), 30.0
     )
     batches = make_batches(M)[:STEPS]
-    drained, newest = [], []
+    drained, logged, computed = [], [], {}
+
+    def loss(out, j, t, ys):  # type: ignore[no-untyped-def]
+        value = loss_fn(out, ys[j])
+        computed[(t, j)] = value.item()
+        return value
+
     for t, (x, y) in enumerate(batches):
         xs, ys = x.chunk(M), y.chunk(M)
         runner.train_batch(
-            lambda j, xs=xs: xs[j], lambda out, j, ys=ys: loss_fn(out, ys[j]), t == STEPS - 1
+            lambda j, xs=xs: xs[j],
+            lambda out, j, t=t, ys=ys: loss(out, j, t, ys),
+            t == STEPS - 1,
         )
         drained.append(runner.drained)
-        loss = runner.executor.newest_loss
-        newest.append(None if loss is None else loss.minibatch)
+        logged.append(runner.loss)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
     channel = runner.executor.channel
     runner.close()
     return {
         "weights": weights,
         "drained": drained,
-        "newest": newest,
+        "logged": logged,
+        "computed": computed,
         "channel_group": channel.group,
         "groups": runner.groups,
     }
@@ -80,7 +88,15 @@ def _replicated_close(rank: int, world: int) -> dict:
     replica_groups = list(runner.groups)
     x, y = make_batches(M)[0]
     mine = x.chunk(M), y.chunk(M)
-    runner.train_batch(lambda j: mine[0][j], lambda out, j: loss_fn(out, mine[1][j]), drain=True)
+    computed = {}
+
+    def loss(out, j):  # type: ignore[no-untyped-def]
+        value = loss_fn(out, mine[1][j])
+        computed[j] = value.item()
+        return value
+
+    runner.train_batch(lambda j: mine[0][j], loss, drain=True)
+    logged = runner.loss
     ranks = dist.get_process_group_ranks(replica_groups[0])
     runner.close()
     runner.close()  # a second close has nothing left to give back
@@ -89,7 +105,13 @@ def _replicated_close(rank: int, world: int) -> dict:
         after_close = "known"
     except (KeyError, ValueError, RuntimeError):
         after_close = "destroyed"
-    return {"ranks": ranks, "left": runner.groups, "after_close": after_close}
+    return {
+        "ranks": ranks,
+        "left": runner.groups,
+        "after_close": after_close,
+        "logged": logged,
+        "computed": computed,
+    }
 
 
 def _both(rank: int, world: int) -> dict:
@@ -122,16 +144,25 @@ def test_an_async_run_drains_to_the_oracles_weights_and_closes(runs) -> None:  #
             assert diff <= 1e-5, f"rank {rank} {key}: {diff}"
 
 
-def test_the_losses_reach_the_first_stage_with_the_gradients(runs) -> None:  # type: ignore[no-untyped-def]
-    # in step 0 of a 2-stage async run, minibatch 0's backward has reached stage 0
-    assert runs[0]["async"]["newest"][:2] == [0, 2]
-    assert runs[1]["async"]["newest"][:2] == [1, 3]
+def test_every_rank_has_the_mean_of_the_newest_batch_finished_at_the_first_stage(runs) -> None:  # type: ignore[no-untyped-def]
+    # 2-stage async, 2 microbatches: stage 0 runs F0 F1 B0 in step 0 (batch 0 unfinished), its
+    # step 1 finishes batch 0, and the drain after step 2 finishes every batch up to 2
+    computed = runs[1]["async"]["computed"]  # the last stage's losses by (batch, microbatch)
+    mean = {t: (computed[(t, 0)] + computed[(t, 1)]) / 2 for t in range(STEPS)}
+    for rank in (0, 1):
+        assert runs[rank]["async"]["logged"] == [None, mean[0], mean[2]], f"rank {rank}"
 
 
-def test_a_drained_step_leaves_its_newest_loss_for_train_loss(runs) -> None:  # type: ignore[no-untyped-def]
-    assert runs[0]["async"]["newest"][-1] == STEPS * M - 1
+def test_replicas_of_the_last_stage_share_their_losses(runs) -> None:  # type: ignore[no-untyped-def]
+    # one stage, two replicas, flush: each replica computes one of the 2 microbatches' losses
+    assert runs[0]["replicated"]["computed"].keys() == {0}
+    assert runs[1]["replicated"]["computed"].keys() == {1}
+    expected = (runs[0]["replicated"]["computed"][0] + runs[1]["replicated"]["computed"][1]) / 2
+    for rank in (0, 1):
+        assert runs[rank]["replicated"]["logged"] == expected, f"rank {rank}"
 
 
 def test_close_gives_back_the_replica_groups(runs) -> None:  # type: ignore[no-untyped-def]
     for rank in (0, 1):
-        assert runs[rank]["replicated"] == {"ranks": [0, 1], "left": [], "after_close": "destroyed"}
+        got = {k: runs[rank]["replicated"][k] for k in ("ranks", "left", "after_close")}
+        assert got == {"ranks": [0, 1], "left": [], "after_close": "destroyed"}

@@ -116,6 +116,73 @@ def test_clip_by_global_norm_replaces_only_clipping_by_norm(algorithm: str) -> N
         assert model.first.weight.grad.max() == 0.5
 
 
+# ----- call._call_callback_hooks, call._call_lightning_module_hook, Precision._after_closure ----
+
+
+class Hooked(Model):
+    """``Model`` noting its hooks of gradient work and the hook name Lightning had set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str | None]] = []
+
+    def on_after_backward(self) -> None:
+        self.calls.append(("on_after_backward", self._current_fx_name))
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("on_before_optimizer_step", self._current_fx_name))
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):  # type: ignore[no-untyped-def]
+        self.calls.append(("configure_gradient_clipping", gradient_clip_val))
+
+
+class NoteHooks(Callback):
+    def __init__(self, calls: list) -> None:  # type: ignore[type-arg]
+        self.calls = calls
+
+    def on_after_backward(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("callback on_after_backward", pl_module._current_fx_name))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("callback on_before_optimizer_step", pl_module._current_fx_name))
+
+
+def test_lightning_runs_the_hooks_before_a_step_in_the_precision_plugins_after_closure() -> None:
+    source = inspect.getsource(Precision._after_closure)
+    assert source.index('"on_before_optimizer_step"') < source.index("self._clip_gradients(")
+    assert "_after_closure(" in inspect.getsource(Precision._wrap_closure)
+    assert '"on_after_backward"' in inspect.getsource(Precision.post_backward)
+
+
+def test_call_hook_and_before_optimizer_step_call_hooks_as_lightning_does() -> None:
+    module = Hooked()
+    run = trainer(gradient_clip_val=0.5, callbacks=[])
+    run.callbacks.append(NoteHooks(module.calls))
+    run.strategy.connect(module)
+    module.trainer = run
+    module._current_fx_name = "training_step"
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    patches.call_hook(run, "on_after_backward")
+    patches.before_optimizer_step(run, optimizer)
+    assert module.calls == [
+        ("callback on_after_backward", "on_after_backward"),
+        ("on_after_backward", "on_after_backward"),
+        ("callback on_before_optimizer_step", "on_before_optimizer_step"),
+        ("on_before_optimizer_step", "on_before_optimizer_step"),
+        ("configure_gradient_clipping", 0.5),
+    ]
+    assert module._current_fx_name == "training_step"  # restored after each hook
+
+
+def test_before_optimizer_step_checks_the_precision_plugin() -> None:
+    run = trainer()
+    run.strategy._precision_plugin = object()
+    with pytest.raises(patches.LightningChangedError, match=r"\(object\._after_closure\)"):
+        patches.before_optimizer_step(run, None)
+
+
 # ----- LightningModule.forward for the model summary -------------------------------------------
 
 

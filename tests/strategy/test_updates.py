@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from pl_pipedream.schedule.modes import SyncMode
@@ -32,8 +32,63 @@ def gradients(scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {"0.weight": torch.full((2, 2), scale), "0.bias": torch.full((2,), scale)}
 
 
+class Recorder(LightningModule):
+    """A LightningModule over a stage that records its hooks of gradient work: the hook, and
+    the gradient of the stage's first weight at that moment."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.net = module
+        self.calls: list[tuple[str, list[list[float]] | None]] = []
+
+    def _record(self, hook: str) -> None:
+        grad = self.net[0].weight.grad
+        self.calls.append((hook, None if grad is None else grad.tolist()))
+
+    def on_after_backward(self) -> None:
+        self._record("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self._record("on_before_optimizer_step")
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):  # type: ignore[no-untyped-def]
+        self._record("configure_gradient_clipping")
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
 def pipeline_updates(module: nn.Module, optimizer, run_trainer=None) -> PipelineUpdates:  # type: ignore[no-untyped-def]
-    return PipelineUpdates(SyncMode.ASYNC, module, lambda: [optimizer], run_trainer or trainer())
+    run_trainer = run_trainer or trainer()
+    recorder = Recorder(module)
+    run_trainer.strategy.connect(recorder)
+    recorder.trainer = run_trainer
+    return PipelineUpdates(SyncMode.ASYNC, module, lambda: [optimizer], run_trainer)
+
+
+def test_each_update_runs_lightnings_hooks_with_the_stages_gradients_on_grad() -> None:
+    module = stage()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    updates = pipeline_updates(module, optimizer)
+    recorder = updates.trainer.lightning_module
+    updates(gradients(1.0), {})
+    updates(gradients(2.0), {})
+    hooks = ["on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"]
+    assert recorder.calls == [(h, [[1.0, 1.0]] * 2) for h in hooks] + [
+        (h, [[2.0, 2.0]] * 2) for h in hooks
+    ]
+    assert all(p.grad is None for p in module.parameters())  # gone after the step
+
+
+def test_a_hook_may_change_the_gradient_the_update_applies() -> None:
+    module = stage()
+    before = module[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+    updates = pipeline_updates(module, optimizer)
+    recorder = updates.trainer.lightning_module
+    recorder.on_before_optimizer_step = lambda opt: module[0].weight.grad.mul_(0.5)
+    updates(gradients(4.0), {})
+    assert torch.equal(module[0].weight, before - 2.0)
 
 
 def test_sgd_steps_out_of_place_into_the_storage_and_copies_nothing() -> None:

@@ -2,7 +2,9 @@
 
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
 plus, on the way back to the first stage, the loss of the minibatch whose gradients it carries
-(its index and value, as two float64 scalars in the frame). It travels
+(its index and value, as two float64 scalars in the frame), and, on the way forward, the
+fingerprint of the microbatch's data that stage 0 fed in (one more float64 scalar), which every
+later stage compares with its own microbatch's. It travels
 as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
 tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
@@ -71,15 +73,19 @@ class MinibatchLoss(NamedTuple):
 
 @dataclass
 class Message:
-    """The tensors crossing one stage boundary, and the loss that rides back with gradients."""
+    """The tensors crossing one stage boundary, the loss that rides back with gradients, and
+    the fingerprint of the data stage 0 fed in that rides forward with activations."""
 
     tensors: list[torch.Tensor]
     loss: MinibatchLoss | None = None
+    fingerprint: float | None = None
 
     @property
     def scalars(self) -> list[float]:
-        """What the frame carries after the tensors: the loss's minibatch and value, if any."""
-        return [] if self.loss is None else [float(self.loss.minibatch), self.loss.value]
+        """What the frame carries after the tensors: the loss's minibatch and value, if any,
+        then the fingerprint, if any (so an odd count means a fingerprint is last)."""
+        values = [] if self.loss is None else [float(self.loss.minibatch), self.loss.value]
+        return values if self.fingerprint is None else [*values, self.fingerprint]
 
 
 def _header(message: Message) -> list[int]:
@@ -134,7 +140,7 @@ def _pack(
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    if message.loss is not None:
+    if message.scalars:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
         frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
@@ -160,8 +166,10 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
     if not num_scalars:
         return Message(tensors)
-    minibatch, value = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
-    return Message(tensors, MinibatchLoss(int(minibatch), value))
+    scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
+    fingerprint = scalars.pop() if num_scalars % 2 else None
+    loss = MinibatchLoss(int(scalars[0]), scalars[1]) if scalars else None
+    return Message(tensors, loss, fingerprint)
 
 
 class Channel:

@@ -42,6 +42,7 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import collectives, lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
+from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.evaluation import EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
@@ -125,6 +126,8 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
         self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+        self._data_seed: int | None = None  # the same on every rank (strategy.data)
+        self._loaders_seeded = 0
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -193,6 +196,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         assert module is not None
         check_trainer(self.sync, trainer)
         layers = pipeline_layers(module)
+        self._data_seed = broadcast_seed()
         self.plan = self._choose_plan(trainer, module, len(layers))
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
@@ -249,6 +253,14 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
 
     @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Every rank's loader draws the same order (``data.seed_loader``)."""
+        if self._data_seed is None:
+            return dataloader
+        self._loaders_seeded += 1
+        return seed_loader(dataloader, self._data_seed + 2 * self._loaders_seeded)
+
+    @override
     def model_to_device(self) -> None:
         if self.lightning_module is not None:
             move_to_device(self.lightning_module, self.root_device)
@@ -262,7 +274,9 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         module = self.lightning_module
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
-        self.runner.train_batch(work.inputs, work.loss, drain=self._must_drain(module.trainer))
+        same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
+        drain = self._must_drain(module.trainer)
+        self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
         newest = self.runner.executor.newest_loss
         return work.log_loss(None if newest is None else newest.value, self.root_device)
 

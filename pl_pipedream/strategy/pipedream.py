@@ -44,9 +44,10 @@ from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.evaluation import EvaluationPipe
+from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
-from pl_pipedream.strategy.planning import choose_plan, plan_automatically
+from pl_pipedream.strategy.planning import choose_plan, first_sample, plan_automatically
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import StageUpdates, TrainerUpdates, check_trainer, stage_updates
 
@@ -197,7 +198,11 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         check_trainer(self.sync, trainer)
         layers = pipeline_layers(module)
         self._data_seed = broadcast_seed()
-        self.plan = self._choose_plan(trainer, module, len(layers))
+        sample = None  # rank 0's sample input: to check forward with, and to plan with
+        if self.global_rank == 0 and (forward_is_checked(module, layers) or not self._planned()):
+            sample = first_sample(trainer, module, self.microbatches, self.batch_to_device)
+        check_forward(module, layers, sample)
+        self.plan = self._choose_plan(trainer, module, len(layers), sample)
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)
@@ -217,10 +222,17 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             self.runner.executor.channel.flush,
         )
 
-    def _choose_plan(self, trainer: pl.Trainer, module: pl.LightningModule, layers: int) -> Plan:
+    def _planned(self) -> bool:
+        """Whether the plan comes without profiling (given, from balance, earlier, resumed)."""
+        given = (self._given_plan, self.balance, self.plan, self._resume)
+        return any(source is not None for source in given)
+
+    def _choose_plan(
+        self, trainer: pl.Trainer, module: pl.LightningModule, layers: int, sample: Any
+    ) -> Plan:
         def automatically() -> Plan:
             plan, self.setup_seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.batch_to_device
+                trainer, module, self.topology, self.microbatches, self.batch_to_device, sample
             )
             return plan
 

@@ -23,6 +23,15 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, torch.randn(SAMPLES, 3, generator=torch.Generator().manual_seed(3)))
 
 
+class DropoutNet(Net):
+    """Dropout on the last stage: that rank's global RNG moves on while it trains, so a sampler
+    that draws its order from the global RNG would draw another order there in epoch 2."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.net[5] = torch.nn.Dropout(0.2)
+
+
 class RecordBatches(Callback):
     """Saves the inputs of every training batch this rank iterated to ``out/rank{r}.pt``."""
 
@@ -55,7 +64,7 @@ def fit(out: Path, devices: int, shuffle: bool, data=None, **settings) -> None: 
             sync="flush", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
         )
     loader = DataLoader(data or dataset(), batch_size=4, shuffle=shuffle)
-    Trainer(**kwargs).fit(Net(optimizer="sgd"), loader)
+    Trainer(**kwargs).fit(DropoutNet(), loader)
 
 
 # ----- the parts, in one process ---------------------------------------------------------------

@@ -43,6 +43,7 @@ from pl_pipedream.strategy import collectives, lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
+from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationPipe
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
@@ -204,6 +205,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         check_forward(module, layers, sample)
         self.plan = self._choose_plan(trainer, module, len(layers), sample)
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
+        mark_other_stages(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

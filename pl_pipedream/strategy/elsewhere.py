@@ -93,7 +93,8 @@ def mark_other_stages(module: nn.Module, layers: nn.Sequential, plan: Plan, rank
         for param in layer.parameters():
             if param.is_meta and id(param) not in marked and id(param) in names:
                 held = HeldElsewhere(param.data, param.requires_grad)
-                held.parameter_name, held.holder, held.here = names[id(param)], holder, describe_here
+                held.parameter_name, held.holder = names[id(param)], holder
+                held.here = describe_here
                 marked[id(param)] = held
     for sub in module.modules():
         for key, param in list(sub._parameters.items()):

@@ -91,8 +91,10 @@ def _difference(got: Any, expected: Any, where: str = "output") -> str | None:
         if not (isinstance(expected, Tensor) and isinstance(got, Tensor)):
             return f"{where}: forward returned {_kind(got)}, the pipeline {_kind(expected)}"
         if got.shape != expected.shape:
-            return f"{where}: forward returned shape {tuple(got.shape)}, the pipeline " \
+            return (
+                f"{where}: forward returned shape {tuple(got.shape)}, the pipeline "
                 f"{tuple(expected.shape)}"
+            )
         if not torch.allclose(got.double(), expected.double(), RTOL, ATOL, equal_nan=True):
             gap = (got.double() - expected.double()).abs().nan_to_num(float("inf")).max()
             return f"{where}: values differ by up to {float(gap):.3g}"
@@ -107,8 +109,10 @@ def _difference(got: Any, expected: Any, where: str = "output") -> str | None:
         return None
     if isinstance(expected, dict) and isinstance(got, dict):
         if sorted(got, key=str) != sorted(expected, key=str):
-            return f"{where}: forward returned keys {sorted(got, key=str)}, the pipeline " \
+            return (
+                f"{where}: forward returned keys {sorted(got, key=str)}, the pipeline "
                 f"{sorted(expected, key=str)}"
+            )
         for key in expected:
             found = _difference(got[key], expected[key], f"{where}[{key!r}]")
             if found is not None:

@@ -39,7 +39,7 @@ class RecordBatches(Callback):
         self.out = out
         self.seen: list[torch.Tensor] = []
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         self.seen.append(batch[0].detach().clone())
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -145,5 +145,7 @@ class RankDependent(Dataset):
 def test_a_rank_with_other_data_stops_at_the_first_step_naming_the_fix(tmp_path: Path) -> None:
     with pytest.raises(Exception) as error:
         fit(tmp_path, 2, False, data=RankDependent())
-    assert "every rank must train on the same batches in the same order (rank 1, stage 1, " \
+    assert (
+        "every rank must train on the same batches in the same order (rank 1, stage 1, "
         "global step 0, batch 0, microbatch 0" in str(error.value)
+    )

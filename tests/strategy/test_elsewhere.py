@@ -33,7 +33,10 @@ def test_metadata_reads_pass_and_give_plain_meta_tensors() -> None:
     weight = model.net[4].weight
     assert isinstance(weight, HeldElsewhere) and isinstance(weight, nn.Parameter)
     assert (weight.shape, weight.numel(), weight.dtype, weight.device.type) == (
-        (3, 8), 24, torch.float32, "meta"
+        (3, 8),
+        24,
+        torch.float32,
+        "meta",
     )
     assert weight.requires_grad and weight.is_leaf and weight.grad is None
     assert torch.is_floating_point(weight) and weight.size(0) == 3 and weight.dim() == 2

@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 __all__ = ["PipelineDataError", "SameData", "broadcast_seed", "fingerprint", "seed_loader"]
 
-SAMPLES = 256  # elements read per tensor
+SAMPLES = 256  # elements read per tensor, at most
+_SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
 
 
 class PipelineDataError(ValueError):
@@ -63,8 +64,9 @@ def seed_loader(loader: Any, seed: int) -> Any:
 def fingerprint(data: Any) -> float:
     """A number that differs, almost surely, between two different microbatches: for every
     tensor in ``data`` (nested tuples, lists, dicts), its shape and up to ``SAMPLES`` elements
-    at evenly spaced positions, each weighted by its position; other values count by their
-    ``repr``'s length only. Equal data give the bit-identical number on every rank."""
+    at evenly spaced positions (a strided view: only those are read), each weighted by its
+    position; values that are not tensors do not count. Equal data give the bit-identical
+    number on every rank."""
     total = 0.0
     for index, tensor in enumerate(_tensors(data)):
         weight = float(index + 1)
@@ -72,11 +74,10 @@ def fingerprint(data: Any) -> float:
         flat = tensor.detach().reshape(-1)
         if flat.numel() == 0:
             continue
-        count = min(flat.numel(), SAMPLES)
-        positions = torch.linspace(0, flat.numel() - 1, count, device=flat.device).long()
-        values = torch.nan_to_num(flat[positions].to(torch.float64).cpu(), 1.5, 1e300, -1e300)
-        scale = torch.arange(1, count + 1, dtype=torch.float64) / count
-        total += weight * float((values * scale).sum())
+        step = -(-flat.numel() // SAMPLES)  # every step-th element: at most SAMPLES of them
+        values = flat[::step].to(torch.float64).nan_to_num_(1.5, 1e300, -1e300)
+        scale = _SCALES[: values.numel()].to(values.device)
+        total += weight * float(values.dot(scale))
     return total
 
 

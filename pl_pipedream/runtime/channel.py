@@ -3,7 +3,9 @@
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
 plus, on the way back to the first stage, the losses its sender knows of the batch of the
 minibatch whose gradients it carries (each an index and a value, two float64 scalars in the
-frame; ``runtime.losses``). It travels
+frame; ``runtime.losses``), and, on the way forward, the fingerprint of the microbatch's data
+that stage 0 fed in (one more float64 scalar), which every later stage compares with its own
+microbatch's. It travels
 as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
 tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
 until its receive is posted, so every extra transfer is one more round trip between the ranks.
@@ -72,15 +74,19 @@ class MinibatchLoss(NamedTuple):
 
 @dataclass
 class Message:
-    """The tensors crossing one stage boundary, and the losses that ride back with gradients."""
+    """The tensors crossing one stage boundary, the losses that ride back with gradients, and
+    the fingerprint of the data stage 0 fed in that rides forward with activations."""
 
     tensors: list[torch.Tensor]
     losses: tuple[MinibatchLoss, ...] = ()
+    fingerprint: float | None = None
 
     @property
     def scalars(self) -> list[float]:
-        """What the frame carries after the tensors: each loss's minibatch and value."""
-        return [x for loss in self.losses for x in (float(loss.minibatch), loss.value)]
+        """What the frame carries after the tensors: each loss's minibatch and value, then the
+        fingerprint, if any (so an odd count means a fingerprint is last)."""
+        values = [x for loss in self.losses for x in (float(loss.minibatch), loss.value)]
+        return values if self.fingerprint is None else [*values, self.fingerprint]
 
 
 def _header(message: Message) -> list[int]:
@@ -135,7 +141,7 @@ def _pack(
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    if message.losses:
+    if message.scalars:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
         frame[end:needed].view(torch.float64).copy_(scalars)
     return frame
@@ -162,8 +168,10 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     if not num_scalars:
         return Message(tensors)
     scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
+    fingerprint = scalars.pop() if num_scalars % 2 else None
     pairs = zip(scalars[::2], scalars[1::2], strict=True)
-    return Message(tensors, tuple(MinibatchLoss(int(i), value) for i, value in pairs))
+    losses = tuple(MinibatchLoss(int(i), value) for i, value in pairs)
+    return Message(tensors, losses, fingerprint)
 
 
 class Channel:

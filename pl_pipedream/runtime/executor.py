@@ -61,10 +61,13 @@ class Update(Protocol):
 @dataclass(frozen=True)
 class Feed:
     """What a run's forward passes take from outside, by global minibatch index: the first
-    stage's ``inputs(i)`` and the last stage's ``loss(output, i)``."""
+    stage's ``inputs(i)`` and the last stage's ``loss(output, i)``. ``fingerprint(i, received)``,
+    if given, returns this rank's fingerprint of microbatch ``i``'s data (sent on with the
+    activations) after checking it against ``received``, stage 0's (None on stage 0)."""
 
     inputs: Callable[[int], Any]
     loss: Callable[[Any, int], torch.Tensor]
+    fingerprint: Callable[[int, float | None], float] | None = None
 
 
 class ExecutorError(RuntimeError):
@@ -80,6 +83,7 @@ class _InFlight:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None = None
+    fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
 
 
 def as_tensors(value: Any) -> list[torch.Tensor]:
@@ -222,7 +226,7 @@ class StageExecutor:
     def _send_activation(self, action: Action) -> None:
         flight = self._flight[action.minibatch]
         self.channel.send(
-            Message([t.detach() for t in flight.outputs]),
+            Message([t.detach() for t in flight.outputs], fingerprint=flight.fingerprint),
             action.peer,
             TAG_ACTIVATION,
             f"the activations of minibatch {action.minibatch}",
@@ -256,13 +260,17 @@ class StageExecutor:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
             inputs = [t.to(self.device) for t in as_tensors(self._feed.inputs(i))]
+            received = None
         else:
-            inputs = self._received.pop(i).tensors
+            message = self._received.pop(i)
+            inputs, received = message.tensors, message.fingerprint
+        check = self._feed.fingerprint if self._feed is not None else None
+        fingerprint = check(i, received) if check is not None else None
         params = self.stash.get(action.version)  # shares the live storage while current
         state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):
             outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
-        flight = _InFlight(action.version, params, inputs, outputs)
+        flight = _InFlight(action.version, params, inputs, outputs, fingerprint=fingerprint)
         if self.stage == self.num_stages - 1:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")

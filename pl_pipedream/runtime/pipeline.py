@@ -117,11 +117,17 @@ class PipelineRunner:
         inputs: Callable[[int], Any],
         loss: Callable[[Any, int], torch.Tensor],
         drain: bool = False,
+        fingerprint: Callable[[int, float | None], float] | None = None,
     ) -> None:
-        """Run this rank's segment for the next batch; ``inputs``/``loss`` take the microbatch
-        index within the batch. With ``drain``, the pipeline drains right after it."""
+        """Run this rank's segment for the next batch; ``inputs``/``loss``/``fingerprint`` take
+        the microbatch index within the batch (``Feed``). With ``drain``, the pipeline drains
+        right after it."""
         first = self.step * self.microbatches
-        feed = Feed(lambda i: inputs(i - first), lambda output, i: loss(output, i - first))
+        feed = Feed(
+            lambda i: inputs(i - first),
+            lambda output, i: loss(output, i - first),
+            None if fingerprint is None else lambda i, got: fingerprint(i - first, got),
+        )
         self.executor.execute(
             self.stream.segment(self.executor.rank, self.step),
             feed,

@@ -24,6 +24,10 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   ``Precision._after_closure`` (``on_before_optimizer_step``, then clipping through
   ``configure_gradient_clipping``): the modes that update inside the pipeline run the hooks of
   gradient work at each of their updates, where Lightning's own optimizer step never comes.
+* ``_AcceleratorConnector.use_distributed_sampler`` (which ``_DataConnector.
+  _requires_distributed_sampler`` reads): Lightning would replace each DataLoader's sampler by a
+  ``DistributedSampler`` that shuffles every training loader; every stage must see the batches
+  the user's own sampler gives, as one device would (``strategy.data``).
 * Read-only: ``_FitLoop._data_source`` (the first training batch, to plan with) and
   ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an epoch's last step drains).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
@@ -59,6 +63,7 @@ __all__ = [
     "init_dist_connection",
     "is_last_batch",
     "check_sigterm_per_rank",
+    "keep_user_samplers",
     "patch_for_pipeline",
     "share_evaluation_metrics",
     "stop_metric_sync",
@@ -98,13 +103,24 @@ def patch_for_pipeline(
     """Every patch a pipeline's setup applies: the model summary runs ``summary``, metrics
     compute locally, evaluation metrics come from rank ``metrics_source`` (after
     ``before_sharing``), clipping by norm uses ``clip`` (the flushed modes' global norm; None
-    keeps Lightning's), and each rank checks its own SIGTERM flag."""
+    keeps Lightning's), each rank checks its own SIGTERM flag, and DataLoaders keep their own
+    samplers."""
+    keep_user_samplers(trainer)
     summary_forward(module, summary)
     stop_metric_sync(module)
     share_evaluation_metrics(trainer, metrics_source, before_sharing)
     if clip is not None:
         clip_by_global_norm(precision, clip)
     check_sigterm_per_rank(trainer)
+
+
+def keep_user_samplers(trainer: Any) -> None:
+    """Stop Lightning from putting a ``DistributedSampler`` into the DataLoaders
+    (``trainer._accelerator_connector.use_distributed_sampler``, read by ``_DataConnector.
+    _requires_distributed_sampler`` when each dataloader is set up, after the strategy's setup)."""
+    connector = trainer._accelerator_connector
+    _require(connector, "use_distributed_sampler", "_AcceleratorConnector")
+    connector.use_distributed_sampler = False
 
 
 def check_sigterm_per_rank(trainer: Any) -> None:

@@ -43,10 +43,13 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import collectives, lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
+from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
+from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationPipe
+from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
-from pl_pipedream.strategy.planning import choose_plan, plan_automatically
+from pl_pipedream.strategy.planning import choose_plan, first_sample, plan_automatically
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import (
     StageUpdates,
@@ -132,6 +135,8 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
         self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+        self._data_seed: int | None = None  # the same on every rank (strategy.data)
+        self._loaders_seeded = 0
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -200,9 +205,15 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         assert module is not None
         check_trainer(self.sync, trainer)
         layers = pipeline_layers(module)
-        self.plan = self._choose_plan(trainer, module, len(layers))
+        self._data_seed = broadcast_seed()
+        sample = None  # rank 0's sample input: to check forward with, and to plan with
+        if self.global_rank == 0 and (forward_is_checked(module, layers) or not self._planned()):
+            sample = first_sample(trainer, module, self.microbatches, self.batch_to_device)
+        check_forward(module, layers, sample)
+        self.plan = self._choose_plan(trainer, module, len(layers), sample)
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties])
+        mark_other_stages(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -221,10 +232,17 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             self.runner.executor.channel.flush,
         )
 
-    def _choose_plan(self, trainer: pl.Trainer, module: pl.LightningModule, layers: int) -> Plan:
+    def _planned(self) -> bool:
+        """Whether the plan comes without profiling (given, from balance, earlier, resumed)."""
+        given = (self._given_plan, self.balance, self.plan, self._resume)
+        return any(source is not None for source in given)
+
+    def _choose_plan(
+        self, trainer: pl.Trainer, module: pl.LightningModule, layers: int, sample: Any
+    ) -> Plan:
         def automatically() -> Plan:
             plan, self.setup_seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.batch_to_device
+                trainer, module, self.topology, self.microbatches, self.batch_to_device, sample
             )
             return plan
 
@@ -268,6 +286,14 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
 
     @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Every rank's loader draws the same order (``data.seed_loader``)."""
+        if self._data_seed is None:
+            return dataloader
+        self._loaders_seeded += 1
+        return seed_loader(dataloader, self._data_seed + 2 * self._loaders_seeded)
+
+    @override
     def model_to_device(self) -> None:
         if self.lightning_module is not None:
             move_to_device(self.lightning_module, self.root_device)
@@ -281,7 +307,9 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         module = self.lightning_module
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
-        self.runner.train_batch(work.inputs, work.loss, drain=self._must_drain(module.trainer))
+        same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
+        drain = self._must_drain(module.trainer)
+        self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
         return work.log_loss(self.runner.loss, self.root_device)
 
     def _must_drain(self, trainer: pl.Trainer) -> bool:

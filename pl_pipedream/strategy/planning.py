@@ -34,6 +34,7 @@ from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_
 __all__ = [
     "announce",
     "choose_plan",
+    "first_sample",
     "measure_bandwidth",
     "plan_at_setup",
     "plan_automatically",
@@ -80,11 +81,12 @@ def plan_automatically(
     topology: Topology | None,
     microbatches: int,
     to_device: Callable[[Any], Any],
+    sample: Any = None,
 ) -> tuple[Plan, float]:
-    """Rank 0 profiles one microbatch of the first batch and plans; every rank gets the plan.
-    Returns it with the seconds it took; rank 0 prints it and writes it beside the logs."""
-    sample = None
-    if dist.get_rank() == 0:
+    """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
+    it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
+    it and writes it beside the logs."""
+    if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
     plan, seconds = plan_at_setup(pipeline_layers(module), sample, topology, device, microbatches)
@@ -107,6 +109,18 @@ def sample_input(
             "example_input_array on the LightningModule, or pass balance= or plan="
         )
     return to_device(example)
+
+
+def first_sample(
+    trainer: Any, module: Any, microbatches: int, to_device: Callable[[Any], Any]
+) -> Any | None:
+    """``sample_input``, or None when there is none; the global RNG is left as it was (a
+    shuffling loader's first ``iter`` draws from it), so taking the sample changes nothing."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return sample_input(trainer, module, microbatches, to_device)
+        except PipelineSetupError:
+            return None
 
 
 def announce(trainer: Any, plan: Plan, seconds: float) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (
     _LoggerConnector,
 )
@@ -206,6 +207,29 @@ def test_stop_metric_sync_turns_off_every_metrics_gather() -> None:
     patches.stop_metric_sync(model)
     assert model.accuracy.sync_on_compute is False
     assert "sync_on_compute" not in vars(model.first)
+
+
+# ----- _AcceleratorConnector.use_distributed_sampler ------------------------------------------
+
+
+def test_lightning_decides_on_a_distributed_sampler_from_the_accelerator_connector() -> None:
+    source = inspect.getsource(_DataConnector._requires_distributed_sampler)
+    assert "self.trainer._accelerator_connector.use_distributed_sampler" in source
+    assert "_requires_distributed_sampler(dataloader)" in inspect.getsource(
+        _DataConnector._prepare_dataloader
+    )
+
+
+def test_keep_user_samplers_stops_lightning_from_injecting_a_distributed_sampler() -> None:
+    run_trainer = trainer()
+    connector = run_trainer._accelerator_connector
+    assert connector.use_distributed_sampler is True
+    patches.keep_user_samplers(run_trainer)
+    assert connector.use_distributed_sampler is False
+    loader = DataLoader(TensorDataset(torch.zeros(4, 4)), shuffle=False)
+    assert run_trainer._data_connector._requires_distributed_sampler(loader) is False
+    with pytest.raises(patches.LightningChangedError, match="_AcceleratorConnector"):
+        patches.keep_user_samplers(type("T", (), {"_accelerator_connector": object()})())
 
 
 # ----- _FitLoop._data_source and batch_progress.is_last_batch ---------------------------------

@@ -1,0 +1,117 @@
+"""The same data on every rank: identical loaders, and a check that they really are.
+
+Every rank runs its own Lightning loop over its own copy of the DataLoader; stage 0 feeds a
+batch's inputs into the pipeline while the last stage scores the same batch's targets, so every
+rank must draw the same batches in the same order, as one device would. Two parts:
+
+* Identical loaders. The strategy keeps the DataLoader's own sampler (Lightning would put a
+  ``DistributedSampler`` in, which forces shuffling on for training: ``lightning_patches.
+  keep_user_samplers``), and ``seed_loader`` gives a ``RandomSampler`` that has no generator one
+  seeded the same on every rank (else each rank draws its order from its own global RNG), and
+  the DataLoader a generator for its workers' base seed, from one seed rank 0 broadcasts at setup.
+* A check. Each rank fingerprints each microbatch it holds (``fingerprint``: a bounded strided
+  sample of every tensor's elements plus its shape, so it costs little for large batches); stage
+  0's fingerprint rides forward with the activations and every later stage compares it with its
+  own (``SameData``). What seeding cannot fix (a custom sampler, an IterableDataset sharded by
+  rank, random augmentation in the dataset or its workers) stops within the first training step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler
+
+__all__ = ["PipelineDataError", "SameData", "broadcast_seed", "fingerprint", "seed_loader"]
+
+SAMPLES = 256  # elements read per tensor, at most
+_SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
+
+
+class PipelineDataError(ValueError):
+    """The ranks do not train on the same data."""
+
+
+def broadcast_seed() -> int:
+    """A seed drawn on rank 0 (from its global RNG, left as it was) and sent to every rank
+    (every rank must call it)."""
+    box = [0]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng(devices=[]):
+            box[0] = int(torch.empty((), dtype=torch.int64).random_())
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def seed_loader(loader: Any, seed: int) -> Any:
+    """Give ``loader``'s unseeded ``RandomSampler`` (its sampler's or its batch sampler's) and
+    the loader itself (its workers' base seed) generators seeded with ``seed``; generators the
+    user set are kept. Returns ``loader`` (changed in place)."""
+    if not isinstance(loader, DataLoader):
+        return loader
+    samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))}
+    for sampler in samplers.values():
+        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+            sampler.generator = torch.Generator().manual_seed(seed)
+    if loader.generator is None:
+        loader.generator = torch.Generator().manual_seed(seed + 1)
+    return loader
+
+
+def fingerprint(data: Any) -> float:
+    """A number that differs, almost surely, between two different microbatches: for every
+    tensor in ``data`` (nested tuples, lists, dicts), its shape and up to ``SAMPLES`` elements
+    at evenly spaced positions (a strided view: only those are read), each weighted by its
+    position; values that are not tensors do not count. Equal data give the bit-identical
+    number on every rank."""
+    total = 0.0
+    for index, tensor in enumerate(_tensors(data)):
+        weight = float(index + 1)
+        total += weight * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        step = -(-flat.numel() // SAMPLES)  # every step-th element: at most SAMPLES of them
+        values = flat[::step].to(torch.float64).nan_to_num_(1.5, 1e300, -1e300)
+        scale = _SCALES[: values.numel()].to(values.device)
+        total += weight * float(values.dot(scale))
+    return total
+
+
+def _tensors(data: Any) -> list[Tensor]:
+    if isinstance(data, Tensor):
+        return [data]
+    if isinstance(data, dict):
+        return [t for key in sorted(data, key=str) for t in _tensors(data[key])]
+    if isinstance(data, (tuple, list)):
+        return [t for item in data for t in _tensors(item)]
+    return []
+
+
+class SameData:
+    """``Feed.fingerprint`` for one Lightning batch: the fingerprint of microbatch ``j`` of
+    ``slices``, checked against stage 0's when one arrived."""
+
+    def __init__(self, slices: list[Any], describe: str, step: int, batch_idx: int) -> None:
+        self.slices = slices
+        self.describe = describe  # "rank 1, stage 1"
+        self.step = step
+        self.batch_idx = batch_idx
+
+    def __call__(self, j: int, received: float | None) -> float:
+        own = fingerprint(self.slices[j])
+        if received is not None and received != own:
+            raise PipelineDataError(
+                f"every rank must train on the same batches in the same order ({self.describe}, "
+                f"global step {self.step}, batch {self.batch_idx}, microbatch {j}: its data "
+                f"differ from the data stage 0 fed into the pipeline; fingerprints {own!r} and "
+                f"{received!r}); give every rank an identical DataLoader: the same dataset and "
+                "sampler with no per-rank randomness (seed any sampler, generator or augmentation "
+                "the same on every rank, e.g. with lightning.seed_everything), and no sharding of "
+                "an IterableDataset by rank. PipeDreamStrategy keeps the DataLoader's own sampler "
+                "and seeds an unseeded RandomSampler identically on every rank"
+            )
+        return own

@@ -1,0 +1,151 @@
+"""The same data on every rank: whatever the DataLoader, every rank iterates the batches one device
+would, in the same order, and a rank whose data differ stops at its first training step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.strategy.data import PipelineDataError, SameData, fingerprint, seed_loader
+from tests.strategy.test_lightning_features import Net
+
+SAMPLES = 16
+
+
+def dataset() -> TensorDataset:
+    x = torch.arange(SAMPLES * 6, dtype=torch.float32).reshape(SAMPLES, 6) / (SAMPLES * 6)
+    return TensorDataset(x, torch.randn(SAMPLES, 3, generator=torch.Generator().manual_seed(3)))
+
+
+class DropoutNet(Net):
+    """Dropout on the last stage: that rank's global RNG moves on while it trains, so a sampler
+    that draws its order from the global RNG would draw another order there in epoch 2."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.net[5] = torch.nn.Dropout(0.2)
+
+
+class RecordBatches(Callback):
+    """Saves the inputs of every training batch this rank iterated to ``out/rank{r}.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.seen.append(batch[0].detach().clone())
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.seen, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit(out: Path, devices: int, shuffle: bool, data=None, **settings) -> None:  # type: ignore[no-untyped-def]
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "max_epochs": 2,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "callbacks": [RecordBatches(out)],
+        **settings,
+    }
+    if devices > 1:
+        kwargs["strategy"] = PipeDreamStrategy(
+            sync="flush", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+        )
+    loader = DataLoader(data or dataset(), batch_size=4, shuffle=shuffle)
+    Trainer(**kwargs).fit(DropoutNet(), loader)
+
+
+# ----- the parts, in one process ---------------------------------------------------------------
+
+
+def test_a_fingerprint_is_the_same_for_equal_data_and_differs_for_other_data() -> None:
+    x = torch.randn(64, 300)
+    y = torch.arange(64)
+    assert fingerprint((x, y)) == fingerprint((x.clone(), y.clone()))
+    assert fingerprint((x, y)) != fingerprint((x, y.roll(1)))  # other targets
+    assert fingerprint((x, y)) != fingerprint((x[[1, 0, *range(2, 64)]], y))  # two rows swapped
+    assert fingerprint((x, y)) != fingerprint((x.reshape(32, 600), y))
+    nan = torch.full((4,), float("nan"))
+    assert fingerprint(nan) == fingerprint(nan.clone())
+
+
+def test_a_microbatch_that_differs_from_stage_zeros_names_rank_stage_step_and_the_fix() -> None:
+    same = SameData([torch.ones(2)], "rank 1, stage 1", step=7, batch_idx=3)
+    assert same(0, None) == same(0, fingerprint(torch.ones(2))) == fingerprint(torch.ones(2))
+    with pytest.raises(PipelineDataError) as error:
+        same(0, fingerprint(torch.zeros(2)))
+    text = str(error.value)
+    assert "(rank 1, stage 1, global step 7, batch 3, microbatch 0:" in text
+    assert "give every rank an identical DataLoader" in text
+
+
+def test_seed_loader_seeds_an_unseeded_random_sampler_and_keeps_a_users_generator() -> None:
+    orders = []
+    for _ in range(2):
+        torch.manual_seed(len(orders))  # each "rank" has its own global RNG state
+        loader = seed_loader(DataLoader(dataset(), batch_size=4, shuffle=True), seed=11)
+        orders.append([b[0][:, 0].tolist() for b in loader])
+    assert orders[0] == orders[1]
+    own = torch.Generator().manual_seed(5)
+    loader = seed_loader(DataLoader(dataset(), shuffle=True, generator=own), seed=11)
+    assert isinstance(loader.sampler, RandomSampler) and loader.sampler.generator is own
+
+
+# ----- a real Trainer on two ranks -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+def test_every_rank_iterates_the_batches_one_device_would(
+    tmp_path: Path, use_distributed_sampler: bool, shuffle: bool
+) -> None:
+    fit(tmp_path, 2, shuffle, use_distributed_sampler=use_distributed_sampler)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 2 * SAMPLES // 4
+    for first, second in zip(*ranks, strict=True):
+        assert torch.equal(first, second)
+    seen = torch.cat(ranks[0][: SAMPLES // 4])
+    assert sorted(seen[:, 0].tolist()) == sorted(dataset().tensors[0][:, 0].tolist())
+    if not shuffle:  # exactly the batches, in the order, that one device iterates
+        fit(tmp_path / "one", 1, shuffle)
+        single = torch.load(tmp_path / "one" / "rank0.pt")
+        assert len(single) == len(ranks[0])
+        for got, expected in zip(ranks[0], single, strict=True):
+            assert torch.equal(got, expected)
+
+
+class RankDependent(Dataset):
+    """A dataset that gives each rank other targets (as per-rank augmentation would)."""
+
+    def __init__(self) -> None:
+        self.data = dataset()
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        x, y = self.data[index]
+        return x, y + (dist.get_rank() if dist.is_initialized() else 0)
+
+
+@pytest.mark.slow
+def test_a_rank_with_other_data_stops_at_the_first_step_naming_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(Exception) as error:
+        fit(tmp_path, 2, False, data=RankDependent())
+    assert (
+        "every rank must train on the same batches in the same order (rank 1, stage 1, "
+        "global step 0, batch 0, microbatch 0" in str(error.value)
+    )

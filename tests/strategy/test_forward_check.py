@@ -1,0 +1,101 @@
+"""``forward`` against ``configure_pipeline()`` at setup: a forward that does more than the pipeline
+stops every rank with an error saying only the pipeline runs; one that agrees passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.strategy.forward_check import check_forward, forward_difference
+from pl_pipedream.strategy.stage import PipelineSetupError
+from tests.runtime.distributed import one_rank_group
+from tests.strategy.test_lightning_features import Net, loader, trainer
+
+
+class Scaled(Net):
+    """forward does more than the pipeline: it scales the output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.net(x)
+
+
+class DropoutPipeline(Net):
+    """forward equals the pipeline, which has dropout: eval mode and one RNG state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[5] = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.configure_pipeline()(x)
+
+
+class NoForward(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 3))
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.net
+
+
+class Raises(Net):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * mask
+
+
+class Pair(Net):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.net(x), x
+
+
+SAMPLE = torch.randn(4, 6)
+
+
+def verdict(module: nn.Module) -> str | None:
+    return forward_difference(module, module.configure_pipeline(), SAMPLE)
+
+
+def test_a_forward_that_equals_the_pipeline_passes_and_modes_are_restored() -> None:
+    model = DropoutPipeline()
+    model.train()
+    assert verdict(Net()) is None
+    assert verdict(model) is None
+    assert all(sub.training for sub in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("model", "detail"),
+    [
+        (Scaled(), "output: values differ by up to"),
+        (Raises(), "Raises.forward raised TypeError"),
+        (Pair(), "output: forward returned a tuple, the pipeline a tensor of shape (4, 3)"),
+    ],
+)
+def test_a_forward_that_differs_is_named_with_the_fix(model: nn.Module, detail: str) -> None:
+    text = verdict(model)
+    assert text is not None and detail in text
+    assert text.startswith("only the layers of configure_pipeline() run under PipeDreamStrategy")
+    assert "`return self.configure_pipeline()(x)`" in text
+
+
+def test_every_rank_raises_rank_zeros_verdict_and_undefined_forward_is_not_checked() -> None:
+    with one_rank_group():
+        with pytest.raises(PipelineSetupError, match="Scaled.forward computes something else"):
+            check_forward(Scaled(), Scaled().configure_pipeline(), SAMPLE)
+        check_forward(Net(), Net().configure_pipeline(), SAMPLE)
+        model = NoForward()
+        check_forward(model, model.configure_pipeline(), SAMPLE)  # nothing to compare
+        scaled = Scaled()
+        scaled.net[4].to("meta")  # a later setup: other stages' layers are on meta
+        check_forward(scaled, scaled.configure_pipeline(), SAMPLE)
+
+
+@pytest.mark.slow
+def test_a_forward_that_does_more_stops_fit_on_every_rank() -> None:
+    strategy = PipeDreamStrategy(balance=[3, 3], start_method="spawn", timeout=30)
+    with pytest.raises(Exception, match=r"Scaled.forward computes something else \(checked at"):
+        trainer(devices=2, strategy=strategy).fit(Scaled(), loader(2))

@@ -205,14 +205,16 @@ def test_a_receive_posted_ahead_after_the_peer_left_fails_only_when_awaited() ->
     assert results[0] == ("ok", ["expected", True]), results[0]
 
 
-@pytest.mark.parametrize("loss", [None, MinibatchLoss(3, 0.25)])
+@pytest.mark.parametrize(
+    "losses", [(), (MinibatchLoss(3, 0.25),), (MinibatchLoss(2, 0.5), MinibatchLoss(3, 0.25))]
+)
 @pytest.mark.parametrize("fingerprint", [None, -1.5e300])
-def test_a_frame_carries_the_loss_and_the_data_fingerprint(loss, fingerprint) -> None:  # type: ignore[no-untyped-def]
+def test_a_frame_carries_the_losses_and_the_data_fingerprint(losses, fingerprint) -> None:  # type: ignore[no-untyped-def]
     from pl_pipedream.runtime.channel import HEADER_BYTES, _layout_of, _pack, _unpack
 
-    message = Message([torch.arange(3.0)], loss, fingerprint)
+    message = Message([torch.arange(3.0)], losses, fingerprint)
     layout = _layout_of(message)
     frame = _pack(message, layout, layout[2], torch.device("cpu"))
     back = _unpack(frame, frame[:HEADER_BYTES].view(torch.int64).tolist())
-    assert (back.loss, back.fingerprint) == (loss, fingerprint)
+    assert (back.losses, back.fingerprint) == (losses, fingerprint)
     assert back.tensors[0].tolist() == [0.0, 1.0, 2.0]

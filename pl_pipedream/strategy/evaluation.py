@@ -81,3 +81,26 @@ class EvaluationPipe:
     def metrics_source(self) -> int:
         """The rank whose logged metrics every rank adopts: the last stage's first replica."""
         return self.plan.stages[-1].ranks[0]
+
+
+class EvaluationHooks:
+    """The strategy's evaluation steps (mixed into ``PipeDreamStrategy`` ahead of Lightning's
+    ``ParallelStrategy``): each runs through the ``EvaluationPipe`` built at setup."""
+
+    evaluation: EvaluationPipe | None
+    lightning_module: Any
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.evaluation is not None
+        result = self._evaluate("predict_step", *args, **kwargs)
+        return self.evaluation.predictions_to_rank_zero(result, args[1] if len(args) > 1 else 0)
+
+    def _evaluate(self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kw: Any) -> Any:
+        assert self.evaluation is not None
+        return self.evaluation.run(self.lightning_module, hook, batch, batch_idx, *rest, **kw)

@@ -37,19 +37,18 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.ties import TiedGroup
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import collectives, lightning_patches
+from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
+from pl_pipedream.strategy.collectives import CollectiveHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.elsewhere import mark_other_stages
-from pl_pipedream.strategy.evaluation import EvaluationPipe
-from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
+from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
-from pl_pipedream.strategy.planning import choose_plan, first_sample, plan_automatically
+from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import (
     StageUpdates,
@@ -62,7 +61,7 @@ from pl_pipedream.strategy.updates import (
 __all__ = ["PipeDreamStrategy"]
 
 
-class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
+class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks, ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
@@ -206,11 +205,19 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         check_trainer(self.sync, trainer)
         layers = pipeline_layers(module)
         self._data_seed = broadcast_seed()
-        sample = None  # rank 0's sample input: to check forward with, and to plan with
-        if self.global_rank == 0 and (forward_is_checked(module, layers) or not self._planned()):
-            sample = first_sample(trainer, module, self.microbatches, self.batch_to_device)
-        check_forward(module, layers, sample)
-        self.plan = self._choose_plan(trainer, module, len(layers), sample)
+        resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
+        planner = SetupPlanner(
+            self._given_plan,
+            self.balance,
+            self.plan,
+            resumed,
+            self.topology,
+            self.microbatches,
+            self.world_size,
+            self.batch_to_device,
+        )
+        self.plan = planner.plan(trainer, module, layers)
+        self.setup_seconds = planner.seconds or self.setup_seconds
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties])
         mark_other_stages(module, layers, self.plan, self.global_rank)
@@ -232,35 +239,11 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             self.runner.executor.channel.flush,
         )
 
-    def _planned(self) -> bool:
-        """Whether the plan comes without profiling (given, from balance, earlier, resumed)."""
-        given = (self._given_plan, self.balance, self.plan, self._resume)
-        return any(source is not None for source in given)
-
-    def _choose_plan(
-        self, trainer: pl.Trainer, module: pl.LightningModule, layers: int, sample: Any
-    ) -> Plan:
-        def automatically() -> Plan:
-            plan, self.setup_seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.batch_to_device, sample
-            )
-            return plan
-
-        resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
-        given, balance, previous = self._given_plan, self.balance, self.plan
-        return choose_plan(
-            given, balance, previous, resumed, layers, self.world_size, automatically
-        )
-
     def _build_pipeline(self, trainer: pl.Trainer) -> None:
         """The stage's updates, the pipeline that runs it, the evaluation pipe."""
         assert self.local_stage is not None and self.plan is not None
         stage, module = self.local_stage.stage, self.local_stage.module
         optimizers = lambda: self.optimizers  # noqa: E731 - set up after the pipeline
-        ties = self.local_stage.ties
-        counted_elsewhere = frozenset(
-            t.local_name for t in ties if t.local_name and t.stages[0] != stage.index
-        )
         self.updates = stage_updates(
             self.sync,
             module,
@@ -268,7 +251,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             trainer,
             stage.replicas,
             self.root_device,
-            counted_elsewhere,
+            self.local_stage.ties_counted_elsewhere(),
         )
         self.runner = PipelineRunner.create(
             self.plan,
@@ -280,7 +263,7 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
             self.root_device,
             self.timeout,
             record_timeline=self.timeline is not None,
-            ties=[TiedGroup(t.ranks, t.local_name, t.describe()) for t in ties],
+            ties=self.local_stage.tied_groups(),
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
@@ -351,42 +334,8 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
                 summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in self.bubbles.items())
                 rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
 
-    # ----- evaluation -------------------------------------------------------------------------
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.evaluation is not None
-        result = self._evaluate("predict_step", *args, **kwargs)
-        return self.evaluation.predictions_to_rank_zero(result, args[1] if len(args) > 1 else 0)
-
-    def _evaluate(self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kw: Any) -> Any:
-        assert self.evaluation is not None
-        return self.evaluation.run(self.lightning_module, hook, batch, batch_idx, *rest, **kw)
-
     # Evaluation runs on drained weights.
     on_validation_start = on_test_start = on_predict_start = drain
-
-    # ----- collectives Lightning asks for (setup, evaluation, checkpoints) ----------------------
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        collectives.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return collectives.reduce(tensor, group, reduce_op)
 
     # ----- teardown ---------------------------------------------------------------------------
 

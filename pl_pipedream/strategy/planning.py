@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,12 @@ from pl_pipedream.planner.ties import with_tied_traffic
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.measure import profile_layers
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
+from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
 from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
+    "SetupPlanner",
     "announce",
     "choose_plan",
     "first_sample",
@@ -228,3 +230,39 @@ def _by_layer_index(plan: Plan) -> Plan:
         for stage in plan.stages
     )
     return replace(plan, stages=stages)
+
+
+@dataclass
+class SetupPlanner:
+    """What a strategy knows at setup about where the plan comes from (``choose_plan``'s
+    sources in order), and what automatic planning needs."""
+
+    given: Plan | None
+    balance: list[int] | None
+    previous: Plan | None
+    resumed: Plan | None
+    topology: Topology | None
+    microbatches: int
+    world_size: int
+    to_device: Callable[[Any], Any]
+    seconds: float = 0.0  # spent profiling and planning, when planned automatically
+
+    def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
+        """Rank 0 takes one sample when ``forward`` is to be checked or the plan profiled;
+        ``forward`` is checked against ``layers`` on it, then the plan chosen (every rank)."""
+        sample = None
+        planned = any(s is not None for s in (self.given, self.balance, self.previous))
+        if dist.get_rank() == 0 and (
+            forward_is_checked(module, layers) or not (planned or self.resumed is not None)
+        ):
+            sample = first_sample(trainer, module, self.microbatches, self.to_device)
+        check_forward(module, layers, sample)
+
+        def automatically() -> Plan:
+            plan, self.seconds = plan_automatically(
+                trainer, module, self.topology, self.microbatches, self.to_device, sample
+            )
+            return plan
+
+        sources = (self.given, self.balance, self.previous, self.resumed)
+        return choose_plan(*sources, len(layers), self.world_size, automatically)

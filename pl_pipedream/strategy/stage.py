@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
+from pl_pipedream.runtime.ties import TiedGroup
 
 __all__ = ["LocalStage", "PipelineSetupError", "Tie", "cut_stage", "find_ties", "pipeline_layers"]
 
@@ -52,6 +53,16 @@ class LocalStage:
     shared: list[str]  # LightningModule state outside the pipeline (every rank has it)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> every name
     ties: list[Tie] = field(default_factory=list)  # every tie of the pipeline, in one order
+
+    def ties_counted_elsewhere(self) -> frozenset[str]:
+        """The tied parameters this stage holds that an earlier stage counts (in a global norm,
+        each tied gradient counts once: on its first stage)."""
+        index = self.stage.index
+        return frozenset(t.local_name for t in self.ties if t.local_name and t.stages[0] != index)
+
+    def tied_groups(self) -> list[TiedGroup]:
+        """Every tie of the pipeline as the runtime sees it, in one order on every rank."""
+        return [TiedGroup(t.ranks, t.local_name, t.describe()) for t in self.ties]
 
     def state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """This stage's state under ``module``'s names (each tensor under every name it has),

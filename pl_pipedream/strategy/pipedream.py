@@ -212,7 +212,8 @@ class PipeDreamStrategy(ShardedCheckpointHooks, ParallelStrategy):
         check_forward(module, layers, sample)
         self.plan = self._choose_plan(trainer, module, len(layers), sample)
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
-        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties])
+        replicas = [s.replicas for s in self.plan.stages]
+        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties], replicas)
         mark_other_stages(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)

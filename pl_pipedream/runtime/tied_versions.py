@@ -8,12 +8,15 @@ gradient of i and sends it to every other holder (one tag per tie, non-blocking;
 stage did not use it). Lazily, just before the first forward pass that needs tied version v, a
 holder applies the tied updates it has not applied yet up to v, receiving the partial gradients
 it lacks. Every forward pass of Lightning batch t runs during Lightning step t on every rank, and
-a holder applies update u just before its forward of minibatch u + p - 1, so every holder applies
-it in the same Lightning step (same learning rate). The partial gradients are summed in the order
-of the holder ranks on every holder, and only the tied parameter gets a gradient in that update
-(the optimizer skips parameters whose ``.grad`` is None; its per-parameter state, e.g. Adam's
-step count, is touched by the tied updates only), so the copies stay bit-identical. A drain
-applies every update still owed (``finish``).
+a holder applies update u just before its forward of minibatch u + p (the first to need version
+u + 1), so every holder applies it in the same Lightning step (same learning rate). The partial
+gradients are summed in the order of the holder ranks on every holder, and only the tied
+parameter gets a gradient in that update (the optimizer skips parameters whose ``.grad`` is None;
+its per-parameter state, e.g. Adam's step count, is touched by the tied updates only), so the
+copies stay bit-identical. The update goes through the stage's ``Update``, so Lightning's hooks of
+an update (clipping included) run for it with only the tied parameter's ``.grad`` set. A drain
+applies every update still owed (``finish``) before it waits for its sends to leave (a holder's
+last partial gradients leave only once the other holder receives them there).
 
 An update gives the tied parameter new storage, so the snapshot a forward pass took (shared
 storage, a leaf of its own) stays as it was until its backward pass.

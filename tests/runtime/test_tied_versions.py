@@ -43,7 +43,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _train(rank: int, sync: str, optimizer_name: str) -> dict[str, torch.Tensor]:
+def _train(
+    rank: int, sync: str, optimizer_name: str, drains: tuple[int, ...] = (4,)
+) -> dict[str, torch.Tensor]:
     model = tied_model()
     stage = PLAN.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
@@ -67,7 +69,7 @@ def _train(rank: int, sync: str, optimizer_name: str) -> dict[str, torch.Tensor]
         runner.train_batch(
             lambda j, xs=xs: xs[j],
             lambda out, j, ys=ys: loss_fn(out, ys[j]),
-            drain=t == len(data) - 1,
+            drain=t in drains,
         )
     assert runner.executor.stash.exclude == ({TIED[rank]} if rank in TIED else set())
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -76,7 +78,9 @@ def _train(rank: int, sync: str, optimizer_name: str) -> dict[str, torch.Tensor]
 
 
 def _every_run(rank: int, world: int) -> dict:
-    return {key: _train(rank, *key) for key in RUNS}
+    out = {key: _train(rank, *key) for key in RUNS}
+    out["two runs"] = _train(rank, "async", "adam", drains=(1, 4))
+    return out
 
 
 @pytest.mark.parametrize("key", RUNS)
@@ -96,3 +100,10 @@ def results() -> dict[int, dict]:
     for rank, (status, value) in out.items():
         assert status == "ok", f"rank {rank}: {value}"
     return {rank: value for rank, (_, value) in out.items()}
+
+
+def test_after_a_drain_the_next_run_keeps_the_copies_identical(results) -> None:  # type: ignore[no-untyped-def]
+    two_runs = results[0]["two runs"], results[2]["two runs"]
+    assert torch.equal(two_runs[0]["0.weight"], two_runs[1]["4.weight"])
+    one_run = results[0][("async", "adam")]["0.weight"]
+    assert not torch.equal(two_runs[0]["0.weight"], one_run)  # the drain changed the versions

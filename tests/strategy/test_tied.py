@@ -2,8 +2,9 @@
 
 Unit tests cut ``CharGPT`` (head tied to the token embedding) and a module reachable under two
 names without processes. The slow tests launch ``tied_script.py`` on 2 and 3 ranks: ``flush`` and
-``gpipe`` equal one device, ``2bw`` the oracle extended with the tie rule, the copies in the
-shards are bit-identical and the consolidated dict loads strictly into the LightningModule.
+``gpipe`` equal one device, ``2bw``, ``async`` and ``vertical_sync`` the oracle extended with the
+tie rule (on 3 ranks the tie spans stages 0 and 2), the copies in the shards are bit-identical
+and the consolidated dict loads strictly into the LightningModule.
 SGD keeps these comparisons exact: with Adam, the key bias of attention (whose gradient is zero
 up to rounding) takes +-lr steps from rounding noise alone, tie or no tie.
 """

@@ -36,6 +36,7 @@ from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, 
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.stash import WeightStash
+from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.schedule.actions import Action, ActionKind
@@ -115,8 +116,10 @@ class StageExecutor:
         record_timeline: bool = False,
         ties: TiedGradients | None = None,
         microbatches: int | None = None,
+        tied_versions: TiedVersions | None = None,
     ) -> None:
         self.module = module
+        self.tied_versions = tied_versions  # per-minibatch modes: tied versions of their own
         self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
         self.rank = rank
         self.stage = stage
@@ -129,7 +132,8 @@ class StageExecutor:
         self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.device = device or torch.device("cpu")
         self.describe = f"rank {rank} (stage {stage})"
-        self.stash = WeightStash(module, self.describe)
+        tied = tied_versions.names if tied_versions else set()
+        self.stash = WeightStash(module, self.describe, tied)
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
         self.microbatches = microbatches  # per batch; None: replicas do not share losses
@@ -209,6 +213,8 @@ class StageExecutor:
                 f"{sorted(self._flight)}, gradients not yet applied: "
                 f"{bool(self._accumulated) or pending}); drain it first"
             )
+        if self.tied_versions is not None:
+            self.tied_versions.restart()
         self.stash.reset(0)
         self.losses.clear()  # the next run counts minibatches from 0
 
@@ -267,6 +273,8 @@ class StageExecutor:
         check = self._feed.fingerprint if self._feed is not None else None
         fingerprint = check(i, received) if check is not None else None
         params = self.stash.get(action.version)  # shares the live storage while current
+        if self.tied_versions is not None:
+            params = {**params, **self.tied_versions.params_for(i, self._update)}
         state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):
             outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
@@ -322,6 +330,8 @@ class StageExecutor:
             [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
         ):
             tensor.grad = grad
+        if self.tied_versions is not None:  # minibatch i's tied gradient: an update of its own
+            self.tied_versions.contribute(i, self._accumulated)
         flight.outputs = []
         flight.params = {}
         flight.loss = None

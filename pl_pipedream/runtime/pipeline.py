@@ -29,6 +29,7 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
@@ -87,15 +88,25 @@ class PipelineRunner:
         # A receive posted ahead that training never matched stays posted: the messages of each
         # pipeline get a group of their own, so it cannot take a later pipeline's message.
         messages = dist.new_group(list(range(plan.num_workers)))
-        tied = TiedGradients.create(ties, rank)
+        # per-minibatch modes: a tied parameter has versions of its own (runtime.tied_versions)
+        versioned = sync.updates_per_minibatch
+        tied = TiedGradients.create(() if versioned else ties, rank)
         stage = plan.stage_of_rank(rank)
         describe = f"rank {rank} (stage {stage.index})"
+        channel = Channel(rank, device, timeout, describe, messages)
+        held = [
+            HeldTie(t.local_name, t.ranks, TAG_TIED + k, t.label)
+            for k, t in enumerate(ties)
+            if versioned and rank in t.ranks and t.local_name is not None
+        ]
+        delay = plan.num_stages - 1
+        versions = TiedVersions(held, rank, module, channel, delay, describe) if held else None
         executor = StageExecutor(
             module,
             rank,
             stage.index,
             plan.num_stages,
-            Channel(rank, device, timeout, describe, messages),
+            channel,
             update_settings(sync, microbatches, stage.replicas),
             replica_group=replica_groups[stage.index],
             num_replicas=stage.replicas,
@@ -103,6 +114,7 @@ class PipelineRunner:
             record_timeline=record_timeline,
             ties=tied,
             microbatches=microbatches,
+            tied_versions=versions,
         )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups
@@ -179,8 +191,11 @@ class PipelineRunner:
         if self.drained:
             return
         self.executor.execute(
-            self.stream.drain(self.executor.rank, self.step - 1), None, self.update
+            self.stream.drain(self.executor.rank, self.step - 1), None, self.update, flush=False
         )
+        if self.executor.tied_versions is not None:  # every holder applies every tied update
+            self.executor.tied_versions.finish(self.update)  # (before waiting for sends to leave)
+        self.executor.channel.flush()
         self._take_loss(self.step - 1)  # every batch of the run has finished
         self.executor.restart()
         self._finished.clear()

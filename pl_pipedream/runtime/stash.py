@@ -39,7 +39,8 @@ class VersionError(RuntimeError):
 
 
 class WeightStash:
-    """Snapshots of a module's parameters keyed by version (number of updates applied).
+    """Snapshots of a module's parameters keyed by version (number of updates applied);
+    the parameters named in ``exclude`` are left out (their versions are kept elsewhere).
 
     ``live_version`` counts the updates applied to the live parameters; ``mark_stepped`` raises
     it after each update. ``count`` is the number of versions kept for the actions
@@ -47,9 +48,12 @@ class WeightStash:
     beyond the live parameters.
     """
 
-    def __init__(self, module: nn.Module, describe: str = "this stage") -> None:
+    def __init__(
+        self, module: nn.Module, describe: str = "this stage", exclude: Iterable[str] = ()
+    ) -> None:
         self.module = module
         self.describe = describe
+        self.exclude = frozenset(exclude)  # versioned elsewhere (``runtime.tied_versions``)
         self.live_version = 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._counters: dict[int, dict[str, int]] = {}  # live version counters at each snapshot
@@ -69,7 +73,7 @@ class WeightStash:
                 f"(kept: {sorted(self._snapshots)}); the schedule and the updates disagree"
             )
         # .data: the same storage under a version counter of its own, a leaf for autograd
-        live = dict(self.module.named_parameters())
+        live = {n: p for n, p in self.module.named_parameters() if n not in self.exclude}
         snapshot = {name: p.data.requires_grad_(p.requires_grad) for name, p in live.items()}
         self._snapshots[version] = snapshot
         self._counters[version] = {name: p._version for name, p in live.items()}

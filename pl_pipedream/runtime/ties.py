@@ -11,7 +11,7 @@ the same sum).
 
 This holds for the modes where every stage uses the same weight version for a minibatch and
 makes one update per batch (``flush``, ``gpipe``, ``2bw``); the per-minibatch modes give a tied
-parameter a version rule of its own, which the strategy refuses at setup until it is built.
+parameter a version rule of its own (``runtime.tied_versions``).
 """
 
 from __future__ import annotations

@@ -219,7 +219,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
-        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties])
+        replicas = [s.replicas for s in self.plan.stages]
+        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties], replicas)
         mark_other_stages(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)

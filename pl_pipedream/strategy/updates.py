@@ -171,16 +171,17 @@ def check_trainer(mode: SyncMode, trainer: Any) -> None:
         )
 
 
-def check_ties(mode: SyncMode, ties: Sequence[str]) -> None:
-    """Raise for tied parameters (``ties``: each described) under a mode whose tie rule is
-    not built: the per-minibatch modes give a tied parameter a version of its own."""
-    if ties and mode.updates_per_minibatch:
+def check_ties(mode: SyncMode, ties: Sequence[str], replicas: Sequence[int] = ()) -> None:
+    """Raise for tied parameters (``ties``: each described) where their rule is not built: the
+    per-minibatch modes give a tied parameter a version of its own (``runtime.tied_versions``),
+    which holds for a straight pipeline only (``replicas``: each stage's replica count)."""
+    if ties and mode.updates_per_minibatch and any(r > 1 for r in replicas):
         raise ValueError(
-            f"tied parameters (one parameter used by layers on several stages) train only in "
-            f"the modes with one update per batch for now (sync: {mode}, tied: "
+            f"tied parameters (one parameter used by layers on several stages) train in sync "
+            f"'{mode}' only without replicated stages (replicas: {list(replicas)}, tied: "
             f"{'; '.join(ties)}); use PipeDreamStrategy(sync='{SyncMode.FLUSH}'), "
-            f"'{SyncMode.GPIPE}' or '{SyncMode.TWO_BW}', or place every layer using the "
-            "parameter on one stage with balance="
+            f"'{SyncMode.GPIPE}' or '{SyncMode.TWO_BW}', a plan without replicas, or place "
+            "every layer using the parameter on one stage with balance="
         )
 
 

@@ -2,8 +2,9 @@
 
 Unit tests cut ``CharGPT`` (head tied to the token embedding) and a module reachable under two
 names without processes. The slow tests launch ``tied_script.py`` on 2 and 3 ranks: ``flush`` and
-``gpipe`` equal one device, ``2bw`` the oracle extended with the tie rule, the copies in the
-shards are bit-identical and the consolidated dict loads strictly into the LightningModule.
+``gpipe`` equal one device, ``2bw``, ``async`` and ``vertical_sync`` the oracle extended with the
+tie rule (on 3 ranks the tie spans stages 0 and 2), the copies in the shards are bit-identical
+and the consolidated dict loads strictly into the LightningModule.
 SGD keeps these comparisons exact: with Adam, the key bias of attention (whose gradient is zero
 up to rounding) takes +-lr steps from rounding noise alone, tie or no tie.
 """
@@ -95,11 +96,15 @@ def test_a_module_under_two_names_is_saved_under_both() -> None:
 
 
 @pytest.mark.parametrize("sync", [SyncMode.ASYNC, SyncMode.VERTICAL_SYNC])
-def test_per_minibatch_modes_refuse_ties_at_setup_naming_the_fix(sync: SyncMode) -> None:
-    with pytest.raises(ValueError, match="tied parameters.*sync: .*use PipeDreamStrategy"):
-        check_ties(sync, ["embed.wte.weight = head.out.weight on stages [0, 1]"])
+def test_per_minibatch_modes_refuse_ties_with_replicas_at_setup_naming_the_fix(
+    sync: SyncMode,
+) -> None:
+    tie = ["embed.wte.weight = head.out.weight on stages [0, 1]"]
+    with pytest.raises(ValueError, match="tied parameters.*replicas: \\[2, 1\\].*use PipeDream"):
+        check_ties(sync, tie, [2, 1])
+    check_ties(sync, tie, [1, 1])  # a straight pipeline: the tie has versions of its own
     for ok in (SyncMode.FLUSH, SyncMode.GPIPE, SyncMode.TWO_BW):
-        check_ties(ok, ["embed.wte.weight = head.out.weight on stages [0, 1]"])
+        check_ties(ok, tie, [2, 1])
 
 
 # ----- end to end -----------------------------------------------------------------------------
@@ -167,15 +172,26 @@ def check_run(out: Path, plan: Plan, expected: dict[str, torch.Tensor], label: s
 
 
 @pytest.mark.slow
-def test_two_stages_flush_and_gpipe_equal_one_device_2bw_the_oracle(tmp_path: Path) -> None:
+def test_two_stages_flush_and_gpipe_equal_one_device_2bw_async_the_oracle(tmp_path: Path) -> None:
     plan = Plan.from_balance([1, 3])
-    launch(tmp_path, [1, 3], None, ["flush:sgd", "gpipe:sgd", "2bw:sgd", "flush:sgd:clip"])
+    configs = [
+        "flush:sgd",
+        "gpipe:sgd",
+        "2bw:sgd",
+        "flush:sgd:clip",
+        "async:sgd",
+        "vertical_sync:sgd",
+    ]
+    launch(tmp_path, [1, 3], None, configs)
     reference = one_device(2)
     for sync in ("flush", "gpipe"):
         check_run(tmp_path / f"{sync}-sgd", plan, reference, sync)
     # clipping by the norm over every stage counts the tied gradient once, as on one device
     check_run(tmp_path / "flush-sgd-clip", plan, one_device(2, CLIP), "flush clipped")
     check_run(tmp_path / "2bw-sgd", plan, the_oracle(plan, "2bw", 2), "2bw")
+    # the per-minibatch modes: the tie uses version max(0, i - 1), one tied update per minibatch
+    for sync in ("async", "vertical_sync"):
+        check_run(tmp_path / f"{sync}-sgd", plan, the_oracle(plan, sync, 2), sync)
 
 
 CASES3 = {"straight 1-2-1": ([1, 2, 1], None), "replicated 2-1": ([1, 3], [2, 1])}
@@ -187,9 +203,14 @@ def test_three_ranks_flush_equals_one_device_2bw_the_oracle(tmp_path: Path, labe
     balance, replicas = CASES3[label]
     plan = Plan.from_balance(balance, replicas=replicas)
     m = 4  # 2bw needs at least as many microbatches as stages
-    launch(tmp_path, balance, replicas, ["flush:sgd", "2bw:sgd"], m)
+    # straight: the tie spans stages 0 and 2 and uses version max(0, i - 2) in the async modes
+    asynchronous = ["async:sgd", "vertical_sync:sgd"] if replicas is None else []
+    launch(tmp_path, balance, replicas, ["flush:sgd", "2bw:sgd", *asynchronous], m)
     check_run(tmp_path / "flush-sgd", plan, one_device(m), f"{label} flush")
     check_run(tmp_path / "2bw-sgd", plan, the_oracle(plan, "2bw", m), f"{label} 2bw")
+    for config in asynchronous:
+        sync = config.split(":")[0]
+        check_run(tmp_path / f"{sync}-sgd", plan, the_oracle(plan, sync, m), f"{label} {sync}")
 
 
 def test_automatic_plans_count_the_ties_traffic() -> None:

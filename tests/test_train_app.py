@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from pl_pipedream import PipeDreamStrategy, Topology
 from pl_pipedream.planner.topology import TopologyError
 from pl_pipedream.hydra_ranks import child_command
-from pl_pipedream.train import num_processes, topology_for_devices
+from pl_pipedream.train import _build_model, num_processes, topology_for_devices
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "pl_pipedream" / "configs"
@@ -40,8 +40,8 @@ def composed(*overrides: str, output_dir: str = "/tmp/pl-pipedream-test") -> Dic
 
 
 def test_every_group_has_its_options() -> None:
-    assert options("model") == ["cnn", "mlp"]
-    assert options("data") == ["digits", "synthetic"]
+    assert options("model") == ["cnn", "mlp", "seq2seq"]
+    assert options("data") == ["digits", "sequences", "synthetic"]
     assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
     assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
     assert options("trainer") == ["cpu", "gpu"]
@@ -60,7 +60,7 @@ def test_every_combination_composes_and_resolves() -> None:
             assert cfg.strategy.sync == choice[GROUPS.index("sync")]
             assert cfg.data.batch_size % cfg.strategy.microbatches == 0
             assert cfg.strategy.timeline == "/tmp/x/timeline.json"
-    assert len(combinations) == 2 * 2 * 4 * 5 * 2
+    assert len(combinations) == 3 * 3 * 4 * 5 * 2
 
 
 def test_defaults_are_the_main_job() -> None:
@@ -74,8 +74,12 @@ def test_defaults_are_the_main_job() -> None:
     assert cfg.trainer.logger.save_dir == "/tmp/pl-pipedream-test"
 
 
-@pytest.mark.parametrize("data", options("data"))
-@pytest.mark.parametrize("model", options("model"))
+IMAGE_DATA = [name for name in options("data") if name != "sequences"]
+IMAGE_MODELS = [name for name in options("model") if name != "seq2seq"]
+
+
+@pytest.mark.parametrize("data", IMAGE_DATA)
+@pytest.mark.parametrize("model", IMAGE_MODELS)
 def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
     cfg = composed(f"data={data}", f"model={model}")
     datamodule = instantiate(cfg.data)
@@ -91,6 +95,30 @@ def test_data_and_models_build_and_fit_together(data: str, model: str) -> None:
     assert net.example_input_array.shape[1:] == x.shape[1:]
     assert net.predict_step((x, y), 0).shape == y.shape
     assert len(net.configure_pipeline()) >= 2
+
+
+def test_the_sequence_model_builds_from_the_sequence_data_and_reads_its_batches() -> None:
+    cfg = composed("data=sequences", "model=seq2seq")
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    net = _build_model(cfg, datamodule)
+    source, decoder_input, target = next(iter(datamodule.train_dataloader()))
+    assert source.shape == decoder_input.shape == target.shape == (cfg.data.batch_size, 8)
+    assert torch.equal(decoder_input[:, 1:], target[:, :-1])
+    real = source != 0
+    assert torch.equal(target[0, : int(real[0].sum())], source[0][real[0]].flip(0))  # reversed
+    logits = net((source, decoder_input))
+    assert logits.shape == (cfg.data.batch_size, 8, cfg.data.vocab)
+    assert torch.equal(net.configure_pipeline()((source, decoder_input)), logits)
+    assert len(net.configure_pipeline()) == 5
+
+
+@pytest.mark.parametrize(("data", "model"), [("sequences", "mlp"), ("digits", "seq2seq")])
+def test_a_model_given_the_wrong_kind_of_data_names_the_fix(data: str, model: str) -> None:
+    cfg = composed(f"data={data}", f"model={model}")
+    datamodule = instantiate(cfg.data)
+    with pytest.raises(ValueError, match=r"model and the data must be of one kind .*pick a data"):
+        _build_model(cfg, datamodule)
 
 
 def test_the_split_is_the_same_in_every_process_and_disjoint() -> None:

@@ -1,12 +1,14 @@
 """Example LightningDataModules for ``pl-pipedream-train``: no downloads, deterministic splits.
 
-Both yield ``(inputs, targets)`` batches of images shaped ``input_shape`` and say what the model
-needs to know about them (``input_shape``, ``num_classes``).
+The image modules yield ``(inputs, targets)`` batches shaped ``input_shape``; the sequence module
+yields ``(source, decoder_input, target)`` token batches. Each says what the model needs to know
+about its data (``input_shape``, ``num_classes``).
 """
 
 from __future__ import annotations
 
 from pl_pipedream.data.digits import DigitsDataModule
+from pl_pipedream.data.sequences import SequenceDataModule
 from pl_pipedream.data.synthetic import SyntheticDataModule
 
-__all__ = ["DigitsDataModule", "SyntheticDataModule"]
+__all__ = ["DigitsDataModule", "SequenceDataModule", "SyntheticDataModule"]

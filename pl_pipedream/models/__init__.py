@@ -1,4 +1,5 @@
-"""Example LightningModules for ``pl-pipedream-train``: classifiers that list their layers.
+"""Example LightningModules for ``pl-pipedream-train``: classifiers and a sequence model that
+list their layers.
 
 Each model hands its layers to the strategy in order through ``configure_pipeline()``; the rest
 (steps, metrics, optimizer) is shared by ``PipelineClassifier``.
@@ -9,5 +10,6 @@ from __future__ import annotations
 from pl_pipedream.models.classifier import PipelineClassifier
 from pl_pipedream.models.cnn import DigitsCNN
 from pl_pipedream.models.mlp import MLP
+from pl_pipedream.models.seq2seq import Seq2Seq
 
-__all__ = ["MLP", "DigitsCNN", "PipelineClassifier"]
+__all__ = ["MLP", "DigitsCNN", "PipelineClassifier", "Seq2Seq"]

@@ -11,12 +11,18 @@ Rules (stage s, replicas r_s, warm-up w_s, Lightning batch t of m microbatches, 
 * vertical_sync: c = r_0 * max(0, i // r_0 - w_0); stage s uses version c // r_s; updates as async;
 * 2bw: batch t uses version max(0, t - 1); one update per batch, mean over its microbatches;
 * flush, gpipe: batch t uses version t; one update per batch, mean over its microbatches.
+
+Every layer is called as ``nn.Sequential`` calls it: with one argument, the microbatch's inputs
+(a tensor, or any tuple, list or dict of them) for the first, the previous layer's output
+(whatever it is) for the others. Inputs and targets are split into microbatches along dim 0,
+tensor by tensor.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +51,7 @@ def train(
     model: nn.Sequential,
     plan: Plan,
     sync: str,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    batches: Sequence[tuple[Any, Any]],
     num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -62,7 +68,7 @@ def train(
     counts = [0 for _ in stages]
     m = num_microbatches
     for t, (x, y) in enumerate(batches):
-        xs, ys = x.chunk(m), y.chunk(m)
+        xs, ys = chunk(x, m), chunk(y, m)
         for j in range(m):
             i = t * m + j
             params = [history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))]
@@ -77,6 +83,20 @@ def train(
                     history[s].append(_clone(stages[s]))
                     pending[s], counts[s] = {}, 0
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def chunk(value: Any, m: int) -> list[Any]:
+    """``value`` (a tensor, or tuples, lists and dicts of tensors) split along dim 0 into ``m``
+    equal parts; anything else is repeated."""
+    if isinstance(value, torch.Tensor):
+        return list(value.chunk(m))
+    if isinstance(value, (tuple, list)):
+        parts = [chunk(item, m) for item in value]
+        return [type(value)(p[j] for p in parts) for j in range(m)]
+    if isinstance(value, dict):
+        split = {key: chunk(item, m) for key, item in value.items()}
+        return [{key: item[j] for key, item in split.items()} for j in range(m)]
+    return [value] * m
 
 
 def _clone(stage: nn.ModuleDict) -> dict[str, torch.Tensor]:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from pl_pipedream.data.sequences import PAD, START
+__all__ = ["PAD", "START", "Seq2Seq"]
 
-__all__ = ["Seq2Seq"]
+PAD, START = 0, 1  # the tokens data.SequenceDataModule pads with and starts the decoder with
 
 
 class Embed(nn.Module):

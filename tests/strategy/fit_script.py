@@ -3,7 +3,7 @@
 Run as ``python tests/strategy/fit_script.py --sync async --balance 3 3 --microbatches 2 --out
 DIR``: Lightning's script launcher starts the other ranks by re-running this file. Every rank
 saves the sharded checkpoint; rank 0 consolidates it into ``DIR/weights.pt``. ``--model
-seq2seq`` trains the Seq2Seq example instead (SGD as ``tests.runtime.test_boundaries.sgd``),
+seq2seq`` trains the Seq2Seq example instead (SGD as ``tests.runtime.test_boundary.sgd``),
 with the model summary on, and validates through the pipeline afterwards (``val_loss`` in
 ``done.json``).
 """
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import pl_pipedream  # noqa: E402
 from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
 from pl_pipedream.models.seq2seq import Seq2Seq  # noqa: E402
-from tests.runtime.test_boundaries import seq2seq_batches  # noqa: E402
+from tests.runtime.test_boundary import seq2seq_batches  # noqa: E402
 from tests.runtime.test_executor import make_batches  # noqa: E402
 from tests.strategy.test_lightning_features import Net  # noqa: E402
 
@@ -65,7 +65,7 @@ class RecordCpus(Callback):
 
 
 def seq2seq_net() -> Seq2Seq:
-    """The Seq2Seq example as ``tests.runtime.test_boundaries.seq2seq_model`` builds its layers."""
+    """The Seq2Seq example as ``tests.runtime.test_boundary.seq2seq_model`` builds its layers."""
     torch.manual_seed(0)
     return Seq2Seq((6,), 12, hidden=8, optimizer="sgd", lr=0.05, momentum=0.5)
 

@@ -127,8 +127,8 @@ def test_seq2seq_with_several_tensors_per_boundary_trains_and_validates(
     pipeline gives one device's ``val_loss``."""
     from lightning.pytorch import Trainer
 
-    from tests.runtime import test_boundaries
-    from tests.runtime.test_boundaries import seq2seq_batches, seq2seq_loss, seq2seq_model, sgd
+    from tests.runtime import test_boundary
+    from tests.runtime.test_boundary import seq2seq_batches, seq2seq_loss, seq2seq_model, sgd
     from tests.strategy.fit_script import seq2seq_loader, seq2seq_net
 
     m = world  # 2bw needs as many microbatches as stages
@@ -161,5 +161,5 @@ def test_seq2seq_with_several_tensors_per_boundary_trains_and_validates(
         assert diff <= 1e-5, f"flush against one device {key}: {diff}"
     val_loss = one.validate(reference, seq2seq_loader(m, 2 * m), verbose=False)[0]["val_loss"]
     done = json.loads((tmp_path / "flush-sgd" / "done.json").read_text())
-    assert done["global_step"] == test_boundaries.NUM_BATCHES
+    assert done["global_step"] == test_boundary.NUM_BATCHES
     assert abs(done["val_loss"] - val_loss) <= 1e-5

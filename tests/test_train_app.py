@@ -261,3 +261,20 @@ def test_multirun_runs_each_job_with_its_own_ranks(tmp_path: Path) -> None:
         assert (folder / "train_rank1.log").is_file()
         assert f"sync: {sync}" in (folder / ".hydra" / "config.yaml").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+
+
+@pytest.mark.slow
+def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    done = run_app(
+        "model=seq2seq",
+        "data=sequences",
+        "strategy.balance=[2,3]",  # the cut after the encoder carries a dict with a state pair
+        "trainer.max_epochs=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert 0.2 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 1/30

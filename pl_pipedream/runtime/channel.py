@@ -132,7 +132,8 @@ def _layout_of(message: Message) -> tuple[list[int], int, int]:
     """Where ``message``'s tensors and scalars go in a frame, and the bytes it needs."""
     offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
     structure = 0 if message.structure is None else len(message.structure)
-    return offsets, end, end + 8 * len(message.scalars) + structure
+    needed = end + 8 * len(message.scalars) + structure
+    return offsets, end, -(-needed // 8) * 8  # whole 8-byte words: views of any dtype load back
 
 
 def _pack(
@@ -150,7 +151,7 @@ def _pack(
         frame[end:scalars_end].view(torch.float64).copy_(scalars)
     if message.structure:
         structure = torch.frombuffer(bytearray(message.structure), dtype=torch.uint8)
-        frame[scalars_end:needed].copy_(structure)
+        frame[scalars_end : scalars_end + len(structure)].copy_(structure)
     return frame
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import ExecutorError
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
@@ -60,8 +60,9 @@ class EvaluationPipe:
                 value = unflatten(message.tensors, message.structure)
             output = self.local.module(value)  # one argument, as nn.Sequential passes it on
             if stage.index < self.plan.num_stages - 1:
+                message = self._message(output)  # fails here, before anything is sent
                 target = self.plan.stages[stage.index + 1].ranks[0]
-                self.channel.send(self._message(output), target, TAG_EVALUATION, what)
+                self.channel.send(message, target, TAG_EVALUATION, what)
                 return None
             with forward_returns(module, output):
                 return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
@@ -77,7 +78,8 @@ class EvaluationPipe:
             return None
         if self.rank == 0:
             message = self.channel.recv(last, TAG_PREDICTIONS, what)
-            return unflatten(message.tensors, message.structure)
+            # the user keeps predictions: copies, not views that hold on to the whole frame
+            return map_tensors(torch.clone, unflatten(message.tensors, message.structure))
         return None
 
     def _message(self, value: Any) -> Message:

@@ -41,6 +41,7 @@ def roundtrip(value: Any) -> Any:
     tensors, structure = flatten(value)
     message = Message(tensors, structure=structure)
     layout = _layout_of(message)
+    assert layout[2] % 8 == 0  # whole words: a view of any dtype can be saved and loaded back
     frame = _pack(message, layout, layout[2], torch.device("cpu"))
     received = _unpack(frame, frame[:512].view(torch.int64).tolist())
     return unflatten(received.tensors, received.structure)

@@ -19,7 +19,7 @@ import warnings
 from typing import Any
 
 import hydra
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream.hydra_ranks import other_ranks
@@ -136,7 +136,16 @@ def _pipeline_arguments(cfg: DictConfig, devices: int) -> dict[str, Any]:
 
 
 def _build_model(cfg: DictConfig, datamodule: Any) -> Any:
-    """The model, told the data's ``input_shape`` and ``num_classes``."""
+    """The model, told the data's ``input_shape`` and ``num_classes``; a model takes one kind
+    of data (its class's ``data_kind``: images unless it says otherwise)."""
+    wanted = getattr(get_class(cfg.model._target_), "data_kind", "images")
+    given = getattr(datamodule, "data_kind", "images")
+    if wanted != given:
+        raise ValueError(
+            f"the model and the data must be of one kind (model: {cfg.model._target_} takes "
+            f"{wanted}, data: {cfg.data._target_} gives {given}); pick a data config that gives "
+            f"{wanted}, e.g. model=seq2seq with data=sequences"
+        )
     return instantiate(
         cfg.model,
         input_shape=list(datamodule.input_shape),

@@ -51,15 +51,16 @@ class SplitDataModule(LightningDataModule):
         self.num_workers = int(num_workers)
         self.splits: dict[str, Subset[Any]] = {}
 
-    def tensors(self) -> tuple[Tensor, Tensor]:
-        """All examples: inputs shaped ``(n, *input_shape)`` (float) and targets ``(n,)`` (long)."""
+    def tensors(self) -> tuple[Tensor, ...]:
+        """All examples: inputs shaped ``(n, *input_shape)`` (float) and targets ``(n,)`` (long),
+        or any tensors of ``n`` rows (a batch then holds one slice of each)."""
         raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        inputs, targets = self.tensors()
-        count = len(targets)
+        tensors = self.tensors()
+        count = len(tensors[0])
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))
         num_val = max(1, round(self.val_fraction * count))
         num_test = round(self.test_fraction * count)
@@ -69,7 +70,7 @@ class SplitDataModule(LightningDataModule):
                 f"the training split is smaller than one batch (training examples: "
                 f"{num_train}, batch_size: {self.batch_size}); lower data.batch_size"
             )
-        data = TensorDataset(inputs, targets)
+        data = TensorDataset(*tensors)
         self.splits = {
             "val": Subset(data, order[:num_val].tolist()),
             "test": Subset(data, order[num_val : num_val + num_test].tolist()),

@@ -31,6 +31,8 @@ class TextDataModule(SplitDataModule):
         num_examples: windows taken, at evenly spaced offsets of the text.
     """
 
+    data_kind = "text"  # pl-pipedream-train pairs it with data=text
+
     def __init__(
         self,
         modules: Sequence[str] = ("textwrap", "string"),

@@ -1,4 +1,5 @@
-"""Example LightningModules for ``pl-pipedream-train``: classifiers that list their layers.
+"""Example LightningModules for ``pl-pipedream-train``: classifiers and a sequence model that
+list their layers.
 
 Each model hands its layers to the strategy in order through ``configure_pipeline()``; the rest
 (steps, metrics, optimizer) is shared by ``PipelineClassifier``.
@@ -10,5 +11,6 @@ from pl_pipedream.models.classifier import PipelineClassifier
 from pl_pipedream.models.cnn import DigitsCNN
 from pl_pipedream.models.gpt import CharGPT
 from pl_pipedream.models.mlp import MLP
+from pl_pipedream.models.seq2seq import Seq2Seq
 
-__all__ = ["MLP", "CharGPT", "DigitsCNN", "PipelineClassifier"]
+__all__ = ["MLP", "CharGPT", "DigitsCNN", "PipelineClassifier", "Seq2Seq"]

@@ -84,6 +84,8 @@ class CharGPT(LightningModule):
         optimizer: ``"adam"`` or ``"sgd"``; lr: learning rate; momentum: SGD momentum.
     """
 
+    data_kind = "text"  # pl-pipedream-train pairs it with data=text
+
     def __init__(
         self,
         input_shape: Sequence[int],

@@ -3,12 +3,14 @@
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
 plus, on the way back to the first stage, the losses its sender knows of the batch of the
 minibatch whose gradients it carries (each an index and a value, two float64 scalars in the
-frame; ``runtime.losses``), and, on the way forward, the fingerprint of the microbatch's data
-that stage 0 fed in (one more float64 scalar), which every later stage compares with its own
-microbatch's. It travels
-as one *frame*, a byte tensor: a fixed-size int64 header that describes the tensors, then each
-tensor's bytes, then the scalars. One transfer per message matters: a gloo send moves no data
-until its receive is posted, so every extra transfer is one more round trip between the ranks.
+frame; ``runtime.losses``), on the way forward the fingerprint of the microbatch's data that
+stage 0 fed in (one more float64 scalar), which every later stage compares with its own
+microbatch's, and, when what crosses the boundary is more than one tensor, its structure (bytes
+that ``runtime.boundary`` writes and reads). It travels as one *frame*, a byte tensor: a
+fixed-size int64 header that describes the tensors (and whether each asks for a gradient), then
+each tensor's bytes, then the scalars, then the structure. One transfer per message matters: a
+gloo send moves no data until its receive is posted, so every extra transfer is one more round
+trip between the ranks.
 
 A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
 remember the link's frame size, and the receiver posts a receive of that size. A message that
@@ -38,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
+__all__ = ["SUPPORTED_DTYPES", "Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
 
 HEADER_SIZE = 64  # int64 values
 HEADER_BYTES = HEADER_SIZE * 8
@@ -58,6 +60,8 @@ _DTYPES = [
     torch.bool,
 ]
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+SUPPORTED_DTYPES = frozenset(_DTYPES)
+REQUIRES_GRAD = 256  # added to a tensor's dtype code: the receiver's view asks for a gradient
 Link = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
 
 
@@ -74,12 +78,15 @@ class MinibatchLoss(NamedTuple):
 
 @dataclass
 class Message:
-    """The tensors crossing one stage boundary, the losses that ride back with gradients, and
-    the fingerprint of the data stage 0 fed in that rides forward with activations."""
+    """The tensors crossing one stage boundary, the losses that ride back with gradients, the
+    fingerprint of the data stage 0 fed in that rides forward with activations, and the
+    structure the tensors sit in (``None``: the message is one tensor, or plain tensors). A
+    tensor that requires grad arrives as a view that requires grad."""
 
     tensors: list[torch.Tensor]
     losses: tuple[MinibatchLoss, ...] = ()
     fingerprint: float | None = None
+    structure: bytes | None = None
 
     @property
     def scalars(self) -> list[float]:
@@ -90,7 +97,8 @@ class Message:
 
 
 def _header(message: Message) -> list[int]:
-    values = [DATA, len(message.tensors), len(message.scalars)]
+    structure = -1 if message.structure is None else len(message.structure)
+    values = [DATA, len(message.tensors), len(message.scalars), structure]
     for tensor in message.tensors:
         if tensor.dtype not in _CODES:
             raise PeerError(
@@ -102,7 +110,8 @@ def _header(message: Message) -> list[int]:
                 f"pipeline messages carry tensors of at most {MAX_DIMS} dimensions "
                 f"(shape: {tuple(tensor.shape)}); reshape the stage's output"
             )
-        values += [_CODES[tensor.dtype], tensor.dim(), *tensor.shape]
+        code = _CODES[tensor.dtype] + (REQUIRES_GRAD if tensor.requires_grad else 0)
+        values += [code, tensor.dim(), *tensor.shape]
     if len(values) > HEADER_SIZE:
         raise PeerError(
             f"a pipeline message describes at most {HEADER_SIZE} header values (needed: "
@@ -129,7 +138,9 @@ def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]
 def _layout_of(message: Message) -> tuple[list[int], int, int]:
     """Where ``message``'s tensors and scalars go in a frame, and the bytes it needs."""
     offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
-    return offsets, end, end + 8 * len(message.scalars)
+    structure = 0 if message.structure is None else len(message.structure)
+    needed = end + 8 * len(message.scalars) + structure
+    return offsets, end, -(-needed // 8) * 8  # whole 8-byte words: views of any dtype load back
 
 
 def _pack(
@@ -141,9 +152,13 @@ def _pack(
     frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
+    scalars_end = end + 8 * len(message.scalars)
     if message.scalars:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
-        frame[end:needed].view(torch.float64).copy_(scalars)
+        frame[end:scalars_end].view(torch.float64).copy_(scalars)
+    if message.structure:
+        structure = torch.frombuffer(bytearray(message.structure), dtype=torch.uint8)
+        frame[scalars_end : scalars_end + len(structure)].copy_(structure)
     return frame
 
 
@@ -156,22 +171,30 @@ def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
 
 def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     """The message in ``frame``; its tensors are views of the frame's bytes."""
-    count, num_scalars = header[1], header[2]
-    specs = []
-    position = 3
+    count, num_scalars, structure_bytes = header[1], header[2], header[3]
+    specs, grads = [], []
+    position = 4
     for _ in range(count):
-        dtype, ndim = _DTYPES[header[position]], header[position + 1]
-        specs.append((dtype, header[position + 2 : position + 2 + ndim]))
+        code, ndim = header[position], header[position + 1]
+        specs.append((_DTYPES[code % REQUIRES_GRAD], header[position + 2 : position + 2 + ndim]))
+        grads.append(code >= REQUIRES_GRAD)
         position += 2 + ndim
     offsets, end = _layout(specs)
     tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
+    for tensor, grad in zip(tensors, grads, strict=True):
+        if grad:
+            tensor.requires_grad_(True)
+    scalars_end = end + 8 * num_scalars
+    structure = None
+    if structure_bytes >= 0:
+        structure = frame[scalars_end : scalars_end + structure_bytes].cpu().numpy().tobytes()
     if not num_scalars:
-        return Message(tensors)
-    scalars = frame[end : end + 8 * num_scalars].view(torch.float64).tolist()
+        return Message(tensors, structure=structure)
+    scalars = frame[end:scalars_end].view(torch.float64).tolist()
     fingerprint = scalars.pop() if num_scalars % 2 else None
     pairs = zip(scalars[::2], scalars[1::2], strict=True)
     losses = tuple(MinibatchLoss(int(i), value) for i, value in pairs)
-    return Message(tensors, losses, fingerprint)
+    return Message(tensors, losses, fingerprint, structure)
 
 
 class Channel:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
@@ -42,7 +43,7 @@ from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 
-__all__ = ["ExecutorError", "Feed", "StageExecutor", "Update", "as_tensors"]
+__all__ = ["ExecutorError", "Feed", "StageExecutor", "Update"]
 
 TAG_ACTIVATION = 1
 TAG_GRAD = 2
@@ -81,22 +82,11 @@ class _InFlight:
 
     version: int
     params: dict[str, torch.Tensor]
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]  # the received tensors (their gradients travel back)
+    outputs: list[torch.Tensor]  # the tensors of the output, in ``flatten``'s order
+    structure: bytes | None = None  # what the outputs sit in (``runtime.boundary``)
     loss: torch.Tensor | None = None
     fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
-
-
-def as_tensors(value: Any) -> list[torch.Tensor]:
-    """A stage's output or input as a list of tensors (a tensor, or a tuple/list of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return list(value)
-    raise ExecutorError(
-        f"a pipeline stage must take and return a tensor or a tuple of tensors (got: "
-        f"{type(value).__name__}); make each layer of configure_pipeline() return tensors"
-    )
 
 
 class StageExecutor:
@@ -221,18 +211,14 @@ class StageExecutor:
     # ----- messages ---------------------------------------------------------------------------
 
     def _recv_activation(self, action: Action) -> None:
-        message = self.channel.recv(
+        self._received[action.minibatch] = self.channel.recv(
             action.peer, TAG_ACTIVATION, f"the activations of minibatch {action.minibatch}"
         )
-        for tensor in message.tensors:
-            if tensor.is_floating_point():
-                tensor.requires_grad_(True)
-        self._received[action.minibatch] = message
 
     def _send_activation(self, action: Action) -> None:
         flight = self._flight[action.minibatch]
         self.channel.send(
-            Message([t.detach() for t in flight.outputs], fingerprint=flight.fingerprint),
+            Message(flight.outputs, fingerprint=flight.fingerprint, structure=flight.structure),
             action.peer,
             TAG_ACTIVATION,
             f"the activations of minibatch {action.minibatch}",
@@ -245,12 +231,9 @@ class StageExecutor:
 
     def _send_grad(self, action: Action) -> None:
         flight = self._flight.pop(action.minibatch)
-        grads = []
-        for tensor in flight.inputs:
-            if tensor.is_floating_point():
-                grads.append(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor))
-            else:
-                grads.append(torch.zeros(0))
+        # One entry per tensor received; an empty one where no gradient flows (integer
+        # tensors, tensors that did not ask for one, or that the stage did not use).
+        grads = [t.grad if t.grad is not None else _NO_GRADIENT for t in flight.inputs]
         self.channel.send(
             Message(grads, self.losses.of(action.batch)),
             action.peer,
@@ -262,28 +245,34 @@ class StageExecutor:
 
     def _forward(self, action: Action) -> None:
         i = action.minibatch
+        inputs: list[torch.Tensor] = []
         if self.stage == 0:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
-            inputs = [t.to(self.device) for t in as_tensors(self._feed.inputs(i))]
+            value = map_tensors(lambda t: t.to(self.device), self._feed.inputs(i))
             received = None
         else:
             message = self._received.pop(i)
-            inputs, received = message.tensors, message.fingerprint
+            inputs, value = message.tensors, unflatten(message.tensors, message.structure)
+            received = message.fingerprint
         check = self._feed.fingerprint if self._feed is not None else None
         fingerprint = check(i, received) if check is not None else None
         params = self.stash.get(action.version)  # shares the live storage while current
         if self.tied_versions is not None:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
         state = {**params, **dict(self.module.named_buffers())}
-        with self._capture(params):
-            outputs = as_tensors(functional_call(self.module, state, tuple(inputs)))
-        flight = _InFlight(action.version, params, inputs, outputs, fingerprint=fingerprint)
-        if self.stage == self.num_stages - 1:
+        with self._capture(params):  # one argument, as nn.Sequential passes it on
+            output = functional_call(self.module, state, (value,))
+        flight = _InFlight(action.version, params, inputs, [], fingerprint=fingerprint)
+        if self.stage < self.num_stages - 1:
+            try:
+                flight.outputs, flight.structure = flatten(output)
+            except CrossingError as error:
+                raise ExecutorError(explain(error, self.module, self.describe)) from None
+        else:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
-            value = outputs[0] if len(outputs) == 1 else tuple(outputs)
-            flight.loss = self._feed.loss(value, i)
+            flight.loss = self._feed.loss(output, i)
             self.losses.add(action.batch, (MinibatchLoss(i, float(flight.loss.detach())),))
         self._flight[i] = flight
 
@@ -310,7 +299,7 @@ class StageExecutor:
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)
-                if out.requires_grad
+                if out.requires_grad and grad.shape == out.shape
             ]
             roots = [p[0] for p in pairs]
             grads = [p[1].to(p[0].device) for p in pairs]
@@ -444,6 +433,7 @@ class StageExecutor:
 
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+_NO_GRADIENT = torch.zeros(0)
 _TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
 
 

@@ -3,8 +3,10 @@
 A Lightning batch is split along dim 0 into ``microbatches`` equal slices. The first stage takes
 each slice's inputs: ``pipeline_split_batch(batch)[0]`` when the LightningModule defines it, the
 first element of an ``(inputs, targets)`` pair, or a lone tensor as it is; one rule for training
-and evaluation alike. The last stage runs the user's ``training_step`` (or evaluation hook) on
-the whole slice, with ``self(x)`` returning the pipeline's output for it.
+and evaluation alike. The inputs may be any structure (a tensor, a tuple, a dict...): the first
+layer gets them as its one argument, as ``nn.Sequential`` would. The last stage runs the user's
+``training_step`` (or evaluation hook) on the whole slice, with ``self(x)`` returning the
+pipeline's output for it: whatever the last layer returned.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from pl_pipedream.runtime.boundary import map_tensors
 
 __all__ = [
     "TrainingBatch",
@@ -135,20 +139,15 @@ def shape_forward(layers: nn.Sequential) -> Callable[..., Any]:
     weights."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        value: Any = tuple(_to_meta(a) for a in args)
+        # model(x) passes x on as it is; model(*example) for a tuple example passes the tuple
+        value: Any = _to_meta(args[0] if len(args) == 1 else (args or kwargs))
         for layer in layers:
             state = {n: _to_meta(t) for n, t in (*layer.named_parameters(), *layer.named_buffers())}
-            value = torch.func.functional_call(
-                layer, state, value if isinstance(value, tuple) else (value,)
-            )
+            value = torch.func.functional_call(layer, state, (value,))
         return value
 
     return forward
 
 
 def _to_meta(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to("meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
+    return map_tensors(lambda t: t.detach().to("meta"), value)

@@ -1,7 +1,8 @@
 """Validation, test and predict: forward-only through the first replica of every stage.
 
 The pipeline is drained before evaluation starts, so evaluation messages never mix with training
-ones. Each batch goes through the stages in order, one message per boundary; the last stage runs
+ones. Each batch goes through the stages in order, one message per boundary (whatever structure a
+stage returns, as in training: ``runtime.boundary``); the last stage runs
 the user's hook (``validation_step``, ...) with ``self(x)`` returning the pipeline's output.
 Predictions travel from the last stage to rank 0, which returns them to the user. Metrics the
 last stage logged are shared with every rank (``lightning_patches.share_evaluation_metrics``),
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Message
-from pl_pipedream.runtime.executor import as_tensors
+from pl_pipedream.runtime.executor import ExecutorError
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
 from pl_pipedream.strategy.stage import LocalStage
 
@@ -51,14 +53,16 @@ class EvaluationPipe:
         what = f"the {hook.split('_')[0]} activations of batch {batch_idx}"
         with torch.no_grad():
             if stage.index == 0:
-                inputs = as_tensors(first_stage_input(module, batch))
+                value = first_stage_input(module, batch)
             else:
                 source = self.plan.stages[stage.index - 1].ranks[0]
-                inputs = self.channel.recv(source, TAG_EVALUATION, what).tensors
-            output = self.local.module(*inputs)
+                message = self.channel.recv(source, TAG_EVALUATION, what)
+                value = unflatten(message.tensors, message.structure)
+            output = self.local.module(value)  # one argument, as nn.Sequential passes it on
             if stage.index < self.plan.num_stages - 1:
+                message = self._message(output)  # fails here, before anything is sent
                 target = self.plan.stages[stage.index + 1].ranks[0]
-                self.channel.send(Message(as_tensors(output)), target, TAG_EVALUATION, what)
+                self.channel.send(message, target, TAG_EVALUATION, what)
                 return None
             with forward_returns(module, output):
                 return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
@@ -70,12 +74,22 @@ class EvaluationPipe:
             return result
         what = f"the predictions of batch {batch_idx}"
         if self.rank == last:
-            self.channel.send(Message(as_tensors(result)), 0, TAG_PREDICTIONS, what)
+            self.channel.send(self._message(result), 0, TAG_PREDICTIONS, what)
             return None
         if self.rank == 0:
-            tensors = self.channel.recv(last, TAG_PREDICTIONS, what).tensors
-            return tensors[0] if len(tensors) == 1 else tuple(tensors)
+            message = self.channel.recv(last, TAG_PREDICTIONS, what)
+            # the user keeps predictions: copies, not views that hold on to the whole frame
+            return map_tensors(torch.clone, unflatten(message.tensors, message.structure))
         return None
+
+    def _message(self, value: Any) -> Message:
+        """``value`` flattened into one message, or an error naming the layer and the stage."""
+        try:
+            tensors, structure = flatten(value)
+        except CrossingError as error:
+            where = f"rank {self.rank} (stage {self.local.stage.index})"
+            raise ExecutorError(explain(error, self.local.module, where)) from None
+        return Message(tensors, structure=structure)
 
     @property
     def metrics_source(self) -> int:

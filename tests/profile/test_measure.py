@@ -244,3 +244,29 @@ def test_importing_the_profile_package_does_not_import_torch() -> None:
         "assert callable(p.profile_layers) and 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_every_tensor_crossing_a_cut_is_measured_and_reaches_the_planner() -> None:
+    """The Seq2Seq example's boundaries are dicts and tuples holding float and int64 tensors,
+    an LSTM state pair, None and a float; the profile sums every tensor's bytes, and the plan
+    charges a stage for all of them at the cut before it."""
+    from pl_pipedream.models.seq2seq import Seq2Seq
+    from pl_pipedream.planner import Topology
+    from pl_pipedream.planner.optimize import plan
+
+    batch, length, hidden = 4, 6, 8
+    layers = Seq2Seq((length,), 12, hidden=hidden).configure_pipeline()
+    tokens = torch.randint(2, 12, (batch, length))
+    result = profile(layers, (tokens, tokens))
+    sequence = batch * length * hidden * 4.0
+    assert sorted(result.nodes[0].activation_bytes) == sorted(
+        (sequence, sequence, batch * length * 8.0)  # memory, stream, int64 source; state None
+    )
+    encoder = result.nodes[1].activation_bytes  # memory, stream, source, (h, c)
+    assert sorted(encoder) == sorted(
+        (sequence, sequence, batch * length * 8.0, *[batch * hidden * 4.0] * 2)
+    )
+    assert result.nodes[2].output_bytes == 2 * sequence + batch * length * 8.0  # + a float
+    chosen = plan(result, Topology.flat(2, 1e6), straight=True)
+    by_id = {node.node_id: node for node in result.nodes}
+    assert chosen.stages[1].input_bytes == by_id[chosen.stages[0].nodes[-1]].output_bytes

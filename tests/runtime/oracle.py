@@ -17,12 +17,18 @@ own: minibatch i uses version max(0, i - (p-1)) in the per-minibatch modes (one 
 minibatch), the mode's batch version otherwise (one update per batch, mean over its
 microbatches); every update applies the gradient summed over all uses, from an optimizer of its
 own (the optimizers here keep per-parameter state, so this equals one optimizer over both).
+
+Every layer is called as ``nn.Sequential`` calls it: with one argument, the microbatch's inputs
+(a tensor, or any tuple, list or dict of them) for the first, the previous layer's output
+(whatever it is) for the others. Inputs and targets are split into microbatches along dim 0,
+tensor by tensor.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +63,7 @@ def train(
     model: nn.Sequential,
     plan: Plan,
     sync: str,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    batches: Sequence[tuple[Any, Any]],
     num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -78,7 +84,7 @@ def train(
     counts = [0 for _ in stages]
     m = num_microbatches
     for t, (x, y) in enumerate(batches):
-        xs, ys = x.chunk(m), y.chunk(m)
+        xs, ys = chunk(x, m), chunk(y, m)
         for j in range(m):
             i = t * m + j
             params = [history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))]
@@ -116,6 +122,20 @@ def _ties(stages: list[nn.ModuleDict]) -> dict[int, nn.Parameter]:
             users.setdefault(id(param), set()).add(s)
             objects[id(param)] = param
     return {key: objects[key] for key, used in users.items() if len(used) > 1}
+
+
+def chunk(value: Any, m: int) -> list[Any]:
+    """``value`` (a tensor, or tuples, lists and dicts of tensors) split along dim 0 into ``m``
+    equal parts; anything else is repeated."""
+    if isinstance(value, torch.Tensor):
+        return list(value.chunk(m))
+    if isinstance(value, (tuple, list)):
+        parts = [chunk(item, m) for item in value]
+        return [type(value)(p[j] for p in parts) for j in range(m)]
+    if isinstance(value, dict):
+        split = {key: chunk(item, m) for key, item in value.items()}
+        return [{key: item[j] for key, item in split.items()} for j in range(m)]
+    return [value] * m
 
 
 def _own(stage: nn.ModuleDict, ties: dict[int, nn.Parameter]) -> list[nn.Parameter]:

@@ -2,7 +2,10 @@
 
 Run as ``python tests/strategy/fit_script.py --sync async --balance 3 3 --microbatches 2 --out
 DIR``: Lightning's script launcher starts the other ranks by re-running this file. Every rank
-saves the sharded checkpoint; rank 0 consolidates it into ``DIR/weights.pt``.
+saves the sharded checkpoint; rank 0 consolidates it into ``DIR/weights.pt``. ``--model
+seq2seq`` trains the Seq2Seq example instead (SGD as ``tests.runtime.test_boundary.sgd``),
+with the model summary on, and validates through the pipeline afterwards (``val_loss`` in
+``done.json``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
 from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
+from pl_pipedream.models.seq2seq import Seq2Seq  # noqa: E402
+from tests.runtime.test_boundary import seq2seq_batches  # noqa: E402
 from tests.runtime.test_executor import make_batches  # noqa: E402
 from tests.strategy.test_lightning_features import Net  # noqa: E402
 
@@ -36,6 +41,7 @@ def main() -> None:
     parser.add_argument("--strategy-name", action="store_true", help='use strategy="pipedream"')
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2, help="with --balance 0")
+    parser.add_argument("--model", choices=("mlp", "seq2seq"), default="mlp")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for config in args.configs:
@@ -58,6 +64,20 @@ class RecordCpus(Callback):
         (self.out / f"cpus-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def seq2seq_net() -> Seq2Seq:
+    """The Seq2Seq example as ``tests.runtime.test_boundary.seq2seq_model`` builds its layers."""
+    torch.manual_seed(0)
+    return Seq2Seq((6,), 12, hidden=8, optimizer="sgd", lr=0.05, momentum=0.5)
+
+
+def seq2seq_loader(m: int, batch_size: int) -> DataLoader:
+    """``seq2seq_batches(m)`` as (source, decoder input, target) rows, in order."""
+    batches = seq2seq_batches(m)
+    columns = [torch.cat([b[0][0] for b in batches]), torch.cat([b[0][1] for b in batches])]
+    data = TensorDataset(*columns, torch.cat([b[1] for b in batches]))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
 def thread_cpus() -> list[list[int]]:
     """The cores of every thread of this process."""
     return [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
@@ -65,9 +85,12 @@ def thread_cpus() -> list[list[int]]:
 
 def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
     m = args.microbatches
-    batches = make_batches(m)
-    data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    loader = DataLoader(data, batch_size=2 * m, shuffle=False)
+    if args.model == "seq2seq":
+        module, loader = seq2seq_net(), seq2seq_loader(m, 2 * m)
+    else:
+        batches = make_batches(m)
+        data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        module, loader = Net(optimizer), DataLoader(data, batch_size=2 * m, shuffle=False)
     if args.balance == [0]:  # plan automatically at setup
         strategy = (
             "pipedream"
@@ -89,13 +112,14 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         max_epochs=1,
         use_distributed_sampler=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=args.model == "seq2seq",  # its shape forward on every rank
         logger=False,
         enable_checkpointing=False,
         callbacks=[RecordCpus(out)] if hasattr(os, "sched_getaffinity") else [],
     )
-    trainer.fit(Net(optimizer), loader)
+    trainer.fit(module, loader)
     trainer.save_checkpoint(out / "run.ckpt")
+    validated = trainer.validate(module, loader, verbose=False) if args.model == "seq2seq" else []
     if trainer.is_global_zero:
         torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")
         loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
@@ -104,6 +128,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
                 {
                     "global_step": trainer.global_step,
                     "loss": loss,
+                    "val_loss": validated[0]["val_loss"] if validated else None,
                     "threads_after": thread_cpus() if hasattr(os, "sched_getaffinity") else [],
                 }
             )

@@ -122,3 +122,64 @@ def test_fit_validate_test_predict_on_three_stages(tmp_path) -> None:
     assert tested[0]["test_acc"] > 0.5
     # Lightning returns no predictions from spawned processes; the script test checks them.
     trainer.predict(model, data(48), return_predictions=False)
+
+
+class Handover(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        return {"x": x, "layer": self}
+
+
+class HandsOverAModule(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.handover = Handover()
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return nn.Sequential(self.body[0], self.handover, nn.Identity())
+
+
+def test_evaluation_names_the_layer_whose_output_cannot_cross() -> None:
+    from pl_pipedream.runtime.executor import ExecutorError
+
+    model = HandsOverAModule()
+    plan = Plan.from_balance([2, 1])
+    local = cut_stage(model, model.configure_pipeline(), plan, 0)
+    pipe = EvaluationPipe(plan, local, channel=None, rank=0)  # type: ignore[arg-type]
+    with pytest.raises(ExecutorError, match=r"\(layer 1: Handover, on rank 0 \(stage 0\), "):
+        pipe.run(model, "validation_step", (torch.randn(4, 8), None), 0)
+
+
+def _predict_seq2seq(rank: int, world: int) -> object:
+    from pl_pipedream.runtime.channel import Channel
+    from tests.runtime.test_boundary import seq2seq_batches
+    from tests.strategy.fit_script import seq2seq_net
+
+    class Predicting(type(seq2seq_net())):  # type: ignore[misc]
+        def predict_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            tokens, _ = self.pipeline_split_batch(batch)
+            return {"tokens": self(tokens).argmax(-1), "batch": batch_idx, "none": None}
+
+    model = seq2seq_net()
+    model.__class__ = Predicting
+    (source, decoder_input), target = seq2seq_batches(2)[0]
+    plan = Plan.from_balance([2, 3])
+    local = cut_stage(model, model.configure_pipeline(), plan, rank)
+    pipe = EvaluationPipe(plan, local, Channel(rank, torch.device("cpu"), timeout=30.0), rank)
+    result = pipe.run(model, "predict_step", (source, decoder_input, target), 7)
+    return pipe.predictions_to_rank_zero(result, 7)
+
+
+@pytest.mark.slow
+def test_structured_activations_and_predictions_cross_to_the_next_stage_and_rank_zero() -> None:
+    from tests.runtime.distributed import run
+    from tests.runtime.test_boundary import seq2seq_batches
+    from tests.strategy.fit_script import seq2seq_net
+
+    results = run(2, _predict_seq2seq, timeout=120.0)
+    assert all(status == "ok" for status, _ in results.values()), results
+    got = results[0][1]
+    (source, decoder_input), _ = seq2seq_batches(2)[0]
+    expected = seq2seq_net()((source, decoder_input)).argmax(-1)
+    assert set(got) == {"tokens", "batch", "none"} and got["none"] is None and got["batch"] == 7
+    assert torch.equal(got["tokens"], expected)
+    assert results[1][1] is None

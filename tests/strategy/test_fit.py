@@ -39,6 +39,7 @@ CASES = {
 def launch(
     tmp_path: Path, balance, replicas, m, configs, accelerator="cpu", extra=()
 ) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """Run ``fit_script.py``; children import this checkout (PYTHONPATH is inherited)."""
     command = [
         sys.executable,
         str(SCRIPT),
@@ -111,3 +112,54 @@ def test_each_cpu_rank_trains_on_cores_of_its_own_and_gets_all_back(tmp_path: Pa
         assert all(
             cpus == pool for cpus in json.loads((out / "done.json").read_text())["threads_after"]
         )
+
+
+SEQ2SEQ_LAYERS = ("embed", "encoder", "decoder", "attention", "head")  # configure_pipeline order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "balance"), [(2, [1, 4]), (3, [2, 1, 2])])
+def test_seq2seq_with_several_tensors_per_boundary_trains_and_validates(
+    tmp_path: Path, world: int, balance: list[int]
+) -> None:
+    """The Seq2Seq example through the Trainer: every mode equals the oracle, ``flush`` equals
+    one device (plain Lightning, ``accumulate_grad_batches``), and validation through the
+    pipeline gives one device's ``val_loss``."""
+    from lightning.pytorch import Trainer
+
+    from tests.runtime import test_boundary
+    from tests.runtime.test_boundary import seq2seq_batches, seq2seq_loss, seq2seq_model, sgd
+    from tests.strategy.fit_script import seq2seq_loader, seq2seq_net
+
+    m = world  # 2bw needs as many microbatches as stages
+    configs = [f"{sync}:sgd" for sync in MODES]
+    result = launch(tmp_path, balance, None, m, configs, extra=["--model", "seq2seq"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = Plan.from_balance(balance)
+    got = {sync: torch.load(tmp_path / f"{sync}-sgd" / "weights.pt") for sync in MODES}
+    for sync in MODES:
+        expected = oracle.train(
+            seq2seq_model(), plan, sync, seq2seq_batches(m), m, seq2seq_loss, sgd
+        )
+        for key, tensor in expected.items():
+            index, _, rest = key.partition(".")
+            diff = (got[sync][f"{SEQ2SEQ_LAYERS[int(index)]}.{rest}"] - tensor).abs().max().item()
+            assert diff <= 1e-5, f"{sync} {key}: {diff}"
+    reference = seq2seq_net()
+    settings = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
+    one = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=m,
+        enable_checkpointing=False,
+        **settings,
+    )
+    one.fit(reference, seq2seq_loader(m, 2))  # microbatch-sized batches, accumulated
+    for key, tensor in reference.state_dict().items():
+        diff = (got["flush"][key] - tensor).abs().max().item()
+        assert diff <= 1e-5, f"flush against one device {key}: {diff}"
+    val_loss = one.validate(reference, seq2seq_loader(m, 2 * m), verbose=False)[0]["val_loss"]
+    done = json.loads((tmp_path / "flush-sgd" / "done.json").read_text())
+    assert done["global_step"] == test_boundary.NUM_BATCHES
+    assert abs(done["val_loss"] - val_loss) <= 1e-5

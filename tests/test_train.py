@@ -61,7 +61,7 @@ def test_every_combination_composes_and_resolves() -> None:
             assert cfg.strategy.sync == choice[GROUPS.index("sync")]
             assert cfg.data.batch_size % cfg.strategy.microbatches == 0
             assert cfg.strategy.timeline == "/tmp/x/timeline.json"
-    assert len(combinations) == 3 * 3 * 4 * 5 * 2
+    assert len(combinations) == 4 * 4 * 4 * 5 * 2
 
 
 def test_defaults_are_the_main_job() -> None:

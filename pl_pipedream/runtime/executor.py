@@ -34,6 +34,7 @@ from torch.func import functional_call
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
+from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.stash import WeightStash
@@ -133,8 +134,7 @@ class StageExecutor:
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
-        self._accumulated: dict[str, torch.Tensor] = {}
-        self._writable: set[str] = set()  # names whose sum is a tensor this executor allocated
+        self._accumulated = GradientSums()  # of the update under way
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
@@ -309,12 +309,8 @@ class StageExecutor:
             found = torch.autograd.grad(roots, wanted, grads, allow_unused=True)
         else:
             found = []
-        shared = _repeated_ids(found)
-        for name, grad in zip(
-            [n for n, p in params.items() if p.requires_grad], found[: len(leaves)], strict=True
-        ):
-            if grad is not None:
-                self._accumulate(name, grad, copy=id(grad) in shared)
+        names = [n for n, p in params.items() if p.requires_grad]
+        self._accumulated.add(names, found[: len(leaves)])
         for tensor, grad in zip(
             [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
         ):
@@ -328,34 +324,12 @@ class StageExecutor:
             self._flight.pop(i)
         self._release()
 
-    def _accumulate(self, name: str, grad: torch.Tensor, copy: bool) -> None:
-        """Add ``grad`` to the update's sum. Autograd returns a fresh tensor, so the first one is
-        kept without a copy (a copy of a large gradient costs as much as a small backward); it
-        is changed in place only once the sum is a tensor this executor made. ``copy`` is for a
-        tensor autograd also returned elsewhere (the same gradient for two leaves)."""
-        held = self._accumulated.get(name)
-        if held is None:
-            self._accumulated[name] = grad.clone() if copy else grad
-            if copy:
-                self._writable.add(name)
-        elif name in self._writable:
-            held += grad
-        else:
-            self._accumulated[name] = held + grad
-            self._writable.add(name)
-
     # ----- updates ----------------------------------------------------------------------------
 
     def _take_linear_sums(self) -> None:
         """Move the sums the Linear layers kept into the update's gradients."""
-        if self.linear_sums is None:
-            return
-        for name, total in self.linear_sums.take().items():
-            held = self._accumulated.get(name)
-            if held is not None:  # the same weight also reached autograd elsewhere
-                total += held
-            self._accumulated[name] = total
-            self._writable.add(name)
+        if self.linear_sums is not None:
+            self._accumulated.add_totals(self.linear_sums.take())
 
     def _allreduce(self, action: Action) -> None:
         self._take_linear_sums()
@@ -378,24 +352,17 @@ class StageExecutor:
             for n, p in reduced:
                 size = p.numel()
                 self._accumulated[n] = flat[offset : offset + size].view_as(p)
-                self._writable.add(n)
                 offset += size
         if self.microbatches is not None and action.batch is not None:
             self.losses.share(action.batch, self.microbatches, self.replica_group)
 
     def _step(self, action: Action) -> None:
         self._take_linear_sums()
-        self._writable |= self.ties.reduce(self._accumulated, self.module)
+        self.ties.reduce(self._accumulated, self.module)
         live = self.stash.live_version
         if self._last_use.get(live, -1) > self.position:
             self.stash.get(live)
-        count = self.update_size
-        gradients: dict[str, torch.Tensor] = {}
-        for name, grad in self._accumulated.items():
-            if count != 1:
-                grad = grad.div_(count) if name in self._writable else grad / count
-            gradients[name] = grad
-        self._accumulated, self._writable = {}, set()
+        gradients = self._accumulated.mean(self.update_size)
         if self._update is None:
             raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
         self._release()
@@ -451,13 +418,3 @@ def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Li
                 following[last[link]] = link
             last[link] = position
     return list(last), following
-
-
-def _repeated_ids(tensors: Sequence[torch.Tensor | None]) -> set[int]:
-    """Ids of the tensor objects that occur more than once in ``tensors``."""
-    seen: set[int] = set()
-    repeated: set[int] = set()
-    for tensor in tensors:
-        if tensor is not None:
-            (repeated if id(tensor) in seen else seen).add(id(tensor))
-    return repeated

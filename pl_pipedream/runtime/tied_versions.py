@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.gradient_sums import GradientSums
 
 __all__ = ["TAG_TIED", "HeldTie", "TiedVersions"]
 
@@ -96,7 +97,7 @@ class TiedVersions:
         live = dict(self.module.named_parameters())
         return {tie.name: live[tie.name].data.requires_grad_(True) for tie in self.held}
 
-    def contribute(self, i: int, accumulated: dict[str, torch.Tensor]) -> None:
+    def contribute(self, i: int, accumulated: GradientSums | dict[str, torch.Tensor]) -> None:
         """After the backward pass of minibatch i: take its partial gradients out of the stage's
         update (``accumulated``) and send them to the other holders."""
         if i != self.contributed:

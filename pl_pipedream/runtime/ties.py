@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pl_pipedream.runtime.gradient_sums import GradientSums
+
 __all__ = ["TiedGradients", "TiedGroup"]
 
 
@@ -62,7 +64,9 @@ class TiedGradients:
     def names(self) -> set[str]:
         return {name for name, _ in self.held}
 
-    def reduce(self, accumulated: dict[str, torch.Tensor], module: nn.Module) -> set[str]:
+    def reduce(
+        self, accumulated: GradientSums | dict[str, torch.Tensor], module: nn.Module
+    ) -> set[str]:
         """Replace each held tie's partial gradient sum in ``accumulated`` by the sum over all
         holders (zeros where this rank had no use of it); returns the names replaced."""
         if not self.held:

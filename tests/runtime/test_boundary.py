@@ -21,7 +21,6 @@ from torch import nn
 from pl_pipedream.data.sequences import PAD, SequenceDataModule
 from pl_pipedream.models.seq2seq import Seq2Seq
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime import update
 from pl_pipedream.runtime.boundary import CrossingError, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, Message, _layout_of, _pack, _unpack
 from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
@@ -30,7 +29,7 @@ from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime import oracle
 from tests.runtime.distributed import run
-from tests.runtime.test_executor import MODES
+from tests.runtime.test_executor import MODES, optimizer_update
 
 Pair = namedtuple("Pair", "left right")
 NUM_BATCHES = 4
@@ -183,16 +182,7 @@ def _train_stage(rank: int, name: str, plan: Plan, sync: str, m: int) -> dict[st
     xs = [x for batch in batches for x in oracle.chunk(batch[0], m)]
     ys = [y for batch in batches for y in oracle.chunk(batch[1], m)]
 
-    def apply_update(gradients: dict[str, torch.Tensor], storage: Any) -> int:
-        if optimizer is None:
-            return 0
-        params = dict(module.named_parameters())
-        for key, param in params.items():
-            param.grad = gradients.get(key)
-        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
-        optimizer.zero_grad(set_to_none=True)
-        return copied
-
+    apply_update = optimizer_update(module, optimizer)
     executor = StageExecutor(
         module,
         rank,

@@ -60,16 +60,7 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
     xs = [x for batch in batches for x in batch[0].chunk(m)]
     ys = [y for batch in batches for y in batch[1].chunk(m)]
 
-    def apply_update(gradients: dict[str, torch.Tensor], storage) -> int:  # type: ignore[no-untyped-def]
-        if optimizer is None:  # a stage without parameters
-            return 0
-        params = dict(module.named_parameters())
-        for name, param in params.items():
-            param.grad = gradients.get(name)
-        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
-        optimizer.zero_grad(set_to_none=True)
-        return copied
-
+    apply_update = optimizer_update(module, optimizer)
     executor = StageExecutor(
         module,
         rank,
@@ -142,3 +133,19 @@ def test_the_oracle_tells_the_modes_apart() -> None:
             if a < b and {a, b} != {"flush", "gpipe"}:
                 diff = max((results[a][k] - results[b][k]).abs().max().item() for k in results[a])
                 assert diff > 1e-4, (a, b)
+
+
+def optimizer_update(module: nn.Module, optimizer: torch.optim.Optimizer | None):  # type: ignore[no-untyped-def]
+    """The executor's ``Update`` for a stage stepped by ``optimizer`` (None: no parameters)."""
+
+    def apply_update(gradients: dict[str, torch.Tensor], storage) -> int:  # type: ignore[no-untyped-def]
+        if optimizer is None:
+            return 0
+        params = dict(module.named_parameters())
+        for name, param in params.items():
+            param.grad = gradients.get(name)
+        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
+        optimizer.zero_grad(set_to_none=True)
+        return copied
+
+    return apply_update

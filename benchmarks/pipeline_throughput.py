@@ -43,6 +43,12 @@ configurations the executor's timeline splits each rank's time per batch by acti
 #   by 0.002); async-1 / torch best 2.229 (met); flush-8 / torch-1F1B-8 1.224 (1.282, 1.130,
 #   1.224: met). Bound over unbound async-1: 0.982 (0.982, 0.973, 1.033).
 #
+# Before and after the restructure of issues 10 and 11 (175e7ba against 0646e4a), interleaved,
+# three rounds of `--configs single ours-async-1 ours-flush-8 torch-1F1B-8 --repeats 1 --steps 24`
+# on another 2-core VM (one process: 501-522 samples/s): async-1 efficiency 0.924, 0.916, 0.896
+# before and 0.928, 0.876, 0.956 after; flush-8 / torch-1F1B-8 1.19, 1.20, 1.10 before and 1.18,
+# 1.17, 1.18 after.
+#
 # Earlier runs of the same command: 6dd8aff (before binding): async-1 efficiency 0.809 (0.809,
 # 0.922, 0.767), flush-8 / torch-1F1B-8 1.170; db06dee: 0.906 (0.914, 0.831, 0.932) and 1.128.
 #

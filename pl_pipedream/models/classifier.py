@@ -31,6 +31,7 @@ class PipelineClassifier(LightningModule):
         optimizer: ``"sgd"`` or ``"adam"``.
         lr: learning rate.
         momentum: SGD momentum (ignored by Adam).
+        weight_decay: L2 penalty on every parameter, as the optimizer applies it.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class PipelineClassifier(LightningModule):
         optimizer: str = "adam",
         lr: float = 1e-3,
         momentum: float = 0.0,
+        weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -52,6 +54,7 @@ class PipelineClassifier(LightningModule):
         self.optimizer_name = optimizer
         self.lr = float(lr)
         self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
         self.example_input_array = torch.zeros(2, *self.input_shape)
         self.val_acc = MulticlassAccuracy(num_classes=self.num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=self.num_classes)
@@ -86,5 +89,10 @@ class PipelineClassifier(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
+            return torch.optim.SGD(
+                self.parameters(),
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+            )
+        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

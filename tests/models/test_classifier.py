@@ -88,11 +88,12 @@ def test_validation_and_test_log_loss_and_accuracy() -> None:
 
 @pytest.mark.parametrize(("name", "kind"), [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam)])
 def test_the_optimizer_is_the_one_named(name: str, kind: type) -> None:
-    model = Linear(optimizer=name, lr=0.25, momentum=0.5)
+    model = Linear(optimizer=name, lr=0.25, momentum=0.5, weight_decay=0.125)
     optimizer = model.configure_optimizers()
     assert type(optimizer) is kind
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.25
+    assert group["weight_decay"] == 0.125
     assert group["params"] == list(model.parameters())
     if name == "sgd":
         assert group["momentum"] == 0.5

@@ -281,12 +281,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rows", nargs="*", default=["all"], help="row ids (e.g. vgg16_A_4x4) or all (default)"
     )
     parser.add_argument(
-        "--table", type=Path, default=DEFAULT_TABLE, help="Table 1 CSV (pipedream_table1.csv)"
+        "--table",
+        type=Path,
+        default=DEFAULT_TABLE,
+        metavar="PATH",
+        help="Table 1 CSV (pipedream_table1.csv)",
     )
     parser.add_argument(
-        "--profiles", type=Path, default=DEFAULT_PROFILES, help="PipeDream's published profiles"
+        "--profiles",
+        type=Path,
+        default=DEFAULT_PROFILES,
+        metavar="DIR",
+        help="PipeDream's published profiles",
     )
-    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    parser.add_argument(
+        "--markdown", type=Path, metavar="PATH", help="also write the table as Markdown here"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
 
 

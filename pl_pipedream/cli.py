@@ -5,7 +5,10 @@ Subcommands:
 * ``plan --profile PATH --workers N [N ...] --bandwidth B [B ...]`` runs PipeDream's optimizer
   and prints the stages (or one JSON object with ``--json``);
 * ``simulate`` plans the same way (or reads ``--plan plan.json``), builds the schedule of a sync
-  mode and prints its timeline and figures.
+  mode and prints its timeline and figures;
+* ``reproduce [ROW ...|all]`` plans PipeDream's published profiles for the rows of the paper's
+  Table 1 and prints the paper's configuration and speedup beside the planner's
+  (``pl_pipedream.reproduce``).
 
 This module imports neither torch nor Lightning (planner and schedule are pure Python), so
 neither command pays for loading them.
@@ -24,6 +27,8 @@ from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.planner.states import StateSpaceError
 from pl_pipedream.planner.topology import Topology, TopologyError
 from pl_pipedream.profile.graph import Profile, ProfileError
+from pl_pipedream.reproduce import add_arguments as add_reproduce_arguments
+from pl_pipedream.reproduce import run as run_reproduce
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
 __all__ = ["main"]
@@ -90,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
     simulate.add_argument("--no-table", action="store_true", help="omit the timeline table")
+
+    reproduce = commands.add_parser(
+        "reproduce", help="PipeDream's Table 1 beside the planner's prediction for each row"
+    )
+    add_reproduce_arguments(reproduce)
     return parser
 
 
@@ -160,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _run_plan(args, parser)
+        if args.command == "reproduce":
+            return run_reproduce(args)
         return _run_simulate(args, parser)
     except (ProfileError, PlanError, TopologyError, StateSpaceError, ValueError) as error:
         print(f"pl-pipedream {args.command}: error: {error}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The package's layering, read from the source (AST): a lower layer never imports a higher one.
 
 Layers, lowest first: profile < planner < schedule < runtime < strategy < the example models and
-data modules < the apps (cli, train, hydra_ranks, the Hydra configs, the package's own
+data modules < the apps (cli, reproduce, train, hydra_ranks, the Hydra configs, the package's own
 ``__init__``). A unit may import itself and any lower layer; models and data, though on one
 layer, do not import each other; the apps may import one another. Every import counts: at module
 level, inside functions, under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``,
@@ -9,9 +9,9 @@ level, inside functions, under ``TYPE_CHECKING``, absolute (``import pl_pipedrea
 (``from ..x import y``, ``from . import x``).
 
 Two more rules ride on the same reading: only the strategy and the Lightning apps (models, data,
-train) import Lightning, and the pure layers (planner, schedule, the profile's graph) import
-neither torch nor Lightning. Last, the tests mirror the package: ``pl_pipedream/a/b.py`` is
-tested in ``tests/a/test_b.py``.
+train) import Lightning, and the pure layers (planner, schedule, the profile's graph) and the
+command-line modules (cli, reproduce) import neither torch nor Lightning. Last, the tests mirror
+the package: ``pl_pipedream/a/b.py`` is tested in ``tests/a/test_b.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"runtime"}),
     frozenset({"strategy"}),
     frozenset({"models", "data"}),
-    frozenset({"cli", "train", "hydra_ranks", "configs", "__init__"}),
+    frozenset({"cli", "reproduce", "train", "hydra_ranks", "configs", "__init__"}),
 )
 APPS = LAYERS[-1]
 RANK = {unit: number for number, layer in enumerate(LAYERS) for unit in layer}
@@ -42,7 +42,7 @@ LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 TORCH = frozenset({"torch"})
 LIGHTNING_USERS = frozenset({"strategy", "models", "data", "train"})
 # Modules that must import neither torch nor Lightning (paths relative to the package).
-PURE = ("planner", "schedule", "profile/graph.py", "profile/__init__.py")
+PURE = ("planner", "schedule", "profile/graph.py", "profile/__init__.py", "cli.py", "reproduce.py")
 
 
 def unit_of(path: Path) -> str:

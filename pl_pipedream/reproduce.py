@@ -1,0 +1,311 @@
+"""``pl-pipedream reproduce``: PipeDream's Table 1 next to what our planner predicts for it.
+
+For each row of the paper's Table 1 (SOSP 2019) that a published profile covers, the planner
+partitions PipeDream's own profile of the model over the row's cluster and the command prints the
+paper's configuration and speedup over data parallelism beside ours. The rows come from the table
+kept beside the repository (``--table``, default ``../shared/data/pipedream_table1.csv``), which
+holds only the cells checked against the paper; the profiles from ``--profiles``.
+
+The prediction is the planner's: data-parallel time per minibatch (ring all-reduce at the
+cluster's bandwidths) over the pipeline's slowest stage time, both from the same cost model. The
+paper measured epoch time (or time to accuracy where that is all the table has) on real GPUs.
+
+Like the rest of the CLI this module imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pl_pipedream.planner.optimize import plan as make_plan
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Level, Topology
+from pl_pipedream.profile.graph import Profile
+
+__all__ = [
+    "ReproduceError",
+    "Row",
+    "Outcome",
+    "add_arguments",
+    "cluster_topology",
+    "read_table",
+    "render_config",
+    "reproduce",
+    "run",
+]
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_TABLE = SHARED / "pipedream_table1.csv"
+DEFAULT_PROFILES = SHARED / "pipedream_profiles"
+CLUSTERS = Path(__file__).resolve().parent / "configs" / "cluster"
+
+# PipeDream's published profiles (profiler output, graph.txt) by Table 1 model name.
+PROFILE_OF = {
+    "VGG-16": "vgg16",
+    "AlexNet": "alexnet",
+    "ResNet-50": "resnet50",
+    "GNMT-8": "gnmt",
+    "GNMT-16": "gnmt_large",
+}
+# Rows Table 1 has whose cells the checked table does not hold: planned, paper cells left out.
+UNCHECKED_ROWS = (("GNMT-8", "A", 1, 4), ("GNMT-8", "A", 3, 4), ("GNMT-8", "B", 2, 8))
+NOT_CHECKED = "not in the checked table"
+NO_PROFILE = "no published profile"
+HEADER = ("row", "paper config", "our config", "paper speedup", "predicted", "predicted/paper")
+
+
+class ReproduceError(ValueError):
+    """A table, profile or row the reproduction cannot use."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One Table 1 row: model, cluster, servers x GPUs and the paper's checked cells (or None)."""
+
+    model: str
+    cluster: str
+    servers: int
+    gpus_per_server: int
+    config: str | None = None
+    speedup_epoch: float | None = None
+    speedup_tta: float | None = None
+
+    @property
+    def id(self) -> str:
+        model = self.model.lower().replace("-", "")
+        return f"{model}_{self.cluster}_{self.servers}x{self.gpus_per_server}"
+
+    @property
+    def paper_speedup(self) -> tuple[float, str] | None:
+        """The paper's speedup over data parallelism and what it measures (epoch time first)."""
+        if self.speedup_epoch is not None:
+            return self.speedup_epoch, "epoch"
+        if self.speedup_tta is not None:
+            return self.speedup_tta, "TTA"
+        return None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A row with our plan for it, or None where no published profile covers the model."""
+
+    row: Row
+    plan: Plan | None = None
+
+    @property
+    def config(self) -> str | None:
+        return render_config(self.plan) if self.plan is not None else None
+
+    @property
+    def predicted(self) -> float | None:
+        return self.plan.speedup_over_data_parallel if self.plan is not None else None
+
+    @property
+    def ratio(self) -> float | None:
+        paper = self.row.paper_speedup
+        if self.predicted is None or paper is None:
+            return None
+        return self.predicted / paper[0]
+
+    def cells(self) -> tuple[str, ...]:
+        paper = self.row.paper_speedup
+        paper_cell = NOT_CHECKED if paper is None else f"{paper[0]:.2f}x ({paper[1]})"
+        predicted = "-" if self.predicted is None else f"{self.predicted:.2f}x"
+        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}"
+        return (
+            self.row.id,
+            self.row.config or NOT_CHECKED,
+            self.config or NO_PROFILE,
+            paper_cell,
+            predicted,
+            ratio,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        paper = self.row.paper_speedup
+        return {
+            "row": self.row.id,
+            "model": self.row.model,
+            "cluster": self.row.cluster,
+            "servers": self.row.servers,
+            "gpus_per_server": self.row.gpus_per_server,
+            "paper_config": self.row.config,
+            "paper_speedup_epoch": self.row.speedup_epoch,
+            "paper_speedup_tta": self.row.speedup_tta,
+            "ratio_against": None if paper is None else paper[1],
+            "profile": PROFILE_OF.get(self.row.model),
+            "our_config": self.config,
+            "predicted_speedup": self.predicted,
+            "ratio": self.ratio,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+        }
+
+
+def _number(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
+def read_table(path: Path) -> list[Row]:
+    """Table 1's checked rows from ``path`` (comment lines start with #), then the unchecked."""
+    if not path.is_file():
+        raise ReproduceError(
+            f"the reproduction reads PipeDream's Table 1 from a CSV file (--table: {path}); "
+            "pass --table PATH to pipedream_table1.csv"
+        )
+    with path.open(newline="") as handle:
+        lines = [line for line in handle if line.strip() and not line.startswith("#")]
+    rows = [
+        Row(
+            record["model"],
+            record["cluster"],
+            int(record["servers"]),
+            int(record["gpus_per_server"]),
+            record["pipedream_config"] or None,
+            _number(record["speedup_epoch_time"]),
+            _number(record["speedup_time_to_accuracy"]),
+        )
+        for record in csv.DictReader(lines)
+    ]
+    known = {row.id for row in rows}
+    extra = [Row(*cells) for cells in UNCHECKED_ROWS]
+    return rows + [row for row in extra if row.id not in known]
+
+
+def select(rows: list[Row], names: list[str]) -> list[Row]:
+    """The rows named (case-insensitive ids), in the order given; ``all`` (or none) is every row."""
+    if not names or [name.lower() for name in names] == ["all"]:
+        return rows
+    by_id = {row.id.lower(): row for row in rows}
+    unknown = [name for name in names if name.lower() not in by_id]
+    if unknown:
+        raise ReproduceError(
+            f"a row must be one of Table 1's (row: {', '.join(unknown)}); use all or one of "
+            f"{', '.join(row.id for row in rows)}"
+        )
+    return [by_id[name.lower()] for name in names]
+
+
+def cluster_topology(cluster: str, servers: int, gpus_per_server: int) -> Topology:
+    """The part of a cluster (``configs/cluster/cluster_<x>.yaml``) a row's GPUs occupy.
+
+    The GPUs fill the levels innermost first, as ``pl_pipedream.train.topology_for_devices``
+    does for processes: 4 GPUs of cluster A are one server (its PCIe bandwidth only), 16 are 4
+    servers of 4 joined by 10 Gbps Ethernet.
+    """
+    path = CLUSTERS / f"cluster_{cluster.lower()}.yaml"
+    if not path.is_file():
+        raise ReproduceError(
+            f"the cluster must be one of the project's (cluster: {cluster}); add {path.name}"
+        )
+    spec = yaml.safe_load(path.read_text())["topology"]
+    full = Topology.from_lists(spec["workers"], spec["bandwidths"])
+    devices = servers * gpus_per_server
+    levels, occupied = [], 1
+    for level in full.levels:
+        if occupied >= devices:
+            break
+        count = min(level.workers, math.ceil(devices / occupied))
+        levels.append(Level(count, level.bandwidth))
+        occupied *= count
+    if occupied != devices or not levels:
+        raise ReproduceError(
+            f"the row's GPUs must fill whole servers of its cluster (cluster: {cluster}, "
+            f"servers x GPUs: {servers}x{gpus_per_server}); fix the row in the table"
+        )
+    return Topology(tuple(levels))
+
+
+def render_config(result: Plan) -> str:
+    """The plan as the paper writes configurations: ``16 (DP)``, ``straight`` or ``15-1``."""
+    if result.num_stages == 1:
+        return f"{result.num_workers} (DP)"
+    if all(stage.replicas == 1 for stage in result.stages):
+        return "straight"
+    return result.shape
+
+
+def reproduce(rows: list[Row], profiles: Path) -> list[Outcome]:
+    """Plan every row that a published profile covers, on its cluster, with the default options."""
+    loaded: dict[str, Profile] = {}
+    outcomes = []
+    for row in rows:
+        name = PROFILE_OF.get(row.model)
+        if name is None:
+            outcomes.append(Outcome(row))
+            continue
+        if name not in loaded:
+            path = profiles / f"{name}.txt"
+            if not path.is_file():
+                raise ReproduceError(
+                    f"the row's published profile must exist (--profiles: {profiles}, profile: "
+                    f"{path.name}); pass --profiles DIR holding PipeDream's profiles"
+                )
+            loaded[name] = Profile.load(path)
+        topology = cluster_topology(row.cluster, row.servers, row.gpus_per_server)
+        outcomes.append(Outcome(row, make_plan(loaded[name], topology)))
+    return outcomes
+
+
+def render_text(outcomes: list[Outcome]) -> str:
+    table = [HEADER, *(outcome.cells() for outcome in outcomes)]
+    widths = [max(len(line[column]) for line in table) for column in range(len(HEADER))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in table
+    )
+
+
+def render_markdown(outcomes: list[Outcome]) -> str:
+    lines = [
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join("---" for _ in HEADER) + "|",
+        *("| " + " | ".join(outcome.cells()) + " |" for outcome in outcomes),
+    ]
+    note = (
+        "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1, the paper's figures. "
+        "Our config and predicted speedup: pl-pipedream's planner on PipeDream's published "
+        "profiles (data-parallel time over slowest stage time, same cost model)."
+    )
+    return note + "\n\n" + "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "rows", nargs="*", default=["all"], help="row ids (e.g. vgg16_A_4x4) or all (default)"
+    )
+    parser.add_argument(
+        "--table",
+        type=Path,
+        default=DEFAULT_TABLE,
+        metavar="PATH",
+        help="Table 1 CSV (pipedream_table1.csv)",
+    )
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        default=DEFAULT_PROFILES,
+        metavar="DIR",
+        help="PipeDream's published profiles",
+    )
+    parser.add_argument(
+        "--markdown", type=Path, metavar="PATH", help="also write the table as Markdown here"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
+
+
+def run(args: argparse.Namespace) -> int:
+    outcomes = reproduce(select(read_table(args.table), args.rows), args.profiles)
+    if args.markdown:
+        args.markdown.write_text(render_markdown(outcomes))
+    if args.json:
+        print(json.dumps([outcome.to_dict() for outcome in outcomes]))
+    else:
+        print(render_text(outcomes))
+    return 0

@@ -1,0 +1,130 @@
+"""``pl-pipedream reproduce``: Table 1's rows beside the planner's prediction, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pl_pipedream.cli import main
+from pl_pipedream.planner.optimize import plan
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
+from pl_pipedream.profile.graph import Profile
+from pl_pipedream.reproduce import cluster_topology, read_table, render_config
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TABLE = SHARED / "pipedream_table1.csv"
+PROFILES = SHARED / "pipedream_profiles"
+CLUSTER_A_4X4 = Topology.from_lists([4, 4], [1.2e10, 1.25e9])  # PCIe in a server, 10 Gbps out
+
+
+@pytest.fixture
+def shared() -> None:
+    if not (TABLE.is_file() and PROFILES.is_dir()):
+        pytest.skip(f"PipeDream's Table 1 and profiles are not beside the repository ({SHARED})")
+
+
+def direct(name: str) -> tuple[str, float]:
+    """The planner called directly on cluster A 4x4: (replicas per stage, speedup over DP)."""
+    result = plan(Profile.load(PROFILES / f"{name}.txt"), CLUSTER_A_4X4)
+    return result.shape, result.speedup_over_data_parallel
+
+
+def reproduce(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.usefixtures("shared")
+def test_two_rows_print_the_paper_and_the_planner_side_by_side(capsys) -> None:
+    code, out, _ = reproduce(capsys, "vgg16_A_4x4", "alexnet_A_4x4")
+    assert code == 0
+    header, *rows = out.strip().splitlines()
+    assert header.split()[:2] == ["row", "paper"]
+    assert [row.split()[0] for row in rows] == ["vgg16_A_4x4", "alexnet_A_4x4"]
+    for row, name, paper in zip(rows, ("vgg16", "alexnet"), ("5.28x", "4.92x"), strict=True):
+        shape, speedup = direct(name)
+        cells = row.split()
+        assert cells[1] == "15-1"  # the paper's configuration, from the CSV
+        assert cells[2] == shape  # ours: replicated stages, so written as the shape
+        assert cells[3] == paper
+        assert cells[5] == f"{speedup:.2f}x"
+        assert cells[6] == f"{speedup / float(paper[:-1]):.2f}"
+
+
+@pytest.mark.usefixtures("shared")
+def test_json_carries_the_planners_numbers(capsys) -> None:
+    code, out, _ = reproduce(capsys, "vgg16_A_4x4", "--json")
+    assert code == 0
+    (row,) = json.loads(out)
+    shape, speedup = direct("vgg16")
+    assert row["row"] == "vgg16_A_4x4"
+    assert row["paper_config"] == "15-1"
+    assert row["paper_speedup_epoch"] == 5.28
+    assert row["our_config"] == shape
+    assert row["predicted_speedup"] == pytest.approx(speedup)
+    assert row["ratio"] == pytest.approx(speedup / 5.28)
+    assert row["plan"]["topology"] == CLUSTER_A_4X4.to_dict()
+
+
+@pytest.mark.usefixtures("shared")
+def test_a_model_without_a_published_profile_gets_no_prediction(capsys, tmp_path) -> None:
+    markdown = tmp_path / "table1.md"
+    code, out, _ = reproduce(capsys, "awdlm_A_1x4", "--markdown", str(markdown))
+    assert code == 0
+    row = out.strip().splitlines()[1]
+    assert row.split()[:2] == ["awdlm_A_1x4", "straight"]
+    assert "no published profile" in row
+    assert "4.25x (epoch)" in row
+    assert row.split()[-2:] == ["-", "-"]  # neither a prediction nor a ratio
+    text = markdown.read_text()
+    assert "| awdlm_A_1x4 | straight | no published profile | 4.25x (epoch) | - | - |" in text
+    assert "the paper's figures" in text
+
+
+@pytest.mark.usefixtures("shared")
+def test_an_unknown_row_is_an_error_that_lists_the_rows(capsys) -> None:
+    code, out, err = reproduce(capsys, "vgg19_A_4x4")
+    assert code == 2 and out == ""
+    assert "(row: vgg19_A_4x4)" in err
+    assert "vgg16_A_4x4" in err
+
+
+def test_a_missing_table_names_the_option(capsys, tmp_path) -> None:
+    missing = tmp_path / "table1.csv"
+    code = main(["reproduce", "--table", str(missing), "vgg16_A_4x4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"(--table: {missing})" in err
+    assert "pass --table PATH" in err
+
+
+def test_the_rows_fill_their_clusters_innermost_first(tmp_path) -> None:
+    """A made-up table: 1 server of cluster A is PCIe only; cluster C is one flat level."""
+    table = tmp_path / "table1.csv"
+    table.write_text(
+        "# comment\n"
+        "model,task,dataset,target,cluster,servers,gpus_per_server,pipedream_config,"
+        "speedup_epoch_time,speedup_time_to_accuracy\n"
+        "Toy,x,y,z,A,1,4,,,\n"
+        "Toy,x,y,z,C,4,1,2-1-1,3,\n"
+    )
+    rows = read_table(table)
+    assert [row.id for row in rows[:2]] == ["toy_A_1x4", "toy_C_4x1"]
+    assert rows[0].config is None and rows[0].paper_speedup is None
+    assert rows[1].paper_speedup == (3.0, "epoch")
+    assert cluster_topology("A", 1, 4) == Topology.from_lists([4], [1.2e10])
+    assert cluster_topology("A", 4, 4) == CLUSTER_A_4X4
+    assert cluster_topology("B", 2, 8) == Topology.from_lists([8, 2], [1.5e11, 3.125e9])
+    assert cluster_topology("C", 4, 1) == Topology.from_lists([4], [5e9])
+
+
+@pytest.mark.parametrize(
+    ("balance", "replicas", "expected"),
+    [([3], [16], "16 (DP)"), ([1, 1, 1], [1, 1, 1], "straight"), ([2, 1], [15, 1], "15-1")],
+)
+def test_configs_are_written_as_the_paper_writes_them(balance, replicas, expected) -> None:
+    assert render_config(Plan.from_balance(balance, replicas=replicas)) == expected

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from pl_pipedream.models.classifier import PipelineClassifier
 from pl_pipedream.models.cnn import DigitsCNN
+from pl_pipedream.models.gnmt import GNMT, GNMT8, GNMT16
 from pl_pipedream.models.gpt import CharGPT
 from pl_pipedream.models.imagenet import VGG16, AlexNet, ResNet50
 from pl_pipedream.models.mlp import MLP
 from pl_pipedream.models.seq2seq import Seq2Seq
 
 __all__ = [
+    "GNMT",
+    "GNMT8",
+    "GNMT16",
     "MLP",
     "VGG16",
     "AlexNet",

@@ -7,6 +7,7 @@ Each model hands its layers to the strategy in order through ``configure_pipelin
 
 from __future__ import annotations
 
+from pl_pipedream.models.awd_lm import AWDLM
 from pl_pipedream.models.classifier import PipelineClassifier
 from pl_pipedream.models.cnn import DigitsCNN
 from pl_pipedream.models.gnmt import GNMT, GNMT8, GNMT16
@@ -16,6 +17,7 @@ from pl_pipedream.models.mlp import MLP
 from pl_pipedream.models.seq2seq import Seq2Seq
 
 __all__ = [
+    "AWDLM",
     "GNMT",
     "GNMT8",
     "GNMT16",

@@ -204,14 +204,29 @@ class GNMT(LightningModule):
 
 
 class GNMT8(GNMT):
-    """GNMT-8: 4 encoder and 4 decoder LSTM layers."""
+    """GNMT-8: 4 encoder and 4 decoder LSTM layers (``layers`` is accepted only as 8, so that
+    the saved hyperparameters rebuild it)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, **kwargs: Any) -> None:
-        super().__init__(input_shape, num_classes, layers=8, **kwargs)
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, layers: int = 8, **kwargs: Any
+    ) -> None:
+        check_named(type(self).__name__, layers, 8)
+        super().__init__(input_shape, num_classes, layers=layers, **kwargs)
 
 
 class GNMT16(GNMT):
-    """GNMT-16: 8 encoder and 8 decoder LSTM layers."""
+    """GNMT-16: 8 encoder and 8 decoder LSTM layers (``layers`` is accepted only as 16)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, **kwargs: Any) -> None:
-        super().__init__(input_shape, num_classes, layers=16, **kwargs)
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, layers: int = 16, **kwargs: Any
+    ) -> None:
+        check_named(type(self).__name__, layers, 16)
+        super().__init__(input_shape, num_classes, layers=layers, **kwargs)
+
+
+def check_named(name: str, layers: int, fixed: int) -> None:
+    if layers != fixed:
+        raise ValueError(
+            f"{name} has {fixed} LSTM layers (layers: {layers}); use GNMT with "
+            f"layers={layers} for another depth"
+        )

@@ -95,3 +95,13 @@ def test_bad_layer_counts_and_scales_are_refused_with_the_fix() -> None:
         GNMT((LENGTH,), 10, layers=7)
     with pytest.raises(ValueError, match=r"\(scale: 3\)"):
         GNMT((LENGTH,), 10, scale=3)
+
+
+@pytest.mark.parametrize(("cls", "layers"), [(GNMT8, 8), (GNMT16, 16)])
+def test_the_saved_hyperparameters_rebuild_the_model(cls: type[GNMT], layers: int) -> None:
+    net = cls((LENGTH,), 10, scale=128)
+    assert net.hparams["layers"] == layers
+    again = cls(**net.hparams)
+    assert len(again.configure_pipeline()) == len(net.configure_pipeline()) == layers + 3
+    with pytest.raises(ValueError, match=rf"has {layers} LSTM layers \(layers: 12\)"):
+        cls((LENGTH,), 10, layers=12)

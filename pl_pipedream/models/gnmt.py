@@ -25,11 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from pl_pipedream.models.seq2seq import PAD, START
+from pl_pipedream.models.seq2seq import PAD, START, TokenSequenceModel
 
 __all__ = ["GNMT", "GNMT8", "GNMT16"]
 
@@ -127,7 +125,7 @@ class Head(nn.Module):
         return self.out(value[0])
 
 
-class GNMT(LightningModule):
+class GNMT(TokenSequenceModel):
     """GNMT with ``layers`` LSTM layers in all, half in the encoder and half in the decoder.
 
     Args:
@@ -138,8 +136,6 @@ class GNMT(LightningModule):
         scale: divides the hidden and embedding width (1 is the paper's 1024).
         lr: Adam's learning rate.
     """
-
-    data_kind = "sequences"  # pl-pipedream-train pairs it with data=sequences
 
     def __init__(
         self,
@@ -180,27 +176,6 @@ class GNMT(LightningModule):
             *self.decoder,
             self.head,
         )
-
-    def forward(self, tokens: tuple[Tensor, Tensor]) -> Tensor:
-        return self.configure_pipeline()(tokens)
-
-    def pipeline_split_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        source, decoder_input, target = batch
-        return (source, decoder_input), target
-
-    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, self.vocab), target.reshape(-1), ignore_index=PAD)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        tokens, target = self.pipeline_split_batch(batch)
-        return self.loss(self(tokens), target)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        tokens, target = self.pipeline_split_batch(batch)
-        self.log("val_loss", self.loss(self(tokens), target), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 class GNMT8(GNMT):

@@ -23,14 +23,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+
+from pl_pipedream.models.seq2seq import PAD, START, TokenSequenceModel
 
 __all__ = ["S2VT"]
 
 HIDDEN, EMBEDDING = 1000, 500  # the paper's LSTM units and frame/word embedding width
-PAD, START = 0, 1
 
 
 class Embed(nn.Module):
@@ -77,7 +76,7 @@ class SecondLSTM(nn.Module):
         return out[:, -value["caption"] :]
 
 
-class S2VT(LightningModule):
+class S2VT(TokenSequenceModel):
     """Captions of videos given as frame features.
 
     Args:
@@ -121,24 +120,3 @@ class S2VT(LightningModule):
 
     def configure_pipeline(self) -> nn.Sequential:
         return nn.Sequential(self.embed, self.first, self.second, self.head)
-
-    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
-        return self.configure_pipeline()(inputs)
-
-    def pipeline_split_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        features, caption, target = batch
-        return (features, caption), target
-
-    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, self.vocab), target.reshape(-1), ignore_index=PAD)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        inputs, target = self.pipeline_split_batch(batch)
-        return self.loss(self(inputs), target)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, target = self.pipeline_split_batch(batch)
-        self.log("val_loss", self.loss(self(inputs), target), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-__all__ = ["PAD", "START", "Seq2Seq"]
+__all__ = ["TokenSequenceModel", "PAD", "START", "Seq2Seq"]
 
 PAD, START = 0, 1  # the tokens data.SequenceDataModule pads with and starts the decoder with
 
@@ -83,7 +83,39 @@ class Attention(nn.Module):
         return torch.cat([decoded, context], dim=-1)
 
 
-class Seq2Seq(LightningModule):
+class TokenSequenceModel(LightningModule):
+    """A LightningModule over batches ``(first input, second input, target tokens)``: the
+    pipeline takes the two inputs as one tuple and returns logits over ``self.vocab`` tokens,
+    scored by token cross-entropy with the padding token ignored. Subclasses build the layers,
+    list them in ``configure_pipeline`` and set ``vocab`` and ``lr``."""
+
+    data_kind = "sequences"  # pl-pipedream-train pairs it with data=sequences
+    vocab: int
+    lr: float
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        return self.configure_pipeline()(inputs)
+
+    def pipeline_split_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        first, second, target = batch
+        return (first, second), target
+
+    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, self.vocab), target.reshape(-1), ignore_index=PAD)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_split_batch(batch)
+        return self.loss(self(inputs), target)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, target = self.pipeline_split_batch(batch)
+        self.log("val_loss", self.loss(self(inputs), target), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class Seq2Seq(TokenSequenceModel):
     """Sequence-to-sequence over tokens: embed, encode, decode, attend, score the vocabulary.
 
     Args:
@@ -92,8 +124,6 @@ class Seq2Seq(LightningModule):
         hidden: width of the embeddings and of both LSTMs.
         optimizer: ``"sgd"`` or ``"adam"``; lr, momentum: its settings.
     """
-
-    data_kind = "sequences"  # pl-pipedream-train pairs it with data=sequences
 
     def __init__(
         self,
@@ -124,20 +154,6 @@ class Seq2Seq(LightningModule):
 
     def configure_pipeline(self) -> nn.Sequential:
         return nn.Sequential(self.embed, self.encoder, self.decoder, self.attention, self.head)
-
-    def forward(self, tokens: tuple[Tensor, Tensor]) -> Tensor:
-        return self.configure_pipeline()(tokens)
-
-    def pipeline_split_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        source, decoder_input, target = batch
-        return (source, decoder_input), target
-
-    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, self.vocab), target.reshape(-1), ignore_index=PAD)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        tokens, target = self.pipeline_split_batch(batch)
-        return self.loss(self(tokens), target)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "val")

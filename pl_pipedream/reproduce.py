@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import yaml
 
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.topology import Level, Topology
+from pl_pipedream.planner.topology import Topology, fill_innermost
 from pl_pipedream.profile.graph import Profile
 
 __all__ = [
@@ -195,9 +194,9 @@ def select(rows: list[Row], names: list[str]) -> list[Row]:
 def cluster_topology(cluster: str, servers: int, gpus_per_server: int) -> Topology:
     """The part of a cluster (``configs/cluster/cluster_<x>.yaml``) a row's GPUs occupy.
 
-    The GPUs fill the levels innermost first, as ``pl_pipedream.train.topology_for_devices``
-    does for processes: 4 GPUs of cluster A are one server (its PCIe bandwidth only), 16 are 4
-    servers of 4 joined by 10 Gbps Ethernet.
+    The GPUs fill the levels innermost first (``planner.topology.fill_innermost``): 4 GPUs of
+    cluster A are one server (its PCIe bandwidth only), 16 are 4 servers of 4 joined by 10 Gbps
+    Ethernet.
     """
     path = CLUSTERS / f"cluster_{cluster.lower()}.yaml"
     if not path.is_file():
@@ -207,19 +206,13 @@ def cluster_topology(cluster: str, servers: int, gpus_per_server: int) -> Topolo
     spec = yaml.safe_load(path.read_text())["topology"]
     full = Topology.from_lists(spec["workers"], spec["bandwidths"])
     devices = servers * gpus_per_server
-    levels, occupied = [], 1
-    for level in full.levels:
-        if occupied >= devices:
-            break
-        count = min(level.workers, math.ceil(devices / occupied))
-        levels.append(Level(count, level.bandwidth))
-        occupied *= count
-    if occupied != devices or not levels:
+    part = fill_innermost(full, devices)
+    if devices < 2 or part.num_workers != devices:
         raise ReproduceError(
             f"the row's GPUs must fill whole servers of its cluster (cluster: {cluster}, "
             f"servers x GPUs: {servers}x{gpus_per_server}); fix the row in the table"
         )
-    return Topology(tuple(levels))
+    return part
 
 
 def render_config(result: Plan) -> str:

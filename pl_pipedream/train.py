@@ -14,7 +14,6 @@ processes would occupy, filled innermost first (``topology_for_devices``).
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from typing import Any
 
@@ -23,7 +22,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream.hydra_ranks import other_ranks
-from pl_pipedream.planner.topology import Level, Topology, TopologyError
+from pl_pipedream.planner.topology import Topology, TopologyError, fill_innermost
 
 __all__ = ["main", "num_processes", "topology_for_devices", "train"]
 
@@ -87,24 +86,15 @@ def topology_for_devices(topology: Topology, devices: int) -> Topology:
             f"the processes must fit on the cluster (devices: {devices}, cluster workers: "
             f"{topology.num_workers}); lower trainer.devices or pick a larger cluster"
         )
-    if devices == 1:
-        return Topology.flat(1, topology.levels[0].bandwidth)
-    levels = []
-    occupied = 1
-    for level in topology.levels:
-        if occupied >= devices:
-            break
-        count = min(level.workers, math.ceil(devices / occupied))
-        levels.append(Level(count, level.bandwidth))
-        occupied *= count
-    if occupied != devices:
+    part = fill_innermost(topology, devices)
+    if part.num_workers != devices:
         sizes = [level.workers for level in topology.levels]
         raise TopologyError(
             f"the processes must fill whole machines of the cluster (devices: {devices}, "
-            f"workers per level: {sizes}); use trainer.devices={occupied} or a divisor of "
-            f"{sizes[0]}"
+            f"workers per level: {sizes}); use trainer.devices={part.num_workers} or a divisor "
+            f"of {sizes[0]}"
         )
-    return Topology(tuple(levels))
+    return part
 
 
 def num_processes(trainer_cfg: DictConfig) -> int:

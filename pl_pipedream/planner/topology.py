@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Level", "Topology", "TopologyError"]
+__all__ = ["Level", "Topology", "TopologyError", "fill_innermost"]
 
 
 class TopologyError(ValueError):
@@ -75,3 +75,23 @@ class Topology:
     @classmethod
     def from_dict(cls, data: dict[str, list[float]]) -> Topology:
         return cls.from_lists([int(w) for w in data["workers"]], data["bandwidths"])
+
+
+def fill_innermost(topology: Topology, devices: int) -> Topology:
+    """The part of ``topology`` that ``devices`` workers occupy, filled innermost first: each
+    level keeps as many of its components as the workers need, so 2 workers on servers of 4 are
+    2 workers of one server, 8 are 2 full servers. Workers that do not fill whole components
+    (6 on servers of 4) get a part with more workers than ``devices``: callers compare
+    ``num_workers`` and say how to fix it. One worker (or none) is a flat level of one at the
+    innermost bandwidth."""
+    if devices <= 1:
+        return Topology.flat(1, topology.levels[0].bandwidth)
+    levels = []
+    occupied = 1
+    for level in topology.levels:
+        if occupied >= devices:
+            break
+        count = min(level.workers, math.ceil(devices / occupied))
+        levels.append(Level(count, level.bandwidth))
+        occupied *= count
+    return Topology(tuple(levels))

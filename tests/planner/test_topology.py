@@ -70,3 +70,15 @@ def test_topology_errors_are_value_errors() -> None:
     """Callers that catch ``ValueError`` (argument parsing, Hydra) see them too."""
     with pytest.raises(ValueError):
         Topology.flat(0, 1e9)
+
+
+def test_workers_fill_the_levels_innermost_first() -> None:
+    from pl_pipedream.planner.topology import fill_innermost
+
+    cluster = Topology.from_lists([4, 4], [1.2e10, 1.25e9])
+    assert fill_innermost(cluster, 1) == Topology.flat(1, 1.2e10)
+    assert fill_innermost(cluster, 2) == Topology.flat(2, 1.2e10)
+    assert fill_innermost(cluster, 8) == Topology.from_lists([4, 2], [1.2e10, 1.25e9])
+    assert fill_innermost(cluster, 16) == cluster
+    # 6 workers do not fill whole servers: the part holds 8, and callers say how to fix it
+    assert fill_innermost(cluster, 6).num_workers == 8

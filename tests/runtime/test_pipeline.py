@@ -10,12 +10,17 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime import update
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.schedule.modes import SyncMode
 from tests.runtime import oracle
 from tests.runtime.distributed import run
-from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
+from tests.runtime.test_executor import (
+    OPTIMIZERS,
+    loss_fn,
+    make_batches,
+    make_model,
+    optimizer_update,
+)
 
 pytestmark = pytest.mark.slow  # one spawn of two ranks for the module: about 3 s
 
@@ -30,17 +35,7 @@ def _stage_module(plan: Plan, rank: int) -> nn.Sequential:
 
 
 def _sgd_update(module: nn.Module):  # type: ignore[no-untyped-def]
-    optimizer = OPTIMIZERS["sgd"](module.parameters())
-
-    def apply(gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]) -> int:
-        params = dict(module.named_parameters())
-        for name, param in params.items():
-            param.grad = gradients.get(name)
-        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
-        optimizer.zero_grad(set_to_none=True)
-        return copied
-
-    return apply
+    return optimizer_update(module, OPTIMIZERS["sgd"](module.parameters()))
 
 
 def _async_run_then_close(rank: int, world: int) -> dict:

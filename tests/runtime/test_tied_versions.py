@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime import update
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.ties import TiedGroup
 from pl_pipedream.schedule.modes import SyncMode
 from tests.runtime import oracle
 from tests.runtime.distributed import run
-from tests.runtime.test_executor import OPTIMIZERS, loss_fn
+from tests.runtime.test_executor import OPTIMIZERS, loss_fn, optimizer_update
 
 pytestmark = pytest.mark.slow  # one spawn of three ranks: about 5 s
 
@@ -49,15 +48,7 @@ def _train(
     model = tied_model()
     stage = PLAN.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
-    optimizer = OPTIMIZERS[optimizer_name](module.parameters())
-
-    def apply(gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]) -> int:
-        params = dict(module.named_parameters())
-        for name, param in params.items():
-            param.grad = gradients.get(name)
-        copied = update.step(optimizer, {params[n]: t for n, t in storage.items()})
-        optimizer.zero_grad(set_to_none=True)
-        return copied
+    apply = optimizer_update(module, OPTIMIZERS[optimizer_name](module.parameters()))
 
     ties = [TiedGroup((0, 2), TIED.get(rank), "0.weight = 4.weight")]
     runner = PipelineRunner.create(

@@ -1,0 +1,303 @@
+"""Statistical efficiency of every sync mode: validation accuracy per epoch against one device.
+
+Trains through the real strategy (Lightning's Trainer, gloo, 2 or 3 CPU processes started by the
+strategy's script launcher, ``OMP_NUM_THREADS=1``) and on one device (a plain Trainer), on
+
+* ``digits``: an MLP of 6 pipeline layers (Flatten, Linear 64-128, ReLU, Linear 128-128, ReLU,
+  Linear 128-10) on scikit-learn's digits, batch 32, SGD at lr 0.1 and 0.03, momentum 0 and 0.9,
+  on 2 and 3 stages (issue 13's newcomer: 3 stages, lr 0.1, momentum 0.9, async);
+* ``text``: CharGPT (embedding, 2 blocks, tied head) on the characters of standard-library
+  sources (``data.text``), Adam, 2 stages;
+* ``vgg16``: VGG-16 with every width divided by 16 on generated 3x32x32 images of 10 classes,
+  SGD lr 0.01 momentum 0.9 (the paper's), 3 stages.
+
+Every configuration of ``CONFIGS`` (a named set of ``PipeDreamStrategy`` keywords; adding one is
+one line) runs on every setting; a configuration whose keywords the strategy does not accept
+(``weight_prediction`` before it exists) is skipped and named. Divergence detection is set to
+``"warn"`` so the curves of diverging runs are recorded. Writes ``convergence.csv`` (one row per
+run and epoch: val_acc, val_loss, the last logged train_loss), ``convergence.png`` (the curves)
+and prints the time-to-accuracy table: the first epoch at which a run reaches 0.9 of one device's
+final validation accuracy (``-`` when it never does).
+
+    python benchmarks/convergence.py --out outputs/convergence     # every setting (~15 min here)
+    python benchmarks/convergence.py --quick --out /tmp/conv       # 2 settings, 2 epochs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Named strategy keyword sets; None is one device (a plain Trainer). One line per configuration.
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "one device": None,
+    "async": dict(sync="async"),
+    "async+predict": dict(sync="async", weight_prediction=True),
+    "vertical_sync": dict(sync="vertical_sync"),
+    "vertical_sync+predict": dict(sync="vertical_sync", weight_prediction=True),
+    "2bw": dict(sync="2bw"),
+    "flush": dict(sync="flush"),
+    "gpipe": dict(sync="gpipe"),
+}
+TARGET = 0.9  # time to accuracy: epochs to reach this share of one device's final val_acc
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One model, data set, optimizer and pipeline depth, trained under every configuration."""
+
+    name: str
+    model: str  # "digits", "text" or "vgg16"
+    stages: int
+    epochs: int
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+
+def settings(quick: bool) -> list[Setting]:
+    if quick:
+        sgd = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+        return [Setting("digits-3st-lr0.1-m0.9", "digits", 3, 2, sgd)]
+    found = []
+    for stages in (3, 2):
+        for lr in (0.1, 0.03):
+            for momentum in (0.9, 0.0):
+                sgd = dict(optimizer="sgd", lr=lr, momentum=momentum)
+                found.append(Setting(f"digits-{stages}st-lr{lr}-m{momentum}", "digits", stages, 15, sgd))
+    found.append(Setting("digits-3st-adam", "digits", 3, 15, dict(optimizer="adam", lr=3e-3)))
+    found.append(Setting("text-2st-adam", "text", 2, 6, dict(optimizer="adam", lr=3e-3)))
+    found.append(Setting("vgg16-3st", "vgg16", 3, 6, dict(lr=0.01, momentum=0.9)))
+    return found
+
+
+def quick_configs() -> list[str]:
+    return ["one device", "async", "flush"]
+
+
+# ----- one launch: every run of one device count ------------------------------------------------
+
+
+def build(setting: Setting) -> tuple[Any, Any, list[int]]:
+    """The LightningModule, the data module and the balance for ``setting`` (seeded)."""
+    import torch
+
+    from pl_pipedream.data import DigitsDataModule, SyntheticDataModule, TextDataModule
+    from pl_pipedream.models import MLP, VGG16, CharGPT
+
+    torch.manual_seed(0)
+    if setting.model == "digits":
+        data = DigitsDataModule(batch_size=32)
+        model = MLP((1, 8, 8), 10, hidden=(128, 128), **setting.optimizer)
+        balance = {2: [3, 3], 3: [2, 2, 2]}[setting.stages]
+    elif setting.model == "text":
+        data = TextDataModule(length=32, num_examples=1536, batch_size=32)
+        model = CharGPT((32,), 128, width=64, heads=4, blocks=2, **setting.optimizer)
+        balance = {2: [2, 2], 3: [1, 2, 1]}[setting.stages]
+    else:
+        data = SyntheticDataModule(768, (3, 32, 32), 10, noise=2.0, batch_size=32)
+        model = VGG16((3, 32, 32), 10, width=16, **setting.optimizer)
+        balance = {2: [20, 20], 3: [14, 13, 13]}[setting.stages]
+    return model, data, balance
+
+
+def accepted(config: dict[str, Any]) -> bool:
+    """Whether ``PipeDreamStrategy`` takes every keyword of ``config``."""
+    from pl_pipedream import PipeDreamStrategy
+
+    return set(config) <= set(inspect.signature(PipeDreamStrategy.__init__).parameters)
+
+
+def run_worker(names: list[str], devices: int, quick: bool, out: Path) -> None:
+    """Train every run ``setting/config`` of ``names`` in turn (rank 0 writes its JSON)."""
+    from lightning.pytorch import Callback, Trainer
+
+    from pl_pipedream import PipeDreamStrategy
+    from pl_pipedream.schedule.modes import SyncMode
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.epochs: list[dict[str, float]] = []
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            loss = trainer.callback_metrics.get("train_loss")
+            self.losses.append(float(loss) if loss is not None else math.nan)
+
+        def on_validation_end(self, trainer, module) -> None:  # type: ignore[no-untyped-def]
+            if trainer.sanity_checking:
+                return
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            self.epochs.append(metrics)
+
+    by_name = {s.name: s for s in settings(quick)}
+    for name in names:
+        setting_name, config_name = name.split("/")
+        setting, config = by_name[setting_name], CONFIGS[config_name]
+        model, data, balance = build(setting)
+        record = Record()
+        if config is None:
+            strategy: Any = "auto"
+        else:
+            keywords = dict(config)
+            mode = SyncMode.parse(keywords["sync"])
+            keywords.setdefault("microbatches", mode.min_microbatches(setting.stages))
+            if accepted({"divergence": 0}):
+                keywords["divergence"] = "warn"
+            strategy = PipeDreamStrategy(balance=balance, timeout=120, **keywords)
+        trainer = Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=setting.epochs,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            callbacks=[record],
+        )
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=data)
+        if trainer.global_rank == 0:
+            result = dict(
+                setting=setting_name,
+                config=config_name,
+                seconds=time.perf_counter() - start,
+                epochs=record.epochs,
+                losses=record.losses,
+            )
+            path = out / f"{setting_name}__{config_name.replace(' ', '_')}.json"
+            path.write_text(json.dumps(result))
+
+
+# ----- the orchestrator -------------------------------------------------------------------------
+
+
+def launch(names: list[str], devices: int, quick: bool, out: Path) -> None:
+    """Run ``names`` in one worker process (the strategy's launcher starts the other ranks)."""
+    if not names:
+        return
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--devices", str(devices), "--out", str(out)]
+    command += ["--quick"] if quick else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    subprocess.run([*command, "--runs", *names], check=True, env=env, cwd=out)
+
+
+def collect(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*__*.json"))]
+
+
+def epochs_to(curve: list[float], target: float) -> int | None:
+    """The first epoch (1-based) whose accuracy reaches ``target``, None if none does."""
+    return next((e + 1 for e, acc in enumerate(curve) if acc >= target), None)
+
+
+def write_csv(results: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["setting", "config", "epoch", "val_acc", "val_loss", "train_loss"])
+        for r in results:
+            for e, metrics in enumerate(r["epochs"]):
+                row = [metrics.get(k, math.nan) for k in ("val_acc", "val_loss", "train_loss")]
+                writer.writerow([r["setting"], r["config"], e + 1, *(f"{v:.4f}" for v in row)])
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Time to accuracy in epochs (and the final val_acc) per setting and configuration."""
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in results)]
+    lines = ["setting | target | " + " | ".join(configs)]
+    lines.append("|".join(["---"] * (len(configs) + 2)))
+    for setting in dict.fromkeys(r["setting"] for r in results):
+        runs = {r["config"]: r for r in results if r["setting"] == setting}
+        base = runs.get("one device")
+        if base is None or not base["epochs"]:
+            continue
+        target = TARGET * base["epochs"][-1]["val_acc"]
+        cells = []
+        for config in configs:
+            run = runs.get(config)
+            if run is None:
+                cells.append("")
+                continue
+            curve = [m["val_acc"] for m in run["epochs"]]
+            reached = epochs_to(curve, target)
+            cells.append(f"{reached if reached else '-'} ({curve[-1]:.2f})")
+        lines.append(f"{setting} | {target:.2f} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["setting"] for r in results))
+    columns = min(4, len(names))
+    rows = math.ceil(len(names) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.6 * rows), squeeze=False)
+    for ax, setting in zip(axes.flat, names, strict=False):
+        for r in results:
+            if r["setting"] == setting:
+                curve = [m["val_acc"] for m in r["epochs"]]
+                ax.plot(range(1, len(curve) + 1), curve, label=r["config"], lw=1.2)
+        ax.set_title(setting, fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    figure.supxlabel("epoch", fontsize=8)
+    figure.supylabel("validation accuracy", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="outputs/convergence")
+    parser.add_argument("--quick", action="store_true", help="2 epochs, a few configurations")
+    parser.add_argument("--only", nargs="*", help="run only these settings (names)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--runs", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    if args.worker:
+        run_worker(args.runs, args.devices, args.quick, out)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    names = quick_configs() if args.quick else list(CONFIGS)
+    skipped = [c for c in names if CONFIGS[c] is not None and not accepted(CONFIGS[c])]
+    if skipped:
+        print(f"skipped (PipeDreamStrategy does not accept their keywords): {', '.join(skipped)}")
+    names = [c for c in names if c not in skipped]
+    chosen = [s for s in settings(args.quick) if not args.only or s.name in args.only]
+    start = time.perf_counter()
+    launch([f"{s.name}/one device" for s in chosen], 1, args.quick, out)
+    for stages in sorted({s.stages for s in chosen}):
+        runs = [f"{s.name}/{c}" for s in chosen if s.stages == stages for c in names if c != "one device"]
+        launch(runs, stages, args.quick, out)
+    results = collect(out)
+    write_csv(results, out / "convergence.csv")
+    plot(results, out / "convergence.png")
+    print(table(results))
+    print(f"wall time: {time.perf_counter() - start:.0f} s; results in {out}")
+
+
+if __name__ == "__main__":
+    main()

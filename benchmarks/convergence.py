@@ -51,6 +51,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "flush": dict(sync="flush"),
     "gpipe": dict(sync="gpipe"),
 }
+BATCH = 32  # examples per Lightning batch in every setting
 TARGET = 0.9  # time to accuracy: epochs to reach this share of one device's final val_acc
 
 
@@ -74,7 +75,9 @@ def settings(quick: bool) -> list[Setting]:
         for lr in (0.1, 0.03):
             for momentum in (0.9, 0.0):
                 sgd = dict(optimizer="sgd", lr=lr, momentum=momentum)
-                found.append(Setting(f"digits-{stages}st-lr{lr}-m{momentum}", "digits", stages, 15, sgd))
+                found.append(
+                    Setting(f"digits-{stages}st-lr{lr}-m{momentum}", "digits", stages, 15, sgd)
+                )
     found.append(Setting("digits-3st-adam", "digits", 3, 15, dict(optimizer="adam", lr=3e-3)))
     found.append(Setting("text-2st-adam", "text", 2, 6, dict(optimizer="adam", lr=3e-3)))
     found.append(Setting("vgg16-3st", "vgg16", 3, 6, dict(lr=0.01, momentum=0.9)))
@@ -97,15 +100,15 @@ def build(setting: Setting) -> tuple[Any, Any, list[int]]:
 
     torch.manual_seed(0)
     if setting.model == "digits":
-        data = DigitsDataModule(batch_size=32)
+        data = DigitsDataModule(batch_size=BATCH)
         model = MLP((1, 8, 8), 10, hidden=(128, 128), **setting.optimizer)
         balance = {2: [3, 3], 3: [2, 2, 2]}[setting.stages]
     elif setting.model == "text":
-        data = TextDataModule(length=32, num_examples=1536, batch_size=32)
+        data = TextDataModule(length=32, num_examples=1536, batch_size=BATCH)
         model = CharGPT((32,), 128, width=64, heads=4, blocks=2, **setting.optimizer)
         balance = {2: [2, 2], 3: [1, 2, 1]}[setting.stages]
     else:
-        data = SyntheticDataModule(768, (3, 32, 32), 10, noise=2.0, batch_size=32)
+        data = SyntheticDataModule(768, (3, 32, 32), 10, noise=2.0, batch_size=BATCH)
         model = VGG16((3, 32, 32), 10, width=16, **setting.optimizer)
         balance = {2: [20, 20], 3: [14, 13, 13]}[setting.stages]
     return model, data, balance
@@ -131,7 +134,8 @@ def run_worker(names: list[str], devices: int, quick: bool, out: Path) -> None:
             self.losses: list[float] = []
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
-            loss = trainer.callback_metrics.get("train_loss")
+            # the strategy's logged train_loss (NaN while the pipeline fills); one device's loss
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss) if loss is not None else math.nan)
 
         def on_validation_end(self, trainer, module) -> None:  # type: ignore[no-untyped-def]
@@ -151,7 +155,10 @@ def run_worker(names: list[str], devices: int, quick: bool, out: Path) -> None:
         else:
             keywords = dict(config)
             mode = SyncMode.parse(keywords["sync"])
-            keywords.setdefault("microbatches", mode.min_microbatches(setting.stages))
+            m = mode.min_microbatches(setting.stages)
+            while BATCH % m:  # 2bw needs at least as many microbatches as stages
+                m += 1
+            keywords.setdefault("microbatches", m)
             if accepted({"divergence": 0}):
                 keywords["divergence"] = "warn"
             strategy = PipeDreamStrategy(balance=balance, timeout=120, **keywords)
@@ -189,7 +196,15 @@ def launch(names: list[str], devices: int, quick: bool, out: Path) -> None:
     """Run ``names`` in one worker process (the strategy's launcher starts the other ranks)."""
     if not names:
         return
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--devices", str(devices), "--out", str(out)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+    ]
     command += ["--quick"] if quick else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -290,7 +305,13 @@ def main() -> None:
     start = time.perf_counter()
     launch([f"{s.name}/one device" for s in chosen], 1, args.quick, out)
     for stages in sorted({s.stages for s in chosen}):
-        runs = [f"{s.name}/{c}" for s in chosen if s.stages == stages for c in names if c != "one device"]
+        runs = [
+            f"{s.name}/{c}"
+            for s in chosen
+            if s.stages == stages
+            for c in names
+            if c != "one device"
+        ]
         launch(runs, stages, args.quick, out)
     results = collect(out)
     write_csv(results, out / "convergence.csv")

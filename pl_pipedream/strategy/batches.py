@@ -71,12 +71,21 @@ def first_stage_input(module: nn.Module, batch: Any) -> Any:
 
 class TrainingBatch:
     """One Lightning batch as the pipeline sees it: microbatch ``j``'s inputs for the first
-    stage, and its loss from the user's ``training_step`` on the last stage."""
+    stage, and its loss from the user's ``training_step`` on the last stage. With
+    ``check_finite`` a non-finite loss stops the last stage at once; without, it travels on
+    (the strategy's divergence watch stops every rank on it)."""
 
     def __init__(
-        self, module: Any, batch: Any, batch_idx: int, microbatches: int, describe: str
+        self,
+        module: Any,
+        batch: Any,
+        batch_idx: int,
+        microbatches: int,
+        describe: str,
+        check_finite: bool = True,
     ) -> None:
         self.module = module
+        self.check_finite = check_finite
         self.batch_idx = batch_idx
         self.describe = describe  # "rank 1, stage 1", for errors
         self.slices = slice_batch(batch, microbatches)
@@ -97,7 +106,7 @@ class TrainingBatch:
                 f"stage (returned: {type(result).__name__})"
             )
         value = float(loss.detach())
-        if not math.isfinite(value):
+        if self.check_finite and not math.isfinite(value):
             raise FloatingPointError(
                 f"the training loss is not finite (loss: {value}, {self.describe}, global step "
                 f"{module.trainer.global_step}); lower the learning rate or check the data"

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -44,6 +44,14 @@ from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
+from pl_pipedream.strategy.divergence import (
+    DIVERGENCE_ACTIONS,
+    DivergenceWatch,
+    TrainingDiverged,
+    describe_optimizer,
+    divergence_message,
+    stage_delays,
+)
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
@@ -81,6 +89,14 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             (``runtime.memory``); ``False`` leaves the allocator alone.
         bind_cpus: on CPU, bind each rank to its own share of the cores from setup to teardown
             (``strategy.placement``); ``False`` leaves placement to the kernel.
+        divergence: what a diverging training loss does (``strategy.divergence``): ``"error"``
+            stops every rank with an error naming the sync mode, the stage delays, the
+            optimizer's settings and the remedies; ``"warn"`` warns once and goes on; ``"off"``
+            only stops on a non-finite loss, on the last stage.
+        divergence_rise, divergence_patience, divergence_window: the rule: a non-finite loss,
+            or ``patience`` of the last ``window`` logged losses more than ``rise`` x the first
+            loss above the lowest so far (the defaults separate measured healthy and diverging
+            runs, README "Statistical efficiency").
     """
 
     strategy_name = "pipedream"
@@ -97,6 +113,10 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         start_method: str = "popen",
         retain_freed_memory: bool = True,
         bind_cpus: bool = True,
+        divergence: str = "error",
+        divergence_rise: float = 0.35,
+        divergence_patience: int = 3,
+        divergence_window: int = 5,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -111,7 +131,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_arguments(microbatches, start_method)
+        _check_arguments(microbatches, start_method, divergence)
         self.sync = SyncMode.parse(sync)
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
@@ -125,6 +145,10 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._start_method = start_method
         self.retain_freed_memory = retain_freed_memory
         self.bind_cpus = bind_cpus
+        self.divergence = divergence
+        self._divergence_rule = (divergence_rise, divergence_patience, divergence_window)
+        DivergenceWatch(*self._divergence_rule)  # refuses bad thresholds now
+        self._watch: DivergenceWatch | None = None  # this fit's, while it still watches
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
@@ -226,6 +250,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._build_pipeline(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            on = self.divergence != "off"
+            self._watch = DivergenceWatch(*self._divergence_rule) if on else None
             keep_local_parameters(module, self.optimizers)
         self.setup_precision_plugin()
         assert self.evaluation is not None and self.runner is not None
@@ -290,11 +316,30 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         module = self.lightning_module
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
-        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
+        # A watched loss may be non-finite: it travels to every rank, which all stop together.
+        finite = self._watch is None
+        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, finite)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
         self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
-        return work.log_loss(self.runner.loss, self.root_device)
+        loss = work.log_loss(self.runner.loss, self.root_device)
+        if self._watch is not None and self.runner.loss is not None:
+            self._check_divergence(self._watch, self.runner.loss, module.trainer.global_step)
+        return loss
+
+    def _check_divergence(self, watch: DivergenceWatch, loss: float, step: int) -> None:
+        """Every rank sees the same logged losses, so every rank decides alike, at one step."""
+        reason = watch.observe(loss)
+        if reason is None:
+            return
+        assert self.plan is not None
+        delays = stage_delays(self.sync, len(self.plan.stages))
+        groups = [g for optimizer in self.optimizers for g in optimizer.param_groups]
+        message = divergence_message(reason, step, self.sync, delays, describe_optimizer(groups))
+        if self.divergence == "error":
+            raise TrainingDiverged(message)
+        rank_zero_warn(message + " (not checked again in this fit)")
+        self._watch = None
 
     def _must_drain(self, trainer: pl.Trainer) -> bool:
         if self.sync.flushes or lightning_patches.is_last_batch(trainer):
@@ -364,7 +409,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
 
 
-def _check_arguments(microbatches: Any, start_method: str) -> None:
+def _check_arguments(microbatches: Any, start_method: str, divergence: str) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
             f"microbatches must be a positive integer (microbatches: {microbatches!r})"
@@ -372,4 +417,9 @@ def _check_arguments(microbatches: Any, start_method: str) -> None:
     if start_method not in ("popen", "spawn", "fork"):
         raise ValueError(
             f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
+        )
+    if divergence not in DIVERGENCE_ACTIONS:
+        raise ValueError(
+            f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
+            f'{divergence!r}); for example PipeDreamStrategy(divergence="warn")'
         )

@@ -1,5 +1,6 @@
 """A pipelined run that goes wrong on purpose: ``--fail nan`` (the loss becomes NaN on step 2)
-or ``--fail die`` (the last stage's process exits in step 2). Used by test_errors.py."""
+or ``--fail die`` (the last stage's process exits in step 2); ``--divergence`` is the strategy's
+option of that name. Used by test_errors.py."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class Failing(Net):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail", choices=["nan", "die"], required=True)
+    parser.add_argument("--divergence", default="error")
     args = parser.parse_args()
-    strategy = PipeDreamStrategy(sync="async", balance=[3, 3], microbatches=2, timeout=20)
+    strategy = PipeDreamStrategy(
+        sync="async", balance=[3, 3], microbatches=2, timeout=20, divergence=args.divergence
+    )
     trainer(devices=2, strategy=strategy).fit(Failing(args.fail), loader(2))

@@ -35,10 +35,12 @@ def test_devices_different_from_the_plan() -> None:
         trainer(devices=2, strategy=strategy).fit(Net(), loader(2))
 
 
-def _run(fail: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+def _run(
+    fail: str, tmp_path: Path, divergence: str = "error"
+) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--fail", fail],
+        [sys.executable, str(SCRIPT), "--fail", fail, "--divergence", divergence],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -49,8 +51,22 @@ def _run(fail: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_naming_the_step_and_stage(tmp_path: Path) -> None:
+def test_nan_loss_stops_every_rank_with_one_message(tmp_path: Path) -> None:
+    """The NaN of batch 2 travels with the gradients; step 3 logs batch 2's loss (2 stages, 2
+    microbatches: one step behind) and both ranks stop there with the same error."""
     result, _ = _run("nan", tmp_path)
+    assert result.returncode != 0
+    message = (
+        "TrainingDiverged: training diverged: the training loss is not finite (loss: nan) "
+        "(global step: 3, sync: async, stage delays in updates: [1, 0], optimizer: lr 0.1, "
+        "momentum 0.9)"
+    )
+    assert result.stderr.count(message) == 2  # rank 0's and rank 1's
+
+
+@pytest.mark.slow
+def test_nan_loss_unwatched_stops_naming_the_step_and_stage(tmp_path: Path) -> None:
+    result, _ = _run("nan", tmp_path, divergence="off")
     assert result.returncode != 0
     assert (
         "the training loss is not finite (loss: nan, rank 1, stage 1, global step 2)"

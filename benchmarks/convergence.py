@@ -220,6 +220,18 @@ def epochs_to(curve: list[float], target: float) -> int | None:
     return next((e + 1 for e, acc in enumerate(curve) if acc >= target), None)
 
 
+def flagged_at(losses: list[float]) -> int | None:
+    """The step at which the strategy's default divergence rule reports on these logged losses
+    (NaN entries are steps with nothing logged yet), None if it never does."""
+    from pl_pipedream.strategy.divergence import DivergenceWatch
+
+    watch = DivergenceWatch()
+    for step, loss in enumerate(losses):
+        if not (math.isnan(loss) and watch.first is None) and watch.observe(loss):
+            return step
+    return None
+
+
 def write_csv(results: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as file:
         writer = csv.writer(file)
@@ -249,8 +261,14 @@ def table(results: list[dict[str, Any]]) -> str:
                 continue
             curve = [m["val_acc"] for m in run["epochs"]]
             reached = epochs_to(curve, target)
-            cells.append(f"{reached if reached else '-'} ({curve[-1]:.2f})")
+            flag = flagged_at(run["losses"])
+            flagged = f" !{flag}" if flag is not None and config != "one device" else ""
+            cells.append(f"{reached if reached else '-'} ({curve[-1]:.2f}){flagged}")
         lines.append(f"{setting} | {target:.2f} | " + " | ".join(cells))
+    lines.append(
+        f"cells: epochs to reach the target ({TARGET} x one device's final val_acc; - never), "
+        "(final val_acc), !N: the default divergence rule stops the run at step N"
+    )
     return "\n".join(lines)
 
 

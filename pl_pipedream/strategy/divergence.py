@@ -6,11 +6,13 @@ momentum amplifies the error, so the loss jumps far above the best it reached an
 chance accuracy for as long as it is allowed to. ``DivergenceWatch`` sees the sequence of logged
 ``train_loss`` values (every rank logs the same one, so every rank decides the same at the same
 step without a message) and reports a divergence when a value is not finite, or when ``patience``
-of the last ``window`` values lie more than ``rise`` times the run's first loss above the lowest
-loss so far (a lone spike passes; a loss that keeps jumping back up does not).
-Measuring the rise against the first loss (cross-entropy at initialisation is about log(classes))
-makes the rule independent of the loss's scale and of how low a healthy run goes; the defaults
-were chosen from measured curves (README, "Statistical efficiency").
+of the last ``window`` values have given back more than ``rise`` of the progress made: they lie
+above lowest + rise x (first - lowest), the progress counted as at least ``MIN_PROGRESS`` x first
+(so a run that climbs from its first step is caught too, and a flat noisy start is not). A lone
+spike passes; a loss that keeps jumping back up does not. Measuring against the run's own
+progress makes the rule independent of the loss's scale and of how low a healthy run goes; the
+defaults separate the measured curves of ``benchmarks/convergence.py`` (README, "Statistical
+efficiency").
 
 Pure Python (no torch): the strategy feeds it floats and the optimizer's ``param_groups``.
 """
@@ -33,6 +35,7 @@ __all__ = [
 ]
 
 DIVERGENCE_ACTIONS = ("error", "warn", "off")
+MIN_PROGRESS = 0.2  # the progress a rise is measured against is at least this share of the first
 
 
 class TrainingDiverged(RuntimeError):
@@ -43,18 +46,19 @@ class DivergenceWatch:
     """Watches logged losses; ``observe`` returns why the run diverged, or None.
 
     Args:
-        rise: how far above the lowest loss so far a loss must lie, as a share of the first loss.
+        rise: how far above the lowest loss so far a loss must lie, as a share of the progress
+            made (the first loss minus the lowest, at least ``MIN_PROGRESS`` x the first).
         patience: how many of the last ``window`` logged losses must lie that far up.
         window: the logged losses looked at (``patience <= window``).
     """
 
-    def __init__(self, rise: float = 0.35, patience: int = 3, window: int = 5) -> None:
+    def __init__(self, rise: float = 0.9, patience: int = 3, window: int = 5) -> None:
         if not (rise > 0 and isinstance(patience, int) and 1 <= patience <= window):
             raise ValueError(
                 "divergence_rise must be positive and divergence_patience an integer from 1 to "
                 f"divergence_window (divergence_rise: {rise!r}, divergence_patience: "
                 f"{patience!r}, divergence_window: {window!r}); for example "
-                "PipeDreamStrategy(divergence_rise=0.35, divergence_patience=3, "
+                "PipeDreamStrategy(divergence_rise=0.9, divergence_patience=3, "
                 "divergence_window=5)"
             )
         self.rise = float(rise)
@@ -73,13 +77,14 @@ class DivergenceWatch:
         if self.first is None:
             self.first = loss
         self.lowest = min(self.lowest, loss)
-        threshold = self.lowest + self.rise * abs(self.first)
+        progress = max(self.first - self.lowest, MIN_PROGRESS * abs(self.first))
+        threshold = self.lowest + self.rise * progress
         self.recent = [*self.recent, loss > threshold][-self.window :]
         if sum(self.recent) < self.patience:
             return None
         return (
-            f"{sum(self.recent)} of the last {len(self.recent)} logged training losses lie more "
-            f"than {self.rise:g} x the first above the lowest (loss: {loss:.4g}, lowest: "
+            f"{sum(self.recent)} of the last {len(self.recent)} logged training losses gave back "
+            f"more than {self.rise:g} of the progress made (loss: {loss:.4g}, lowest: "
             f"{self.lowest:.4g}, first: {self.first:.4g})"
         )
 

@@ -94,9 +94,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             optimizer's settings and the remedies; ``"warn"`` warns once and goes on; ``"off"``
             only stops on a non-finite loss, on the last stage.
         divergence_rise, divergence_patience, divergence_window: the rule: a non-finite loss,
-            or ``patience`` of the last ``window`` logged losses more than ``rise`` x the first
-            loss above the lowest so far (the defaults separate measured healthy and diverging
-            runs, README "Statistical efficiency").
+            or ``patience`` of the last ``window`` logged losses that gave back more than
+            ``rise`` of the progress made (first loss minus lowest); the defaults separate
+            measured healthy and diverging runs (README, "Statistical efficiency").
     """
 
     strategy_name = "pipedream"
@@ -114,7 +114,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         retain_freed_memory: bool = True,
         bind_cpus: bool = True,
         divergence: str = "error",
-        divergence_rise: float = 0.35,
+        divergence_rise: float = 0.9,
         divergence_patience: int = 3,
         divergence_window: int = 5,
         accelerator: pl.accelerators.Accelerator | None = None,

@@ -34,18 +34,18 @@ def test_a_healthy_noisy_descent_is_never_reported() -> None:
 
 
 def test_a_rise_that_stays_is_reported_after_patience_steps() -> None:
-    losses = [2.3, 2.0, 1.5, 1.0] + [1.0 + 1.2] * 10  # 1.2 > 0.5 * 2.3 above the lowest (1.0)
+    losses = [2.3, 2.0, 1.5, 1.0] + [2.2] * 10  # above 1.0 + 0.5 * (2.3 - 1.0) = 1.65
     assert first_report(losses, rise=0.5, patience=5, window=5) == 4 + 4
 
 
 def test_a_rise_below_the_threshold_is_not_reported() -> None:
-    losses = [2.3, 2.0, 1.5, 1.0] + [1.0 + 1.1] * 50  # 1.1 < 1.15
+    losses = [2.3, 2.0, 1.5, 1.0] + [1.6] * 50  # 1.6 < 1.65
     assert first_report(losses, rise=0.5, patience=5, window=5) is None
 
 
 def test_a_run_stuck_at_chance_after_a_blow_up_is_reported() -> None:
     # the newcomer's shape: a quick drop, then a jump, then chance level (log 10 = 2.30);
-    # defaults: 3 of 5 above 0.7 + 0.35 * 2.31 = 1.51
+    # defaults: 3 of 5 above 0.7 + 0.9 * (2.31 - 0.7) = 2.149
     losses = [2.31, 2.1, 1.4, 0.9, 0.7, 6.0, 14.0, 3.1, 2.4] + [2.30] * 20
     assert first_report(losses) == 7
 
@@ -56,6 +56,12 @@ def test_spikes_that_keep_coming_back_are_reported_and_rare_ones_are_not() -> No
     assert first_report(every_other, rise=0.5, patience=3, window=5) == 6
     every_third = [2.0, 1.0] + [up, down, down] * 10  # at most 2 of any 5
     assert first_report(every_third, rise=0.5, patience=3, window=5) is None
+
+
+def test_a_climb_from_the_start_is_reported_and_a_flat_start_is_not() -> None:
+    # no progress yet: measured against 0.2 x the first loss (2.3 + 0.9 * 0.46 = 2.714)
+    assert first_report([2.3, 2.3, 5.0, 5.0, 5.0]) == 4
+    assert first_report([2.30, 2.31, 2.29, 2.32, 2.60, 2.62, 2.28, 2.65] * 5) is None
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

@@ -277,7 +277,7 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(f"{name} | {target:.2f} | " + " | ".join(cells))
     lines.append(
         f"cells: epochs to reach the target ({TARGET} x one device's final val_acc; - never), "
-        "(final val_acc), !N: the default divergence rule stops the run at step N"
+        "(final val_acc or val_loss), !N: the default divergence rule would stop the run at step N"
     )
     return "\n".join(lines)
 
@@ -302,6 +302,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{setting} ({metric})", fontsize=8)
         if metric == "val_acc":
             ax.set_ylim(0, 1)
+        else:
+            ax.set_yscale("log")  # a diverged run's loss is orders of magnitude up
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
@@ -309,7 +311,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     figure.supxlabel("epoch", fontsize=8)
     figure.supylabel("validation accuracy (or loss)", fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=64)
 
 
 def main() -> None:

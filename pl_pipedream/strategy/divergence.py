@@ -125,13 +125,13 @@ def divergence_message(
     optimizer: str,
 ) -> str:
     """The error every rank raises (the same text on each): the rule, the values, the remedies."""
-    remedies = "lower the learning rate"
+    remedies = "lower the learning rate or the momentum"
     if mode in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC):
         remedies += ", PipeDreamStrategy(weight_prediction=True)"
     if mode is not SyncMode.FLUSH:
         remedies += ', sync="flush" (one device\'s updates)'
     if mode in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC):
-        remedies += ' or sync="2bw" (a delay of 1)'
+        remedies += ' or sync="2bw" (a delay of 1 batch)'
     return (
         f"training diverged: {reason} (global step: {step}, sync: {mode}, stage delays in "
         f"updates: {list(delays)}, optimizer: {optimizer}); stale weights amplified by a large "

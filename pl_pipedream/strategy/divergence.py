@@ -9,7 +9,9 @@ step without a message) and reports a divergence when a value is not finite, or 
 of the last ``window`` values have given back more than ``rise`` of the progress made: they lie
 above lowest + rise x (first - lowest), the progress counted as at least ``MIN_PROGRESS`` x first
 (so a run that climbs from its first step is caught too, and a flat noisy start is not). A lone
-spike passes; a loss that keeps jumping back up does not. Measuring against the run's own
+spike passes; a loss that keeps jumping back up does not. The rise is judged from the ``warmup``-th
+logged loss on (20 by default): a handful of small batches says little, and their losses can
+differ by more than the first one's progress. Measuring against the run's own
 progress makes the rule independent of the loss's scale and of how low a healthy run goes; the
 defaults separate the measured curves of ``benchmarks/convergence.py`` (README, "Statistical
 efficiency").
@@ -50,9 +52,12 @@ class DivergenceWatch:
             made (the first loss minus the lowest, at least ``MIN_PROGRESS`` x the first).
         patience: how many of the last ``window`` logged losses must lie that far up.
         window: the logged losses looked at (``patience <= window``).
+        warmup: logged losses before the rise is judged (a non-finite loss counts at once).
     """
 
-    def __init__(self, rise: float = 0.9, patience: int = 3, window: int = 5) -> None:
+    def __init__(
+        self, rise: float = 0.9, patience: int = 3, window: int = 5, warmup: int = 20
+    ) -> None:
         if not (rise > 0 and isinstance(patience, int) and 1 <= patience <= window):
             raise ValueError(
                 "divergence_rise must be positive and divergence_patience an integer from 1 to "
@@ -64,6 +69,7 @@ class DivergenceWatch:
         self.rise = float(rise)
         self.patience = patience
         self.window = int(window)
+        self.warmup = int(warmup)
         self.first: float | None = None
         self.lowest = math.inf
         self.recent: list[bool] = []  # the last ``window`` losses: above the threshold or not
@@ -80,7 +86,7 @@ class DivergenceWatch:
         progress = max(self.first - self.lowest, MIN_PROGRESS * abs(self.first))
         threshold = self.lowest + self.rise * progress
         self.recent = [*self.recent, loss > threshold][-self.window :]
-        if sum(self.recent) < self.patience:
+        if self.steps < self.warmup or sum(self.recent) < self.patience:
             return None
         return (
             f"{sum(self.recent)} of the last {len(self.recent)} logged training losses gave back "

@@ -95,8 +95,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             only stops on a non-finite loss, on the last stage.
         divergence_rise, divergence_patience, divergence_window: the rule: a non-finite loss,
             or ``patience`` of the last ``window`` logged losses that gave back more than
-            ``rise`` of the progress made (first loss minus lowest); the defaults separate
-            measured healthy and diverging runs (README, "Statistical efficiency").
+            ``rise`` of the progress made (first loss minus lowest), from the 20th logged loss
+            on; the defaults separate measured healthy and diverging runs (README,
+            "Statistical efficiency").
     """
 
     strategy_name = "pipedream"

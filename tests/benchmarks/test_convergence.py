@@ -23,9 +23,10 @@ def test_epochs_to_a_target() -> None:
 
 def test_the_default_rule_flags_a_blow_up_and_not_a_descent() -> None:
     nan = float("nan")
-    blow_up = [nan, nan, 2.3, 1.5, 1.0, 4.0, 5.0, 3.0, 2.3]
-    assert convergence.flagged_at(blow_up) == 7  # 3 of 5 above 1.0 + 0.35 * 2.3
-    assert convergence.flagged_at([nan, 2.3, 1.5, 1.0, 0.6, 0.5, 0.9, 0.4]) is None
+    descent = [2.3 - 0.065 * i for i in range(21)]  # 2.3 down to 1.0, past the warm-up
+    blow_up = [nan, nan, *descent, 4.0, 5.0, 3.0, 2.3]
+    assert convergence.flagged_at(blow_up) == 2 + 21 + 2  # 3 of 5 above 1.0 + 0.9 * 1.3
+    assert convergence.flagged_at([nan, *descent, 1.5, 0.9, 1.6, 0.8]) is None
 
 
 @pytest.mark.slow

@@ -22,8 +22,9 @@ SCRIPT = Path(__file__).with_name("divergence_script.py")
 
 
 def first_report(losses: list[float], **rule: float) -> int | None:
-    """The 0-based index of the loss at which the watch reports, None if it never does."""
-    watch = DivergenceWatch(**rule)  # type: ignore[arg-type]
+    """The 0-based index of the loss at which the watch reports, None if it never does
+    (judging from the first loss on unless ``warmup`` is given)."""
+    watch = DivergenceWatch(**{"warmup": 0, **rule})  # type: ignore[arg-type]
     return next((i for i, loss in enumerate(losses) if watch.observe(loss)), None)
 
 
@@ -62,6 +63,13 @@ def test_a_climb_from_the_start_is_reported_and_a_flat_start_is_not() -> None:
     # no progress yet: measured against 0.2 x the first loss (2.3 + 0.9 * 0.46 = 2.714)
     assert first_report([2.3, 2.3, 5.0, 5.0, 5.0]) == 4
     assert first_report([2.30, 2.31, 2.29, 2.32, 2.60, 2.62, 2.28, 2.65] * 5) is None
+
+
+def test_the_rise_is_judged_only_after_the_warmup() -> None:
+    losses = [2.3, 1.0] + [2.3] * 30
+    assert first_report(losses) == 4
+    assert first_report(losses, warmup=20) == 19  # the 20th logged loss
+    assert first_report([2.3, 1.0, 2.3, 2.3, 2.3], warmup=20) is None  # a short noisy run
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

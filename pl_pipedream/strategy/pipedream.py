@@ -317,8 +317,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         module = self.lightning_module
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
-        # A watched loss may be non-finite: it travels to every rank, which all stop together.
-        finite = self._watch is None
+        # Unless divergence="off", a non-finite loss travels on like any other: every rank sees
+        # it logged and all stop together ("error"), or go on after one warning ("warn").
+        finite = self.divergence == "off"
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, finite)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)

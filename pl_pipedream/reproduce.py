@@ -6,9 +6,13 @@ paper's configuration and speedup over data parallelism beside ours. The rows co
 kept beside the repository (``--table``, default ``../shared/data/pipedream_table1.csv``), which
 holds only the cells checked against the paper; the profiles from ``--profiles``.
 
-The prediction is the planner's: data-parallel time per minibatch (ring all-reduce at the
-cluster's bandwidths) over the pipeline's slowest stage time, both from the same cost model. The
-paper measured epoch time (or time to accuracy where that is all the table has) on real GPUs.
+Each row is planned twice: from PipeDream's published profile, and (unless
+``--no-own-profile``) from our own model profiled on this machine
+(``reproduce_profiles``, cached under ``--cache``) and scaled to the paper's per-GPU minibatch
+and GPU (``--speed-factor``). For each plan ``reproduce_epochs`` simulates an epoch of data
+parallelism, PipeDream and GPipe from the planner's cost model; the predicted speedup is the
+ratio of the epoch times. The paper measured epoch time (or time to accuracy where that is all
+the table has) on real GPUs. ``--markdown``, ``--png`` and ``--json`` write the table.
 
 Like the rest of the CLI this module imports neither torch nor Lightning.
 """
@@ -27,7 +31,17 @@ from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology, fill_innermost
 from pl_pipedream.profile.graph import Profile
-from pl_pipedream.reproduce_epochs import Epochs, epochs, scale_profile
+from pl_pipedream.reproduce_epochs import (
+    DEFAULT_SPEED_FACTOR,
+    DEVICE_TFLOPS,
+    EPOCH_SAMPLES,
+    PER_GPU_BATCH,
+    Epochs,
+    assumptions,
+    bar_chart,
+    epochs,
+    scale_profile,
+)
 
 __all__ = [
     "ReproduceError",
@@ -69,36 +83,6 @@ HEADER = (
     "predicted/paper (published / ours)",
     "GPipe over DP (published / ours)",
 )
-# The paper's per-GPU minibatch per model: read off PipeDream's published profiles (their
-# activation sizes over one sample's) where one exists, else the model paper's training setting
-# (AWD-LSTM: 80 on the Penn Treebank) or our choice (S2VT: 32).
-PER_GPU_BATCH = {
-    "VGG-16": 64,
-    "AlexNet": 256,
-    "ResNet-50": 128,
-    "GNMT-8": 64,
-    "GNMT-16": 64,
-    "AWD-LM": 80,
-    "S2VT": 32,
-}
-# Samples per epoch: ImageNet's 1,281,167 training images; WMT16 En-De's 4,500,966 training
-# sentence pairs; the Penn Treebank's 929,589 training words in 70-word windows (13,280); MSVD's
-# 1,200 training videos with their 48,774 captions (one sample per caption).
-EPOCH_SAMPLES = {
-    "VGG-16": 1_281_167,
-    "AlexNet": 1_281_167,
-    "ResNet-50": 1_281_167,
-    "GNMT-8": 4_500_966,
-    "GNMT-16": 4_500_966,
-    "AWD-LM": 13_280,
-    "S2VT": 48_774,
-}
-# fp32 peak TFLOP/s of each cluster's GPU (V100: 15.7; Titan X, Pascal: 11.0). --speed-factor
-# is for a V100; cluster C's GPU is taken as 11.0 / 15.7 of that.
-DEVICE_TFLOPS = {"A": 15.7, "B": 15.7, "C": 11.0}
-# A V100's 15.7 TFLOP/s over the ~112 GFLOP/s one thread of this machine's CPU reaches on an
-# fp32 1024x1024 matrix product (measured with every profile and printed under the table).
-DEFAULT_SPEED_FACTOR = 140.0
 
 
 class ReproduceError(ValueError):
@@ -375,40 +359,6 @@ def render_text(outcomes: list[Outcome]) -> str:
     )
 
 
-def assumptions(outcomes: list[Outcome], speed_factor: float, microbatches: int | None) -> str:
-    """What the predictions assume, printed under the table."""
-    rates = sorted(
-        {
-            o.own_meta["gemm_gflops"]
-            for o in outcomes
-            if o.own_meta is not None and "gemm_gflops" in o.own_meta
-        }
-    )
-    gpipe = "4 per stage" if microbatches is None else str(microbatches)
-    lines = [
-        "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1, the paper's figures; "
-        "every other cell is computed here.",
-        "Predicted: one simulated epoch of data parallelism over one of PipeDream (1F1B steady "
-        "state plus one fill), both from the planner's cost model (DP all-reduce "
-        "4 (n-1)/n x bytes / bandwidth per level, not overlapped with compute).",
-        f"GPipe: the same stages, {gpipe} microbatches per flush, fill and drain every flush.",
-        "Our profile: our model profiled here on one sample, one CPU thread, scaled to the "
-        f"per-GPU minibatch ({_listing(PER_GPU_BATCH)}) and divided by the speed factor "
-        f"{speed_factor:g} (a V100 over one thread of this CPU; x{DEVICE_TFLOPS['C']:g}/"
-        f"{DEVICE_TFLOPS['A']:g} for cluster C's Titan X).",
-        f"Epoch: {_listing(EPOCH_SAMPLES)} samples.",
-    ]
-    if rates:
-        lines.append(
-            f"This CPU's one-thread fp32 GEMM rate when profiled: {', '.join(rates)} GFLOP/s."
-        )
-    return "\n".join(lines)
-
-
-def _listing(values: dict[str, int]) -> str:
-    return ", ".join(f"{model} {value:,}" for model, value in values.items())
-
-
 def render_markdown(outcomes: list[Outcome], notes: str = "") -> str:
     lines = [
         "| " + " | ".join(HEADER) + " |",
@@ -420,32 +370,13 @@ def render_markdown(outcomes: list[Outcome], notes: str = "") -> str:
 
 def write_png(outcomes: list[Outcome], path: Path) -> None:
     """Grouped bars per row: the paper's speedup, ours from the published and from our profile."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    series = (
-        (
-            "paper (SOSP 2019 Table 1)",
-            [o.row.paper_speedup[0] if o.row.paper_speedup else 0.0 for o in outcomes],
-        ),
-        ("predicted, published profile", [o.predicted or 0.0 for o in outcomes]),
-        ("predicted, our profile", [o.own_predicted or 0.0 for o in outcomes]),
-    )
-    figure, axes = pyplot.subplots(figsize=(max(6.0, 0.9 * len(outcomes) + 2), 4.0), dpi=80)
-    width = 0.27
-    for index, (label, values) in enumerate(series):
-        positions = [x + (index - 1) * width for x in range(len(outcomes))]
-        axes.bar(positions, values, width, label=label)
-    axes.set_xticks(range(len(outcomes)), [o.row.id for o in outcomes], rotation=45, ha="right")
-    axes.axhline(1.0, color="grey", linewidth=0.8)
-    axes.set_ylabel("speedup over data parallelism")
-    axes.set_title("Table 1: paper vs pl-pipedream prediction (missing bar: no figure)")
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    pyplot.close(figure)
+    paper = [o.row.paper_speedup[0] if o.row.paper_speedup else None for o in outcomes]
+    series = {
+        "paper (SOSP 2019 Table 1)": paper,
+        "predicted, published profile": [o.predicted for o in outcomes],
+        "predicted, our profile": [o.own_predicted for o in outcomes],
+    }
+    bar_chart([o.row.id for o in outcomes], series, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -506,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
         args.speed_factor,
         args.microbatches,
     )
-    notes = assumptions(outcomes, args.speed_factor, args.microbatches)
+    rates = sorted({o.own_meta.get("gemm_gflops", "") for o in outcomes if o.own_meta} - {""})
+    notes = assumptions(rates, args.speed_factor, args.microbatches)
     if args.markdown:
         args.markdown.write_text(render_markdown(outcomes, notes))
     if args.png:

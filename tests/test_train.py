@@ -42,7 +42,16 @@ def composed(*overrides: str, output_dir: str = "/tmp/pl-pipedream-test") -> Dic
 
 def test_every_group_has_its_options() -> None:
     assert options("model") == ["cnn", "gpt", "mlp", "seq2seq"]
-    assert options("data") == ["digits", "sequences", "synthetic", "text"]
+    assert options("data") == [
+        "digits",
+        "imagenet",
+        "msvd",
+        "ptb",
+        "sequences",
+        "synthetic",
+        "text",
+        "wmt16",
+    ]
     assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
     assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
     assert options("trainer") == ["cpu", "gpu"]
@@ -61,7 +70,7 @@ def test_every_combination_composes_and_resolves() -> None:
             assert cfg.strategy.sync == choice[GROUPS.index("sync")]
             assert cfg.data.batch_size % cfg.strategy.microbatches == 0
             assert cfg.strategy.timeline == "/tmp/x/timeline.json"
-    assert len(combinations) == 4 * 4 * 4 * 5 * 2
+    assert len(combinations) == 8 * 4 * 4 * 5 * 2
 
 
 def test_defaults_are_the_main_job() -> None:

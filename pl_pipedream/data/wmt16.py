@@ -151,7 +151,7 @@ class WMT16DataModule(SplitDataModule):
         file = self.path / "vocab.txt"
         if not file.is_file():
             return build_vocabulary((t for pair in pairs for t in pair), self.vocab_size)
-        words = [line.split()[0] for line in read_lines(file) if line]
+        words = [line[0] for line in read_lines(file) if line]
         words = [w for w in words if w not in SPECIALS][: self.vocab_size - len(SPECIALS)]
         return {word: index for index, word in enumerate((*SPECIALS, *words))}
 

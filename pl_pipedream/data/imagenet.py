@@ -11,8 +11,10 @@ Training images get a random resized crop (a region of 8%-100% of the image's ar
 aspect ratio between 3/4 and 4/3, resized to ``image_size``), a horizontal flip with
 probability 1/2 and per-channel normalisation by ImageNet's mean and standard deviation;
 validation and test images are resized so that their shorter side is ``image_size * 256 /
-224`` and center-cropped to ``image_size``, then normalised alike. The random draws use torch's
-global generator, which Lightning's ``seed_everything`` and the DataLoader's worker seeding fix.
+224`` and center-cropped to ``image_size``, then normalised alike. Every process of a pipeline
+must feed identical batches, so the random draws do not come from a process's global generator:
+the training sampler draws the order and one seed per example from a generator seeded with
+``seed``, and each example's crop and flip come from its own seed, in whichever worker decodes it.
 
 Without ``path`` the module generates ``num_examples`` images of the same shape instead (a
 coarse random pattern per class, upsampled, plus Gaussian noise, so that the classes can be
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from pl_pipedream.data.split import SplitDataModule
 
@@ -79,19 +81,22 @@ def random_resized_crop(
     size: int,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    generator: torch.Generator | None = None,
 ) -> Any:
     """A random region covering a share of the area in ``scale`` with a width/height ratio in
     ``ratio`` (drawn uniformly on a log scale), resized to ``size`` x ``size``. After ten draws
-    that do not fit inside the image, the largest central region of ratio within ``ratio``."""
+    that do not fit inside the image, the largest central region of ratio within ``ratio``.
+    The draws come from ``generator`` (torch's global one if ``None``)."""
     width, height = image.size
     area = width * height
     for _ in range(10):
-        target = area * float(torch.empty(()).uniform_(*scale))
-        aspect = math.exp(float(torch.empty(()).uniform_(math.log(ratio[0]), math.log(ratio[1]))))
+        target = area * float(torch.empty(()).uniform_(*scale, generator=generator))
+        low, high = math.log(ratio[0]), math.log(ratio[1])
+        aspect = math.exp(float(torch.empty(()).uniform_(low, high, generator=generator)))
         w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
-            left = int(torch.randint(width - w + 1, ()))
-            top = int(torch.randint(height - h + 1, ()))
+            left = int(torch.randint(width - w + 1, (), generator=generator))
+            top = int(torch.randint(height - h + 1, (), generator=generator))
             return resize(image.crop((left, top, left + w, top + h)), size, size)
     aspect = min(max(width / height, ratio[0]), ratio[1])
     w, h = (
@@ -104,8 +109,30 @@ def random_resized_crop(
     return resize(image.crop((left, top, left + w, top + h)), size, size)
 
 
+class AugmentationSampler(Sampler[tuple[int, int]]):
+    """The training order and a seed per example, ``(index, seed)``, drawn from one generator
+    seeded once: every process draws the same sequence, a new one each epoch."""
+
+    def __init__(self, count: int, seed: int, shuffle: bool) -> None:
+        self.count, self.shuffle = count, shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Any:
+        if self.shuffle:
+            order = torch.randperm(self.count, generator=self.generator)
+        else:
+            order = torch.arange(self.count)
+        seeds = torch.randint(2**62, (self.count,), generator=self.generator)
+        return iter(zip(order.tolist(), seeds.tolist(), strict=True))
+
+
 class ImageFolder(Dataset[tuple[Tensor, Tensor]]):
-    """``(image, label)`` pairs of a list of files, each file decoded when it is asked for."""
+    """``(image, label)`` pairs of a list of files, each file decoded when it is asked for.
+    Training items are asked for as ``(index, seed)`` (``AugmentationSampler``), the seed
+    fixing the crop and the flip; a plain index uses the index as the seed."""
 
     def __init__(self, files: list[tuple[Path, int]], image_size: int, train: bool) -> None:
         self.files, self.image_size, self.train = files, image_size, train
@@ -113,15 +140,17 @@ class ImageFolder(Dataset[tuple[Tensor, Tensor]]):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Tensor, Tensor]:
         from PIL import Image
 
+        index, seed = key if isinstance(key, tuple) else (key, key)
         file, label = self.files[index]
         with Image.open(file) as opened:
             image = opened.convert("RGB")
         if self.train:
-            image = random_resized_crop(image, self.image_size)
-            if float(torch.rand(())) < 0.5:
+            generator = torch.Generator().manual_seed(seed)
+            image = random_resized_crop(image, self.image_size, generator=generator)
+            if float(torch.rand((), generator=generator)) < 0.5:
                 image = image.transpose(Image.FLIP_LEFT_RIGHT)
         else:
             image = center_crop(image, self.image_size)
@@ -251,3 +280,15 @@ class ImageNetDataModule(SplitDataModule):
             "val": val,
             "test": val,
         }
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        train = self.splits["train"]
+        if not isinstance(train, ImageFolder):
+            return super().train_dataloader()
+        return DataLoader(
+            train,
+            batch_size=self.batch_size,
+            sampler=AugmentationSampler(len(train), self.seed, self.shuffle),
+            drop_last=True,
+            num_workers=self.num_workers,
+        )

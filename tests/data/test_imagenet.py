@@ -93,6 +93,26 @@ def test_training_images_are_decoded_jpegs_and_pngs_cropped_to_the_image_size(
     assert sorted(int(data.splits["train"][i][1]) for i in range(4)) == [0, 0, 1, 1]
 
 
+def test_every_process_draws_the_same_augmented_batches_and_each_epoch_new_ones(
+    imagenet: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    """Two modules stand for two ranks whose global generators differ (a pipeline checks that
+    every rank feeds the same batches); the second uses a worker process."""
+    root, _ = imagenet
+    epochs = []
+    for global_seed, workers in ((1, 0), (2, 1)):
+        torch.manual_seed(global_seed)
+        data = ImageNetDataModule(
+            str(root), image_size=SIZE, num_classes=2, batch_size=4, num_workers=workers
+        )
+        data.setup("fit")
+        loader = data.train_dataloader()
+        epochs.append([next(iter(loader)) for _ in range(2)])
+    for (first, labels), (again, labels_again) in zip(epochs[0], epochs[1], strict=True):
+        assert torch.equal(first, again) and torch.equal(labels, labels_again)
+    assert not torch.equal(epochs[0][0][0], epochs[0][1][0])
+
+
 def test_random_resized_crop_takes_a_region_of_the_drawn_area_and_ratio() -> None:
     array = pixels(3, 40, 40)
     torch.manual_seed(1)

@@ -13,7 +13,8 @@ __all__ = ["SplitDataModule"]
 
 
 class SplitDataModule(LightningDataModule):
-    """Splits ``(inputs, targets)`` tensors once, by a seeded permutation, into train/val/test.
+    """Splits ``(inputs, targets)`` tensors once, by a seeded permutation, into train/val/test
+    (or takes the splits an override of ``datasets()`` reads).
 
     Every process builds the same split and, with ``shuffle`` on, the same order of training
     batches (one seeded generator draws each epoch's permutation), which a pipeline needs: every

@@ -203,7 +203,7 @@ def test_main_is_a_hydra_app_over_the_package_configs() -> None:
 # ----- end to end (subprocess) ------------------------------------------------------------------
 
 
-def run_app(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_app(*arguments: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("LOCAL_RANK", None)
     return subprocess.run(
@@ -212,7 +212,7 @@ def run_app(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
 
 

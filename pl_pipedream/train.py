@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -86,7 +87,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def main(cfg: DictConfig) -> float | None:
     """Entry point of ``pl-pipedream-train``; returns ``val_acc`` for Hydra sweepers."""
     cfg = apply_smoke(cfg)
-    check_machine(cfg)
+    try:
+        check_machine(cfg)
+    except MachineError as error:  # the user's fix, without a traceback to read first
+        print(f"pl-pipedream-train: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Several nodes need a launcher per node (torchrun, SLURM); one node starts its own ranks.
     single_node = int(cfg.trainer.get("num_nodes") or 1) == 1
     with other_ranks(num_processes(cfg.trainer) if single_node else 1):

@@ -157,9 +157,10 @@ def _train(rank: int, plan: Plan, sync: str, m: int, optimizer: str, flags) -> d
     model = make_model()
     stage = plan.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
-    opt = OPTIMIZERS[optimizer](module.parameters())
+    params = list(module.parameters())
+    opt = OPTIMIZERS[optimizer](params) if params else None  # the last stage may have none
     steps = per_delay * stage_delay(plan, SyncMode(sync), stage.index)
-    apply = WarmedUpdate(optimizer_update(module, opt), lambda: [opt], steps)
+    apply = WarmedUpdate(optimizer_update(module, opt), lambda: [opt] if opt else [], steps)
     runner = PipelineRunner.create(
         plan, SyncMode(sync), m, module, rank, apply, torch.device("cpu"), 60.0,
         weight_prediction=prediction,

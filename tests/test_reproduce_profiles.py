@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pl_pipedream.reproduce_profiles import MODELS, gemm_gflops, own_profile
+from pl_pipedream.reproduce_profiles import CACHE_VERSION, MODELS, gemm_gflops, own_profile
 
 
 def test_alexnet_is_profiled_once_then_read_from_the_cache(tmp_path) -> None:
@@ -25,7 +25,9 @@ def test_alexnet_is_profiled_once_then_read_from_the_cache(tmp_path) -> None:
 def test_a_stale_cache_file_is_measured_again(tmp_path) -> None:
     own_profile("AlexNet", tmp_path)
     path = tmp_path / "alexnet.json"
-    path.write_text(path.read_text().replace('"cache": "1"', '"cache": "0"'))
+    text = path.read_text()
+    assert f'"cache": "{CACHE_VERSION}"' in text
+    path.write_text(text.replace(f'"cache": "{CACHE_VERSION}"', '"cache": "0"'))
     _, hit = own_profile("AlexNet", tmp_path)
     assert not hit
 

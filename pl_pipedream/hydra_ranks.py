@@ -47,6 +47,15 @@ _NOT_FORWARDED = (
 _RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _slurm_tasks() -> int:
+    """The tasks of the SLURM job step this process belongs to (1 outside SLURM): ``srun``
+    with one task per device starts every rank itself, as Lightning's SLURM support expects."""
+    try:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    except ValueError:
+        return 1
+
+
 @contextmanager
 def other_ranks(num_processes: int) -> Iterator[None]:
     """Run ranks 1..n-1 of the current Hydra job for the duration of the block.
@@ -56,8 +65,8 @@ def other_ranks(num_processes: int) -> Iterator[None]:
     error is logged, the other children are stopped and rank 0 is killed (as Lightning's own
     launcher does), so a failure never hangs until the strategy's timeout.
     """
-    if num_processes <= 1 or "LOCAL_RANK" in os.environ:
-        yield
+    if num_processes <= 1 or "LOCAL_RANK" in os.environ or _slurm_tasks() > 1:
+        yield  # a launcher (torchrun, srun with a task per device) started every rank already
         return
     saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
     shared = {

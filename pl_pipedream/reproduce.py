@@ -6,9 +6,13 @@ paper's configuration and speedup over data parallelism beside ours. The rows co
 kept beside the repository (``--table``, default ``../shared/data/pipedream_table1.csv``), which
 holds only the cells checked against the paper; the profiles from ``--profiles``.
 
-The prediction is the planner's: data-parallel time per minibatch (ring all-reduce at the
-cluster's bandwidths) over the pipeline's slowest stage time, both from the same cost model. The
-paper measured epoch time (or time to accuracy where that is all the table has) on real GPUs.
+Each row is planned twice: from PipeDream's published profile, and (unless
+``--no-own-profile``) from our own model profiled on this machine
+(``reproduce_profiles``, cached under ``--cache``) and scaled to the paper's per-GPU minibatch
+and GPU (``--speed-factor``). For each plan ``reproduce_epochs`` simulates an epoch of data
+parallelism, PipeDream and GPipe from the planner's cost model; the predicted speedup is the
+ratio of the epoch times. The paper measured epoch time (or time to accuracy where that is all
+the table has) on real GPUs. ``--markdown``, ``--png`` and ``--json`` write the table.
 
 Like the rest of the CLI this module imports neither torch nor Lightning.
 """
@@ -27,6 +31,17 @@ from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology, fill_innermost
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.reproduce_epochs import (
+    DEFAULT_SPEED_FACTOR,
+    DEVICE_TFLOPS,
+    EPOCH_SAMPLES,
+    PER_GPU_BATCH,
+    Epochs,
+    assumptions,
+    bar_chart,
+    epochs,
+    scale_profile,
+)
 
 __all__ = [
     "ReproduceError",
@@ -57,7 +72,17 @@ PROFILE_OF = {
 UNCHECKED_ROWS = (("GNMT-8", "A", 1, 4), ("GNMT-8", "A", 3, 4), ("GNMT-8", "B", 2, 8))
 NOT_CHECKED = "not in the checked table"
 NO_PROFILE = "no published profile"
-HEADER = ("row", "paper config", "our config", "paper speedup", "predicted", "predicted/paper")
+HEADER = (
+    "row",
+    "paper config",
+    "our config (published profile)",
+    "our config (our profile)",
+    "paper speedup",
+    "predicted (published profile)",
+    "predicted (our profile)",
+    "predicted/paper (published / ours)",
+    "GPipe over DP (published / ours)",
+)
 
 
 class ReproduceError(ValueError):
@@ -93,38 +118,63 @@ class Row:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A row with our plan for it, or None where no published profile covers the model."""
+    """A row with our plans for it (published profile, our profile) and their simulated epochs.
+
+    ``plan`` is None where PipeDream published no profile of the model, ``own_plan`` where our
+    own profile was not asked for.
+    """
 
     row: Row
     plan: Plan | None = None
+    epochs: Epochs | None = None
+    own_plan: Plan | None = None
+    own_epochs: Epochs | None = None
+    own_meta: dict[str, str] | None = None  # the measured profile's (device, GEMM rate, ...)
 
     @property
     def config(self) -> str | None:
         return render_config(self.plan) if self.plan is not None else None
 
     @property
+    def own_config(self) -> str | None:
+        return render_config(self.own_plan) if self.own_plan is not None else None
+
+    @property
     def predicted(self) -> float | None:
-        return self.plan.speedup_over_data_parallel if self.plan is not None else None
+        return self.epochs.pipedream_speedup if self.epochs is not None else None
+
+    @property
+    def own_predicted(self) -> float | None:
+        return self.own_epochs.pipedream_speedup if self.own_epochs is not None else None
+
+    def _ratio(self, predicted: float | None) -> float | None:
+        paper = self.row.paper_speedup
+        if predicted is None or paper is None:
+            return None
+        return predicted / paper[0]
 
     @property
     def ratio(self) -> float | None:
-        paper = self.row.paper_speedup
-        if self.predicted is None or paper is None:
-            return None
-        return self.predicted / paper[0]
+        return self._ratio(self.predicted)
+
+    @property
+    def own_ratio(self) -> float | None:
+        return self._ratio(self.own_predicted)
 
     def cells(self) -> tuple[str, ...]:
         paper = self.row.paper_speedup
         paper_cell = NOT_CHECKED if paper is None else f"{paper[0]:.2f}x ({paper[1]})"
-        predicted = "-" if self.predicted is None else f"{self.predicted:.2f}x"
-        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}"
+        gpipe = [e.gpipe_speedup for e in (self.epochs, self.own_epochs) if e is not None]
         return (
             self.row.id,
             self.row.config or NOT_CHECKED,
             self.config or NO_PROFILE,
+            self.own_config or "-",
             paper_cell,
-            predicted,
-            ratio,
+            _times(self.predicted),
+            _times(self.own_predicted),
+            _pair(self.ratio, self.own_ratio),
+            " / ".join(f"{value:.2f}x" for value in gpipe) or "-",
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -144,7 +194,23 @@ class Outcome:
             "predicted_speedup": self.predicted,
             "ratio": self.ratio,
             "plan": None if self.plan is None else self.plan.to_dict(),
+            "epochs": None if self.epochs is None else self.epochs.to_dict(),
+            "own_config": self.own_config,
+            "own_predicted_speedup": self.own_predicted,
+            "own_ratio": self.own_ratio,
+            "own_plan": None if self.own_plan is None else self.own_plan.to_dict(),
+            "own_epochs": None if self.own_epochs is None else self.own_epochs.to_dict(),
         }
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _pair(published: float | None, own: float | None) -> str:
+    if published is None and own is None:
+        return "-"
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in (published, own))
 
 
 def _number(text: str) -> float | None:
@@ -224,26 +290,64 @@ def render_config(result: Plan) -> str:
     return result.shape
 
 
-def reproduce(rows: list[Row], profiles: Path) -> list[Outcome]:
-    """Plan every row that a published profile covers, on its cluster, with the default options."""
+def reproduce(
+    rows: list[Row],
+    profiles: Path,
+    cache: Path | None = None,
+    speed_factor: float = DEFAULT_SPEED_FACTOR,
+    microbatches: int | None = None,
+) -> list[Outcome]:
+    """Plan and simulate every row on its cluster, with the default planner options.
+
+    From PipeDream's published profile where one covers the model; from our own model profiled
+    here when ``cache`` (where those profiles are kept) is given.
+    """
     loaded: dict[str, Profile] = {}
     outcomes = []
     for row in rows:
-        name = PROFILE_OF.get(row.model)
-        if name is None:
-            outcomes.append(Outcome(row))
-            continue
-        if name not in loaded:
-            path = profiles / f"{name}.txt"
-            if not path.is_file():
-                raise ReproduceError(
-                    f"the row's published profile must exist (--profiles: {profiles}, profile: "
-                    f"{path.name}); pass --profiles DIR holding PipeDream's profiles"
-                )
-            loaded[name] = Profile.load(path)
         topology = cluster_topology(row.cluster, row.servers, row.gpus_per_server)
-        outcomes.append(Outcome(row, make_plan(loaded[name], topology)))
+        samples, batch = EPOCH_SAMPLES.get(row.model), PER_GPU_BATCH.get(row.model)
+        published = own = measured = None
+        name = PROFILE_OF.get(row.model)
+        if name is not None:
+            if name not in loaded:
+                loaded[name] = _published(profiles, name)
+            published = make_plan(loaded[name], topology)
+        if cache is not None and samples is not None:
+            from pl_pipedream.reproduce_profiles import own_profile  # torch: only when asked
+
+            measured, _ = own_profile(row.model, cache)
+            factor = speed_factor * DEVICE_TFLOPS[row.cluster.upper()] / DEVICE_TFLOPS["A"]
+            own = make_plan(scale_profile(measured, batch, factor), topology)
+        outcomes.append(
+            Outcome(
+                row,
+                published,
+                _epochs(published, samples, batch, microbatches),
+                own,
+                _epochs(own, samples, batch, microbatches),
+                None if measured is None else dict(measured.meta),
+            )
+        )
     return outcomes
+
+
+def _published(profiles: Path, name: str) -> Profile:
+    path = profiles / f"{name}.txt"
+    if not path.is_file():
+        raise ReproduceError(
+            f"the row's published profile must exist (--profiles: {profiles}, profile: "
+            f"{path.name}); pass --profiles DIR holding PipeDream's profiles"
+        )
+    return Profile.load(path)
+
+
+def _epochs(
+    result: Plan | None, samples: int | None, batch: int | None, microbatches: int | None
+) -> Epochs | None:
+    if result is None or samples is None or batch is None:
+        return None
+    return epochs(result, samples, batch, microbatches)
 
 
 def render_text(outcomes: list[Outcome]) -> str:
@@ -255,18 +359,24 @@ def render_text(outcomes: list[Outcome]) -> str:
     )
 
 
-def render_markdown(outcomes: list[Outcome]) -> str:
+def render_markdown(outcomes: list[Outcome], notes: str = "") -> str:
     lines = [
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" for _ in HEADER) + "|",
         *("| " + " | ".join(outcome.cells()) + " |" for outcome in outcomes),
     ]
-    note = (
-        "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1, the paper's figures. "
-        "Our config and predicted speedup: pl-pipedream's planner on PipeDream's published "
-        "profiles (data-parallel time over slowest stage time, same cost model)."
-    )
-    return note + "\n\n" + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"\n{line}\n" for line in notes.splitlines())
+
+
+def write_png(outcomes: list[Outcome], path: Path) -> None:
+    """Grouped bars per row: the paper's speedup, ours from the published and from our profile."""
+    paper = [o.row.paper_speedup[0] if o.row.paper_speedup else None for o in outcomes]
+    series = {
+        "paper (SOSP 2019 Table 1)": paper,
+        "predicted, published profile": [o.predicted for o in outcomes],
+        "predicted, our profile": [o.own_predicted for o in outcomes],
+    }
+    bar_chart([o.row.id for o in outcomes], series, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,15 +400,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--markdown", type=Path, metavar="PATH", help="also write the table as Markdown here"
     )
+    parser.add_argument("--png", type=Path, metavar="PATH", help="also draw the speedups here")
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
+    parser.add_argument(
+        "--speed-factor",
+        type=float,
+        default=DEFAULT_SPEED_FACTOR,
+        help="how much faster a V100 is than one thread of this CPU (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        help="our profiles' cache (default: reproduce_cache beside --markdown/--png, else in .)",
+    )
+    parser.add_argument(
+        "--no-own-profile", action="store_true", help="plan from the published profiles only"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="GPipe's microbatches per flush (default: 4 per stage)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    outcomes = reproduce(select(read_table(args.table), args.rows), args.profiles)
+    cache = None
+    if not args.no_own_profile:
+        outputs = [p for p in (args.markdown, args.png) if p is not None]
+        cache = args.cache or (outputs[0].parent if outputs else Path.cwd()) / "reproduce_cache"
+    outcomes = reproduce(
+        select(read_table(args.table), args.rows),
+        args.profiles,
+        cache,
+        args.speed_factor,
+        args.microbatches,
+    )
+    rates = sorted({o.own_meta.get("gemm_gflops", "") for o in outcomes if o.own_meta} - {""})
+    notes = assumptions(rates, args.speed_factor, args.microbatches)
     if args.markdown:
-        args.markdown.write_text(render_markdown(outcomes))
+        args.markdown.write_text(render_markdown(outcomes, notes))
+    if args.png:
+        write_png(outcomes, args.png)
     if args.json:
         print(json.dumps([outcome.to_dict() for outcome in outcomes]))
     else:
         print(render_text(outcomes))
+        print()
+        print(notes)
     return 0

@@ -6,6 +6,12 @@ Hydra and the start of the other ranks (``pl_pipedream.hydra_ranks``). The confi
 ``pl_pipedream/configs`` so that an installed package finds them; one group per swappable piece:
 ``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
 
+Before any rank starts, ``main`` merges ``smoke_settings`` over the config when ``smoke=true``
+(``apply_smoke``: a recipe's reduced run for this machine) and refuses a config that asks for
+hardware this machine does not have (``check_machine``). At the end of ``train`` rank 0 writes
+``results.json`` (config, seed, metrics, plan, wall time, versions, git commit) into the output
+directory (``write_results``).
+
 Cluster topologies describe the target machines, while ``trainer.devices`` says how many
 processes actually run. When the two differ the plan is made for the part of the cluster those
 processes would occupy, filled innermost first (``topology_for_devices``).
@@ -13,18 +19,35 @@ processes would occupy, filled innermost first (``topology_for_devices``).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
+import subprocess
+import sys
+import time
 import warnings
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pl_pipedream.hydra_ranks import other_ranks
 from pl_pipedream.planner.topology import Topology, TopologyError, fill_innermost
 
-__all__ = ["main", "num_processes", "topology_for_devices", "train"]
+__all__ = [
+    "MachineError",
+    "apply_smoke",
+    "check_machine",
+    "main",
+    "num_processes",
+    "topology_for_devices",
+    "train",
+    "write_results",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     import lightning.pytorch as pl
 
+    started = time.perf_counter()
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
@@ -52,13 +76,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         shown = ", ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items()))
         log.info("Final metrics: %s", shown)
+        plan = getattr(trainer.strategy, "plan", None)
+        path = write_results(cfg, metrics, plan, time.perf_counter() - started)
         log.info("Outputs (metrics.csv, timeline.json, pipedream_plan.json): %s", cfg.output_dir)
+        log.info("Results: %s", path)
     return metrics
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Entry point of ``pl-pipedream-train``; returns ``val_acc`` for Hydra sweepers."""
+    cfg = apply_smoke(cfg)
+    try:
+        check_machine(cfg)
+    except MachineError as error:  # the user's fix, without a traceback to read first
+        print(f"pl-pipedream-train: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Several nodes need a launcher per node (torchrun, SLURM); one node starts its own ranks.
     single_node = int(cfg.trainer.get("num_nodes") or 1) == 1
     with other_ranks(num_processes(cfg.trainer) if single_node else 1):
@@ -68,6 +101,156 @@ def main(cfg: DictConfig) -> float | None:
         finally:
             _leave_process_group()
     return metrics.get("val_acc")
+
+
+# ----- smoke runs, the machine, the results file --------------------------------------------------
+
+
+class MachineError(RuntimeError):
+    """The config asks for hardware this machine does not have."""
+
+
+def apply_smoke(cfg: DictConfig) -> DictConfig:
+    """With ``smoke=true``, ``cfg`` with its ``smoke_settings`` merged over it (in place).
+
+    ``smoke_settings`` is a nested block of the config's own keys (``model.width``,
+    ``data.input_shape``, ``trainer.max_steps``, ``cluster.topology``, ...), so a recipe carries
+    the reduced run that fits this machine beside the full one. Merged before anything is built
+    or any rank starts; every rank merges the same block (the children get ``smoke=true`` too).
+    """
+    if not cfg.get("smoke"):
+        return cfg
+    settings = cfg.get("smoke_settings")
+    if settings is None:
+        return cfg
+    if not OmegaConf.is_dict(settings):
+        raise ValueError(
+            f"smoke_settings must be a block of config keys (smoke_settings: {settings!r}); "
+            "write it as a mapping, e.g. smoke_settings: {trainer: {max_steps: 4}}"
+        )
+    block = OmegaConf.create(OmegaConf.to_container(settings, resolve=False))
+    with open_dict(cfg):
+        cfg.merge_with(block)
+    return cfg
+
+
+_NODE_RANK_VARIABLES = ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID")  # Lightning, torchrun, SLURM
+
+
+def check_machine(
+    cfg: DictConfig, cuda_devices: int | None = None, environ: Mapping[str, str] = os.environ
+) -> None:
+    """Refuse, before any rank starts, a run this machine cannot hold.
+
+    GPUs without (enough) CUDA devices; several nodes without a launcher that set this node's
+    rank (``NODE_RANK``, ``GROUP_RANK`` or ``SLURM_NODEID``); more processes per node than the
+    cluster's innermost level (a server) holds, or more in all than the cluster has.
+    ``cuda_devices`` defaults to what torch sees here.
+    """
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator") or "auto")
+    nodes = int(trainer.get("num_nodes") or 1)
+    per_node = num_processes(trainer)
+    gpus = accelerator in ("gpu", "cuda")
+    shown = (
+        f"trainer.accelerator: {accelerator}, trainer.num_nodes: {nodes}, "
+        f"trainer.devices: {per_node}"
+    )
+    needs = (
+        f"this run needs {per_node * nodes} {'GPUs' if gpus else 'processes'} on {nodes} "
+        f"node{'s' if nodes > 1 else ''}"
+    )
+    here = (
+        "; smoke_settings must bring the run to this machine (trainer.accelerator: cpu, "
+        "trainer.devices: 2, trainer.num_nodes: 1)"
+        if cfg.get("smoke")
+        else "; run it on the cluster (README: Recipes) or add smoke=true for the recipe's "
+        "reduced CPU run"
+    )
+    if gpus:
+        if cuda_devices is None:
+            import torch
+
+            cuda_devices = torch.cuda.device_count()
+        if cuda_devices == 0:
+            raise MachineError(f"{needs} ({shown}) and this machine has no CUDA device{here}")
+        if per_node > cuda_devices:
+            raise MachineError(
+                f"{needs} ({shown}) and this machine has {cuda_devices} CUDA devices{here}"
+            )
+    if nodes > 1 and not any(environ.get(name) for name in _NODE_RANK_VARIABLES):
+        raise MachineError(
+            f"{needs} ({shown}) and no launcher set this node's rank (NODE_RANK, GROUP_RANK or "
+            f"SLURM_NODEID){here}; on the cluster start one launcher per node (torchrun, srun)"
+        )
+    if cfg.get("cluster") is not None and cfg.cluster.get("topology"):
+        topology = instantiate(cfg.cluster.topology)
+        server = topology.levels[0].workers
+        if per_node > server or per_node * nodes > topology.num_workers:
+            raise MachineError(
+                f"{needs} ({shown}) and the cluster's innermost level holds {server} workers, "
+                f"the cluster {topology.num_workers} in all{here}"
+            )
+
+
+def write_results(
+    cfg: DictConfig, metrics: Mapping[str, float], plan: Any, wall_time: float
+) -> Path:
+    """Write ``results.json`` into ``cfg.output_dir``: what a run was and what it gave.
+
+    The composed config (resolved, smoke settings merged), the seed, the final metrics, the plan
+    (stages and layers per stage, and the whole plan as the strategy made it), the wall time of
+    ``train`` in seconds, the versions of Python, torch, Lightning and this package, and the git
+    commit of the package's checkout (null when it is not one).
+    """
+    import lightning
+    import torch
+
+    import pl_pipedream
+
+    summary = None
+    if plan is not None:
+        summary = {
+            "stages": plan.num_stages,
+            "balance": [len(stage.nodes) for stage in plan.stages],
+            "replicas": [stage.replicas for stage in plan.stages],
+            "shape": plan.shape,
+            "full": plan.to_dict(),
+        }
+    results = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "seed": cfg.get("seed"),
+        "metrics": dict(metrics),
+        "plan": summary,
+        "wall_time_s": wall_time,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "pl_pipedream": pl_pipedream.__version__,
+        },
+        "git_commit": _git_commit(Path(pl_pipedream.__file__).resolve().parent),
+    }
+    path = Path(cfg.output_dir) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return path
+
+
+def _git_commit(folder: Path) -> str | None:
+    """The commit checked out where ``folder`` lives, or None outside a git checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and len(commit) == 40 else None
 
 
 # ----- topology and pipeline ----------------------------------------------------------------------

@@ -171,6 +171,13 @@ def test_one_process_or_a_rank_already_set_starts_nothing(monkeypatch: pytest.Mo
     before = dict(os.environ)
     with other_ranks(1):
         assert dict(os.environ) == before
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # srun started a task per device
+    with other_ranks(4):
+        assert dict(os.environ) == {**before, "SLURM_NTASKS": "4"}
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task (e.g. an interactive allocation): start
+    with pytest.raises(AssertionError, match="asked Hydra"):
+        with other_ranks(4):
+            pass
     monkeypatch.setenv("LOCAL_RANK", "1")  # a child, or a rank started by torchrun or SLURM
     with other_ranks(4):
         assert os.environ["LOCAL_RANK"] == "1" and "WORLD_SIZE" not in os.environ

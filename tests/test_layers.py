@@ -33,7 +33,10 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"runtime"}),
     frozenset({"strategy"}),
     frozenset({"models", "data"}),
-    frozenset({"cli", "reproduce", "train", "hydra_ranks", "configs", "__init__"}),
+    frozenset(
+        {"cli", "reproduce", "reproduce_epochs", "reproduce_profiles", "train", "hydra_ranks"}
+        | {"configs", "__init__"}
+    ),
 )
 APPS = LAYERS[-1]
 RANK = {unit: number for number, layer in enumerate(LAYERS) for unit in layer}
@@ -42,7 +45,15 @@ LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 TORCH = frozenset({"torch"})
 LIGHTNING_USERS = frozenset({"strategy", "models", "data", "train"})
 # Modules that must import neither torch nor Lightning (paths relative to the package).
-PURE = ("planner", "schedule", "profile/graph.py", "profile/__init__.py", "cli.py", "reproduce.py")
+PURE = (
+    "planner",
+    "schedule",
+    "profile/graph.py",
+    "profile/__init__.py",
+    "cli.py",
+    "reproduce.py",
+    "reproduce_epochs.py",
+)
 
 
 def unit_of(path: Path) -> str:

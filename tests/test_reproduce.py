@@ -13,6 +13,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.reproduce import cluster_topology, read_table, render_config
+from pl_pipedream.reproduce_epochs import scale_profile
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TABLE = SHARED / "pipedream_table1.csv"
@@ -33,7 +34,9 @@ def direct(name: str) -> tuple[str, float]:
 
 
 def reproduce(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), *argv])
+    code = main(
+        ["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), "--no-own-profile", *argv]
+    )
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -42,7 +45,7 @@ def reproduce(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
 def test_two_rows_print_the_paper_and_the_planner_side_by_side(capsys) -> None:
     code, out, _ = reproduce(capsys, "vgg16_A_4x4", "alexnet_A_4x4")
     assert code == 0
-    header, *rows = out.strip().splitlines()
+    header, *rows = out.strip().split("\n\n")[0].splitlines()
     assert header.split()[:2] == ["row", "paper"]
     assert [row.split()[0] for row in rows] == ["vgg16_A_4x4", "alexnet_A_4x4"]
     for row, name, paper in zip(rows, ("vgg16", "alexnet"), ("5.28x", "4.92x"), strict=True):
@@ -50,9 +53,11 @@ def test_two_rows_print_the_paper_and_the_planner_side_by_side(capsys) -> None:
         cells = row.split()
         assert cells[1] == "15-1"  # the paper's configuration, from the CSV
         assert cells[2] == shape  # ours: replicated stages, so written as the shape
-        assert cells[3] == paper
-        assert cells[5] == f"{speedup:.2f}x"
-        assert cells[6] == f"{speedup / float(paper[:-1]):.2f}"
+        assert cells[3] == "-"  # our own profile was not asked for
+        assert cells[4] == paper
+        assert cells[6] == f"{speedup:.2f}x"  # an epoch's fill is 3 of 20,000 minibatches
+        assert cells[8] == f"{speedup / float(paper[:-1]):.2f}"
+    assert "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1" in out
 
 
 @pytest.mark.usefixtures("shared")
@@ -65,8 +70,11 @@ def test_json_carries_the_planners_numbers(capsys) -> None:
     assert row["paper_config"] == "15-1"
     assert row["paper_speedup_epoch"] == 5.28
     assert row["our_config"] == shape
-    assert row["predicted_speedup"] == pytest.approx(speedup)
-    assert row["ratio"] == pytest.approx(speedup / 5.28)
+    # An epoch of 20,019 minibatches of 64 images, plus the pipeline's fill of stages - 1.
+    stages = len(shape.split("-"))
+    epoch_speedup = speedup * 20_019 / (20_019 + stages - 1)
+    assert row["predicted_speedup"] == pytest.approx(epoch_speedup)
+    assert row["ratio"] == pytest.approx(epoch_speedup / 5.28)
     assert row["plan"]["topology"] == CLUSTER_A_4X4.to_dict()
 
 
@@ -79,9 +87,12 @@ def test_a_model_without_a_published_profile_gets_no_prediction(capsys, tmp_path
     assert row.split()[:2] == ["awdlm_A_1x4", "straight"]
     assert "no published profile" in row
     assert "4.25x (epoch)" in row
-    assert row.split()[-2:] == ["-", "-"]  # neither a prediction nor a ratio
+    assert row.split()[-4:] == ["-", "-", "-", "-"]  # no prediction, ratio or GPipe figure
     text = markdown.read_text()
-    assert "| awdlm_A_1x4 | straight | no published profile | 4.25x (epoch) | - | - |" in text
+    assert (
+        "| awdlm_A_1x4 | straight | no published profile | - | 4.25x (epoch) | - | - | - | - |"
+        in text
+    )
     assert "the paper's figures" in text
 
 
@@ -128,3 +139,24 @@ def test_the_rows_fill_their_clusters_innermost_first(tmp_path) -> None:
 )
 def test_configs_are_written_as_the_paper_writes_them(balance, replicas, expected) -> None:
     assert render_config(Plan.from_balance(balance, replicas=replicas)) == expected
+
+
+@pytest.mark.usefixtures("shared")
+def test_our_own_profile_plans_a_row_and_the_png_and_json_carry_it(capsys, tmp_path) -> None:
+    """AlexNet profiled here (cached in tmp_path), planned at speed factor 140 on cluster A 4x4."""
+    png, cache = tmp_path / "table1.png", tmp_path / "cache"
+    argv = ["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), "alexnet_A_4x4"]
+    argv += ["--cache", str(cache), "--png", str(png), "--json"]
+    assert main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    measured = Profile.load(cache / "alexnet.json")
+    assert row["own_plan"] is not None and row["own_config"]
+    scaled = scale_profile(measured, 256, 140.0)
+    expected = plan(scaled, CLUSTER_A_4X4)
+    assert row["own_plan"]["stages"] == json.loads(expected.to_json())["stages"]
+    minibatches = -(-1_281_167 // 256)
+    dp = minibatches * expected.data_parallel_time
+    pipedream = (minibatches + expected.num_stages - 1) * expected.slowest_stage_time
+    assert row["own_predicted_speedup"] == pytest.approx(dp / pipedream)
+    assert row["own_ratio"] == pytest.approx(dp / pipedream / 4.92)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,13 +9,16 @@ happen inside pytest), and check what it prints and writes.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -23,8 +26,18 @@ from hydra.utils import get_class, get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream import PipeDreamStrategy, Topology
+from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import TopologyError
-from pl_pipedream.train import _build_model, num_processes, topology_for_devices
+from pl_pipedream.train import (
+    MachineError,
+    _build_model,
+    _git_commit,
+    apply_smoke,
+    check_machine,
+    num_processes,
+    topology_for_devices,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "pl_pipedream" / "configs"
@@ -40,28 +53,48 @@ def composed(*overrides: str, output_dir: str = "/tmp/pl-pipedream-test") -> Dic
         return compose("train", overrides=[f"output_dir={output_dir}", *overrides])
 
 
+PAPER_MODELS = ["alexnet", "awd_lm", "gnmt16", "gnmt8", "resnet50", "s2vt", "vgg16"]
+
+
 def test_every_group_has_its_options() -> None:
-    assert options("model") == ["cnn", "gpt", "mlp", "seq2seq"]
-    assert options("data") == ["digits", "sequences", "synthetic", "text"]
+    assert options("model") == sorted(["cnn", "gpt", "mlp", "seq2seq", *PAPER_MODELS])
+    assert options("data") == [
+        "digits",
+        "imagenet",
+        "msvd",
+        "ptb",
+        "sequences",
+        "synthetic",
+        "text",
+        "wmt16",
+    ]
     assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
     assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
     assert options("trainer") == ["cpu", "gpu"]
 
 
-def test_every_combination_composes_and_resolves() -> None:
-    combinations = list(itertools.product(*(options(group) for group in GROUPS)))
+def test_every_pair_of_options_composes_and_resolves() -> None:
+    """Every option of each group beside every option of each other group (the rest default):
+    the groups meet only in pairs (data and sync: the batch splits into microbatches), and the
+    full product (several thousand compositions) would take minutes."""
+    combinations = []
+    for first, second in itertools.combinations(GROUPS, 2):
+        for pair in itertools.product(options(first), options(second)):
+            combinations.append(dict(zip((first, second), pair, strict=True)))
     with initialize_config_module("pl_pipedream.configs", version_base="1.3"):
         for choice in combinations:
-            overrides = [f"{group}={option}" for group, option in zip(GROUPS, choice, strict=True)]
+            overrides = [f"{group}={option}" for group, option in choice.items()]
             cfg = compose("train", overrides=["output_dir=/tmp/x", *overrides])
             resolved = OmegaConf.to_container(cfg, resolve=True)
             assert isinstance(resolved, dict)
             for node in ("data", "model", "strategy", "trainer"):
                 get_class(cfg[node]._target_)
-            assert cfg.strategy.sync == choice[GROUPS.index("sync")]
+            assert cfg.strategy.sync == choice.get("sync", "async")
             assert cfg.data.batch_size % cfg.strategy.microbatches == 0
             assert cfg.strategy.timeline == "/tmp/x/timeline.json"
-    assert len(combinations) == 4 * 4 * 4 * 5 * 2
+            assert (cfg.smoke, cfg.smoke_settings) == (False, {})
+    sizes = [len(options(group)) for group in GROUPS]
+    assert len(combinations) == sum(a * b for a, b in itertools.combinations(sizes, 2))
 
 
 def test_defaults_are_the_main_job() -> None:
@@ -75,8 +108,9 @@ def test_defaults_are_the_main_job() -> None:
     assert cfg.trainer.logger.save_dir == "/tmp/pl-pipedream-test"
 
 
-IMAGE_DATA = [name for name in options("data") if name not in ("sequences", "text")]
-IMAGE_MODELS = [name for name in options("model") if name not in ("seq2seq", "gpt")]
+NOT_IMAGES = ("msvd", "ptb", "sequences", "text", "wmt16")
+IMAGE_DATA = [name for name in options("data") if name not in NOT_IMAGES]
+IMAGE_MODELS = [name for name in options("model") if name not in ("seq2seq", "gpt", *PAPER_MODELS)]
 
 
 @pytest.mark.parametrize("data", IMAGE_DATA)
@@ -135,6 +169,195 @@ def test_a_model_given_the_wrong_kind_of_data_names_the_fix(data: str, model: st
     datamodule = instantiate(cfg.data)
     with pytest.raises(ValueError, match=r"model and the data must be of one kind .*pick a data"):
         _build_model(cfg, datamodule)
+
+
+# ----- the paper's models -----------------------------------------------------------------------
+
+# model config: (data config, overrides that shrink the model and the data for a quick build)
+PAPER_BUILDS = {
+    "vgg16": ("synthetic", ["model.width=16", "data.input_shape=[3,32,32]"]),
+    "alexnet": ("synthetic", ["model.width=16", "data.input_shape=[3,64,64]"]),
+    "resnet50": ("synthetic", ["model.width=16", "data.input_shape=[3,32,32]"]),
+    "gnmt8": ("sequences", ["model.scale=64"]),
+    "gnmt16": ("sequences", ["model.scale=64"]),
+    "awd_lm": ("text", ["model.scale=50"]),
+}
+# the class's pipeline layers at these settings, counted from the papers' architectures
+PAPER_LAYERS = {"vgg16": 40, "alexnet": 22, "resnet50": 18, "gnmt8": 11, "gnmt16": 19, "awd_lm": 5}
+
+
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_paper_model_configs_are_the_full_models_with_arguments_their_class_takes(
+    model: str,
+) -> None:
+    cfg = composed(f"model={model}")
+    cls = get_class(cfg.model._target_)
+    arguments: set[str] = set()
+    for klass in cls.__mro__:  # GNMT8 passes **kwargs on to GNMT
+        parameters = inspect.signature(klass.__init__).parameters
+        arguments |= set(parameters)
+        if all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            break
+    given = {key: value for key, value in cfg.model.items() if key != "_target_"}
+    assert set(given) <= arguments, set(given) - arguments
+    size = "width" if "width" in given else "scale"
+    assert given[size] == 1  # the published model
+    text = (CONFIGS / "model" / f"{model}.yaml").read_text()
+    assert text.startswith("# ") and '"' in text.splitlines()[0] + text.splitlines()[1]  # paper
+
+
+@pytest.mark.parametrize("model", list(PAPER_BUILDS))
+def test_paper_model_builds_small_from_its_config_and_data_and_scores_a_batch(model: str) -> None:
+    data, shrink = PAPER_BUILDS[model]
+    cfg = composed(f"model={model}", f"data={data}", *shrink, "data.batch_size=16")
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    net = _build_model(cfg, datamodule).eval()
+    batch = next(iter(datamodule.train_dataloader()))
+    inputs = (batch[0], batch[1]) if len(batch) == 3 else batch[0]
+    logits = net(inputs)
+    classes = datamodule.num_classes
+    expected = (len(batch[0]), classes) if data == "synthetic" else (*batch[-1].shape, classes)
+    assert logits.shape == expected
+    assert torch.equal(net.configure_pipeline()(inputs), logits)
+    assert len(net.configure_pipeline()) == PAPER_LAYERS[model]
+
+
+def test_s2vt_needs_video_data_and_says_so() -> None:
+    cfg = composed("model=s2vt", "data=sequences")
+    with pytest.raises(ValueError, match=r"S2VT takes video, data: .* gives sequences\); pick"):
+        _build_model(cfg, instantiate(cfg.data))
+
+
+# ----- smoke runs, the machine, the results file --------------------------------------------------
+
+
+def test_smoke_settings_are_merged_only_with_smoke_true() -> None:
+    settings = [
+        "++smoke_settings.model.width=16",
+        "++smoke_settings.data.input_shape=[3,32,32]",
+        "++smoke_settings.trainer.max_steps=4",
+        "++smoke_settings.cluster.topology=null",
+        "++smoke_settings.strategy.timeline=${output_dir}/smoke.json",
+    ]
+    full = composed("model=vgg16", "data=synthetic", "cluster=cluster_a", *settings)
+    assert apply_smoke(full) is full
+    assert (full.model.width, full.trainer.max_steps, list(full.data.input_shape)) == (
+        1,
+        -1,
+        [1, 8, 8],
+    )
+    assert full.cluster.topology.workers == [4, 4]
+    smoke = apply_smoke(
+        composed("model=vgg16", "data=synthetic", "cluster=cluster_a", "smoke=true", *settings)
+    )
+    assert (smoke.model.width, smoke.trainer.max_steps) == (16, 4)
+    assert list(smoke.data.input_shape) == [3, 32, 32]  # a list is replaced, not merged
+    assert smoke.cluster.topology is None
+    assert smoke.strategy.timeline == "/tmp/pl-pipedream-test/smoke.json"
+    assert (smoke.model.lr, smoke.trainer.devices) == (0.01, 2)  # the rest stays
+
+
+def test_smoke_true_without_settings_changes_nothing() -> None:
+    cfg = composed("smoke=true")
+    before = OmegaConf.to_container(cfg)
+    assert OmegaConf.to_container(apply_smoke(cfg)) == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda", "environ", "message"),
+    [
+        (
+            ["trainer=gpu", "cluster=cluster_a", "trainer.num_nodes=4", "trainer.devices=4"],
+            0,
+            {"NODE_RANK": "0"},
+            "this run needs 16 GPUs on 4 nodes (trainer.accelerator: gpu, trainer.num_nodes: 4, "
+            "trainer.devices: 4) and this machine has no CUDA device; run it on the cluster "
+            "(README: Recipes) or add smoke=true",
+        ),
+        (
+            ["trainer=gpu", "trainer.devices=4"],
+            2,
+            {},
+            "this run needs 4 GPUs on 1 node (trainer.accelerator: gpu, trainer.num_nodes: 1, "
+            "trainer.devices: 4) and this machine has 2 CUDA devices; run it on the cluster",
+        ),
+        (
+            ["trainer.num_nodes=2"],
+            0,
+            {},
+            "this run needs 4 processes on 2 nodes (trainer.accelerator: cpu, trainer.num_nodes: "
+            "2, trainer.devices: 2) and no launcher set this node's rank (NODE_RANK, GROUP_RANK "
+            "or SLURM_NODEID); run it on the cluster",
+        ),
+        (
+            ["cluster=cluster_a", "trainer.devices=8"],
+            0,
+            {},
+            "this run needs 8 processes on 1 node (trainer.accelerator: cpu, trainer.num_nodes: "
+            "1, trainer.devices: 8) and the cluster's innermost level holds 4 workers, the "
+            "cluster 16 in all; run it on the cluster",
+        ),
+        (
+            ["cluster=cluster_c", "trainer.num_nodes=4", "trainer.devices=2"],
+            0,
+            {"SLURM_NODEID": "3"},
+            "this run needs 8 processes on 4 nodes (trainer.accelerator: cpu, trainer.num_nodes: "
+            "4, trainer.devices: 2) and the cluster's innermost level holds 4 workers, the "
+            "cluster 4 in all",
+        ),
+        (
+            ["trainer=gpu", "smoke=true"],
+            0,
+            {},
+            "and this machine has no CUDA device; smoke_settings must bring the run to this "
+            "machine (trainer.accelerator: cpu, trainer.devices: 2, trainer.num_nodes: 1)",
+        ),
+    ],
+)
+def test_a_run_this_machine_cannot_hold_is_refused_naming_what_it_needs(
+    overrides: list[str], cuda: int, environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(MachineError, match=re.escape(message)):
+        check_machine(composed(*overrides), cuda_devices=cuda, environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda", "environ"),
+    [
+        ([], 0, {}),  # the main job
+        (["cluster=cluster_a"], 0, {}),  # 2 processes: 2 GPUs of one server
+        (["cluster=cluster_c"], 0, {}),
+        (["trainer=gpu", "cluster=cluster_a", "trainer.devices=4"], 4, {}),
+        (["trainer=gpu", "trainer.num_nodes=4", "trainer.devices=4"], 4, {"GROUP_RANK": "1"}),
+    ],
+)
+def test_a_run_this_machine_can_hold_passes(
+    overrides: list[str], cuda: int, environ: dict[str, str]
+) -> None:
+    check_machine(composed(*overrides), cuda_devices=cuda, environ=environ)
+
+
+def test_results_file_holds_config_seed_metrics_plan_versions_and_commit(tmp_path: Path) -> None:
+    cfg = composed("seed=7", "model=vgg16", output_dir=str(tmp_path))
+    plan = Plan.from_balance([3, 2])
+    path = write_results(cfg, {"val_loss": 0.5, "train_loss": 0.25}, plan, 12.5)
+    assert path == tmp_path / "results.json"
+    results = json.loads(path.read_text())
+    assert results["config"]["strategy"]["timeline"] == f"{tmp_path}/timeline.json"  # resolved
+    assert results["config"]["model"]["_target_"] == "pl_pipedream.models.VGG16"
+    assert results["seed"] == 7
+    assert results["metrics"] == {"val_loss": 0.5, "train_loss": 0.25}
+    assert (results["plan"]["stages"], results["plan"]["balance"]) == (2, [3, 2])
+    assert results["plan"]["full"] == json.loads(plan.to_json())
+    assert results["wall_time_s"] == 12.5
+    assert results["versions"]["torch"] == torch.__version__
+    assert results["versions"]["lightning"] == lightning.__version__
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert results["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert _git_commit(tmp_path) is None  # not a checkout
 
 
 @pytest.mark.parametrize("sync", options("sync"))
@@ -203,7 +426,7 @@ def test_main_is_a_hydra_app_over_the_package_configs() -> None:
 # ----- end to end (subprocess) ------------------------------------------------------------------
 
 
-def run_app(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_app(*arguments: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("LOCAL_RANK", None)
     return subprocess.run(
@@ -212,7 +435,7 @@ def run_app(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
 
 
@@ -238,6 +461,9 @@ def test_main_job_trains_validates_and_writes_its_outputs(tmp_path: Path) -> Non
     assert (run_dir / "train_rank1.log").is_file()  # rank 1 wrote into rank 0's folder
     assert "val_acc" in (run_dir / "metrics.csv").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray output folders
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["metrics"]["val_acc"] == pytest.approx(final_val_acc(output), abs=5e-5)
+    assert results["plan"]["stages"] == 2
 
 
 @pytest.mark.slow
@@ -278,3 +504,17 @@ def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert 0.2 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 1/30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_gpu_run_stops_before_any_rank_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_app("trainer=gpu", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert (
+        "pl-pipedream-train: this run needs 2 GPUs on 1 node (trainer.accelerator: gpu, "
+        "trainer.num_nodes: 1, trainer.devices: 2) and this machine has no CUDA device"
+    ) in done.stderr
+    assert not (run_dir / "train_rank1.log").exists()  # no other rank started
+    assert not (run_dir / "results.json").exists()

@@ -7,13 +7,14 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 __all__ = ["SplitDataModule"]
 
 
 class SplitDataModule(LightningDataModule):
-    """Splits ``(inputs, targets)`` tensors once, by a seeded permutation, into train/val/test.
+    """Splits ``(inputs, targets)`` tensors once, by a seeded permutation, into train/val/test
+    (or takes the splits an override of ``datasets()`` reads).
 
     Every process builds the same split and, with ``shuffle`` on, the same order of training
     batches (one seeded generator draws each epoch's permutation), which a pipeline needs: every
@@ -49,33 +50,41 @@ class SplitDataModule(LightningDataModule):
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.num_workers = int(num_workers)
-        self.splits: dict[str, Subset[Any]] = {}
+        self.splits: dict[str, Dataset[Any]] = {}
 
     def tensors(self) -> tuple[Tensor, ...]:
         """All examples: inputs shaped ``(n, *input_shape)`` (float) and targets ``(n,)`` (long),
         or any tensors of ``n`` rows (a batch then holds one slice of each)."""
         raise NotImplementedError
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
-        tensors = self.tensors()
-        count = len(tensors[0])
+    def datasets(self) -> dict[str, Dataset[Any]]:
+        """The ``"train"``, ``"val"`` and ``"test"`` datasets: by default a seeded split of
+        ``tensors()``. Modules whose files come split already override this."""
+        return self.split(TensorDataset(*self.tensors()))
+
+    def split(self, data: Dataset[Any]) -> dict[str, Dataset[Any]]:
+        """``data`` split by a permutation drawn from ``seed``: the same on every process."""
+        count = len(data)  # type: ignore[arg-type]
         order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))
         num_val = max(1, round(self.val_fraction * count))
         num_test = round(self.test_fraction * count)
-        num_train = count - num_val - num_test
+        return {
+            "val": Subset(data, order[:num_val].tolist()),
+            "test": Subset(data, order[num_val : num_val + num_test].tolist()),
+            "train": Subset(data, order[num_val + num_test :].tolist()),
+        }
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        splits = self.datasets()
+        num_train = len(splits["train"])  # type: ignore[arg-type]
         if num_train < self.batch_size:
             raise ValueError(
                 f"the training split is smaller than one batch (training examples: "
                 f"{num_train}, batch_size: {self.batch_size}); lower data.batch_size"
             )
-        data = TensorDataset(*tensors)
-        self.splits = {
-            "val": Subset(data, order[:num_val].tolist()),
-            "test": Subset(data, order[num_val : num_val + num_test].tolist()),
-            "train": Subset(data, order[num_val + num_test :].tolist()),
-        }
+        self.splits = splits
 
     def train_dataloader(self) -> DataLoader[Any]:
         # Every rank draws the same permutation each epoch from identically seeded generators.

@@ -32,6 +32,8 @@ class PipelineClassifier(LightningModule):
         lr: learning rate.
         momentum: SGD momentum (ignored by Adam).
         weight_decay: L2 penalty on every parameter, as the optimizer applies it.
+        lr_milestones: epochs at whose start the learning rate is multiplied by ``lr_gamma``
+            (a step schedule, stepped once per epoch); empty: a constant learning rate.
     """
 
     def __init__(
@@ -42,6 +44,8 @@ class PipelineClassifier(LightningModule):
         lr: float = 1e-3,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        lr_milestones: Sequence[int] = (),
+        lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -55,6 +59,15 @@ class PipelineClassifier(LightningModule):
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
+        self.lr_milestones = [int(epoch) for epoch in lr_milestones]
+        if self.lr_milestones != sorted(set(self.lr_milestones)) or any(
+            epoch < 1 for epoch in self.lr_milestones
+        ):
+            raise ValueError(
+                f"lr_milestones must be increasing epochs from 1 on (lr_milestones: "
+                f"{list(lr_milestones)}); for example model.lr_milestones=[30,60]"
+            )
+        self.lr_gamma = float(lr_gamma)
         self.example_input_array = torch.zeros(2, *self.input_shape)
         self.val_acc = MulticlassAccuracy(num_classes=self.num_classes)
         self.test_acc = MulticlassAccuracy(num_classes=self.num_classes)
@@ -87,12 +100,24 @@ class PipelineClassifier(LightningModule):
         self.log(f"{prefix}_loss", F.cross_entropy(logits, y), prog_bar=True)
         self.log(f"{prefix}_acc", accuracy, prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 self.parameters(),
                 lr=self.lr,
                 momentum=self.momentum,
                 weight_decay=self.weight_decay,
             )
-        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        else:
+            optimizer = torch.optim.Adam(
+                self.parameters(), lr=self.lr, weight_decay=self.weight_decay
+            )
+        if not self.lr_milestones:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.MultiStepLR(
+            optimizer, milestones=self.lr_milestones, gamma=self.lr_gamma
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": schedule, "interval": "epoch"},
+        }

@@ -65,7 +65,7 @@ class VGG16(PipelineClassifier):
     Args:
         width: divides every channel count and the hidden width (1: the published model).
         lr, momentum, weight_decay: SGD's, the paper's by default (0.01, 0.9, 5e-4).
-        Other arguments: see ``PipelineClassifier``.
+        lr_milestones, lr_gamma and other arguments: see ``PipelineClassifier``.
     """
 
     def __init__(
@@ -77,8 +77,12 @@ class VGG16(PipelineClassifier):
         lr: float = 0.01,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
+        lr_milestones: Sequence[int] = (),
+        lr_gamma: float = 0.1,
     ) -> None:
-        super().__init__(input_shape, num_classes, optimizer, lr, momentum, weight_decay)
+        super().__init__(
+            input_shape, num_classes, optimizer, lr, momentum, weight_decay, lr_milestones, lr_gamma
+        )
         self.save_hyperparameters()
         check_image_model("VGG16", self.input_shape, width)
         depth = self.input_shape[0]
@@ -123,7 +127,7 @@ class AlexNet(PipelineClassifier):
     Args:
         width: divides every channel count and the hidden width (1: the published model).
         lr, momentum, weight_decay: SGD's, the paper's by default (0.01, 0.9, 5e-4).
-        Other arguments: see ``PipelineClassifier``.
+        lr_milestones, lr_gamma and other arguments: see ``PipelineClassifier``.
     """
 
     def __init__(
@@ -135,8 +139,12 @@ class AlexNet(PipelineClassifier):
         lr: float = 0.01,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
+        lr_milestones: Sequence[int] = (),
+        lr_gamma: float = 0.1,
     ) -> None:
-        super().__init__(input_shape, num_classes, optimizer, lr, momentum, weight_decay)
+        super().__init__(
+            input_shape, num_classes, optimizer, lr, momentum, weight_decay, lr_milestones, lr_gamma
+        )
         self.save_hyperparameters()
         check_image_model("AlexNet", self.input_shape, width)
         depth = self.input_shape[0]
@@ -218,7 +226,7 @@ class ResNet50(PipelineClassifier):
     Args:
         width: divides every channel count (1: the published model).
         lr, momentum, weight_decay: SGD's, the paper's by default (0.1, 0.9, 1e-4).
-        Other arguments: see ``PipelineClassifier``.
+        lr_milestones, lr_gamma and other arguments: see ``PipelineClassifier``.
     """
 
     def __init__(
@@ -230,8 +238,12 @@ class ResNet50(PipelineClassifier):
         lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
+        lr_milestones: Sequence[int] = (),
+        lr_gamma: float = 0.1,
     ) -> None:
-        super().__init__(input_shape, num_classes, optimizer, lr, momentum, weight_decay)
+        super().__init__(
+            input_shape, num_classes, optimizer, lr, momentum, weight_decay, lr_milestones, lr_gamma
+        )
         self.save_hyperparameters()
         check_image_model("ResNet50", self.input_shape, width)
         depth = 64 // width

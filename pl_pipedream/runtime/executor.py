@@ -17,6 +17,11 @@ no stage spends a pass over its gradients on the division. Where an update sums 
 passes (``sum_linear_gradients``), Linear layers add their weight gradients into the sum inside
 the GEMM that computes them (``runtime.linear_sums``), saving a pass over the gradients per
 backward. ``schedule.modes.update_settings`` chooses these three for a mode.
+
+With ``weight_prediction`` (``async``, ``vertical_sync``), a forward pass whose weight version v
+is d > 0 updates stale runs on the prediction W_v + d (W_v - W_(v-1)) (``runtime.staleness``),
+which its backward pass reuses; the forward of version v therefore keeps version v - 1 stashed
+until it has run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, 
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
+from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
@@ -88,6 +94,7 @@ class _InFlight:
     structure: bytes | None = None  # what the outputs sit in (``runtime.boundary``)
     loss: torch.Tensor | None = None
     fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
+    predicted: bool = False  # ``params`` are a prediction of its own, not a stashed version
 
 
 class StageExecutor:
@@ -108,8 +115,10 @@ class StageExecutor:
         ties: TiedGradients | None = None,
         microbatches: int | None = None,
         tied_versions: TiedVersions | None = None,
+        weight_prediction: bool = False,
     ) -> None:
         self.module = module
+        self.weight_prediction = weight_prediction  # runtime.staleness.predict, per forward
         self.tied_versions = tied_versions  # per-minibatch modes: tied versions of their own
         self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
         self.rank = rank
@@ -171,6 +180,8 @@ class StageExecutor:
         for index, action in enumerate(ahead):
             if action.kind in _COMPUTE and action.version is not None:
                 self._last_use[action.version] = index
+                if self.weight_prediction and action.kind is ActionKind.FORWARD:
+                    self._last_use[action.version - 1] = index  # W_(v-1) of the prediction
         first, following = _receives_ahead(ahead)
         for link in first:
             self.channel.expect(*link)
@@ -258,12 +269,18 @@ class StageExecutor:
         check = self._feed.fingerprint if self._feed is not None else None
         fingerprint = check(i, received) if check is not None else None
         params = self.stash.get(action.version)  # shares the live storage while current
+        delay = delay_of(i, action.version, self.num_replicas)
+        predicted = self.weight_prediction and action.version > 0 and delay > 0
+        if predicted:  # W_v + d (W_v - W_(v-1)), for this minibatch's forward and backward
+            params = predict(params, self.stash.get(action.version - 1), delay)
         if self.tied_versions is not None:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
         state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):  # one argument, as nn.Sequential passes it on
             output = functional_call(self.module, state, (value,))
-        flight = _InFlight(action.version, params, inputs, [], fingerprint=fingerprint)
+        flight = _InFlight(
+            action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
+        )
         if self.stage < self.num_stages - 1:
             try:
                 flight.outputs, flight.structure = flatten(output)
@@ -379,7 +396,7 @@ class StageExecutor:
     def _release(self) -> None:
         """Drop the snapshots that no later action of the loaded list uses and no forward pass
         still holds for its backward (a dropped snapshot's tensors are reused)."""
-        held = {flight.version for flight in self._flight.values() if flight.params}
+        held = {f.version for f in self._flight.values() if f.params and not f.predicted}
         done = [
             v
             for v in self.stash.kept()

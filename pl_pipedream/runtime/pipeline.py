@@ -29,6 +29,7 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
 from pl_pipedream.schedule.actions import Action, ActionKind
@@ -78,10 +79,13 @@ class PipelineRunner:
         timeout: float,
         record_timeline: bool = False,
         ties: Sequence[TiedGroup] = (),
+        weight_prediction: bool = False,
     ) -> PipelineRunner:
         """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel, replica
         groups and a group per tied parameter (``ties``, every one of the pipeline, in the same
-        order on every rank) of its own (every rank must call this at the same point)."""
+        order on every rank) of its own (every rank must call this at the same point).
+        ``weight_prediction``: forwards run on predicted weights (``runtime.staleness``)."""
+        check_corrections(sync, weight_prediction, 0, [t.label for t in ties])
         replica_groups = [
             dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
         ]
@@ -115,6 +119,7 @@ class PipelineRunner:
             ties=tied,
             microbatches=microbatches,
             tied_versions=versions,
+            weight_prediction=weight_prediction,
         )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups

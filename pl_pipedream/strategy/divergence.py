@@ -33,7 +33,6 @@ __all__ = [
     "TrainingDiverged",
     "describe_optimizer",
     "divergence_message",
-    "stage_delays",
 ]
 
 DIVERGENCE_ACTIONS = ("error", "warn", "off")
@@ -93,18 +92,6 @@ class DivergenceWatch:
             f"more than {self.rise:g} of the progress made (loss: {loss:.4g}, lowest: "
             f"{self.lowest:.4g}, first: {self.first:.4g})"
         )
-
-
-def stage_delays(mode: SyncMode, num_stages: int) -> list[int]:
-    """How many updates behind its newest weights each stage runs a minibatch, in steady state
-    (DESIGN.md, "Update rules"): async p - 1 - s, vertical_sync p - 1, 2bw 1 (batches), else 0."""
-    if mode is SyncMode.ASYNC:
-        return [num_stages - 1 - s for s in range(num_stages)]
-    if mode is SyncMode.VERTICAL_SYNC:
-        return [num_stages - 1] * num_stages
-    if mode is SyncMode.TWO_BW:
-        return [1] * num_stages
-    return [0] * num_stages
 
 
 def describe_optimizer(param_groups: Iterable[Mapping[str, Any]]) -> str:

@@ -35,8 +35,10 @@ from typing_extensions import override
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.affinity import bind_threads
+from pl_pipedream.runtime.executor import Update
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches
@@ -50,7 +52,6 @@ from pl_pipedream.strategy.divergence import (
     TrainingDiverged,
     describe_optimizer,
     divergence_message,
-    stage_delays,
 )
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
@@ -89,6 +90,10 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             (``runtime.memory``); ``False`` leaves the allocator alone.
         bind_cpus: on CPU, bind each rank to its own share of the cores from setup to teardown
             (``strategy.placement``); ``False`` leaves placement to the kernel.
+        weight_prediction: in ``async`` and ``vertical_sync``, run each minibatch on its stale
+            weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
+        lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
+            linearly over this many updates per update of its delay (0: no warm-up).
         divergence: what a diverging training loss does (``strategy.divergence``): ``"error"``
             stops every rank with an error naming the sync mode, the stage delays, the
             optimizer's settings and the remedies; ``"warn"`` warns once and goes on; ``"off"``
@@ -114,6 +119,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         start_method: str = "popen",
         retain_freed_memory: bool = True,
         bind_cpus: bool = True,
+        weight_prediction: bool = False,
+        lr_warmup_per_delay: int = 0,
         divergence: str = "error",
         divergence_rise: float = 0.9,
         divergence_patience: int = 3,
@@ -134,6 +141,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
         _check_arguments(microbatches, start_method, divergence)
         self.sync = SyncMode.parse(sync)
+        check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
+        self.weight_prediction = weight_prediction
+        self.lr_warmup_per_delay = lr_warmup_per_delay
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
         self.plan = plan  # the plan in use; set at setup when planned or built from balance
@@ -245,7 +255,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.setup_seconds = planner.seconds or self.setup_seconds
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         replicas = [s.replicas for s in self.plan.stages]
-        check_ties(self.sync, [tie.describe() for tie in self.local_stage.ties], replicas)
+        ties = [tie.describe() for tie in self.local_stage.ties]
+        check_ties(self.sync, ties, replicas)
+        check_corrections(self.sync, self.weight_prediction, self.lr_warmup_per_delay, ties)
         mark_other_stages(module, layers, self.plan, self.global_rank)
         move_to_device(module, self.root_device)
         self._build_pipeline(trainer)
@@ -281,17 +293,22 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.root_device,
             self.local_stage.ties_counted_elsewhere(),
         )
+        apply: Update = self.updates
+        if self.lr_warmup_per_delay:  # (the per-minibatch modes only: checked at __init__)
+            steps = self.lr_warmup_per_delay * stage_delay(self.plan, self.sync, stage.index)
+            apply = WarmedUpdate(self.updates, optimizers, steps)
         self.runner = PipelineRunner.create(
             self.plan,
             self.sync,
             self.microbatches,
             module,
             self.global_rank,
-            self.updates,
+            apply,
             self.root_device,
             self.timeout,
             record_timeline=self.timeline is not None,
             ties=self.local_stage.tied_groups(),
+            weight_prediction=self.weight_prediction,
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
@@ -335,7 +352,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         if reason is None:
             return
         assert self.plan is not None
-        delays = stage_delays(self.sync, len(self.plan.stages))
+        two_bw = self.sync is SyncMode.TWO_BW  # one batch behind, on every stage
+        stages = range(len(self.plan.stages))
+        delays = [1 if two_bw else stage_delay(self.plan, self.sync, s) for s in stages]
         groups = [g for optimizer in self.optimizers for g in optimizer.param_groups]
         message = divergence_message(reason, step, self.sync, delays, describe_optimizer(groups))
         if self.divergence == "error":

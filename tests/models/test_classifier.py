@@ -104,3 +104,36 @@ def test_an_unknown_optimizer_is_refused() -> None:
         ValueError, match=r"sgd, adam \(optimizer: 'rmsprop'\).*model.optimizer=sgd"
     ):
         Linear(optimizer="rmsprop")
+
+
+def test_lr_milestones_step_the_learning_rate_once_per_epoch_through_fit() -> None:
+    """Epochs 1 and 2 at 0.4, 3 at 0.04 (milestone 2), 4 at 0.004 (milestone 3): the learning
+    rate every training step saw, read off the optimizer, against the schedule by hand."""
+    seen: list[float] = []
+
+    class Recorded(Linear):
+        def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+            seen.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    model = Recorded(optimizer="sgd", lr=0.4, lr_milestones=[2, 3], lr_gamma=0.1)
+    loader = DataLoader(TensorDataset(X, Y), batch_size=len(X))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(model, loader)
+    assert seen == pytest.approx([0.4, 0.4, 0.04, 0.004])
+
+
+@pytest.mark.parametrize("milestones", [[3, 2], [0, 5], [2, 2]])
+def test_lr_milestones_must_be_increasing_epochs(milestones: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"increasing epochs .*model.lr_milestones=\[30,60\]"):
+        Linear(lr_milestones=milestones)

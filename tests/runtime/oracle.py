@@ -18,6 +18,15 @@ minibatch), the mode's batch version otherwise (one update per batch, mean over 
 microbatches); every update applies the gradient summed over all uses, from an optimizer of its
 own (the optimizers here keep per-parameter state, so this equals one optimizer over both).
 
+Corrections of stale weights (per-minibatch modes only; stage s, minibatch i on version v):
+
+* weight prediction: d = i // r_s - v (updates of stage s a synchronous run would have applied
+  before minibatch i, less v); for d > 0 and v > 0 the minibatch's forward and backward run on
+  W_v + d * (W_v - W_(v-1)), taken from the stage's history of versions;
+* learning-rate warm-up per delay: the stage's delay d_s is w_s in async and
+  ceil(r_0 * w_0 / r_s) in vertical_sync; its u-th update (u = 1, 2, ...) steps with the
+  learning rate times min(1, u / (factor * d_s)) (no warm-up where that product is 0).
+
 Every layer is called as ``nn.Sequential`` calls it: with one argument, the microbatch's inputs
 (a tensor, or any tuple, list or dict of them) for the first, the previous layer's output
 (whatever it is) for the others. Inputs and targets are split into microbatches along dim 0,
@@ -67,11 +76,16 @@ def train(
     num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    weight_prediction: bool = False,
+    lr_warmup_per_delay: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Train a copy of ``model`` (layers named "0", "1", ...) and return its final state dict."""
+    corrected = weight_prediction or lr_warmup_per_delay
+    assert not corrected or sync in PER_MINIBATCH, "the corrections are per-minibatch rules"
     model = copy.deepcopy(model)
     stages = [nn.ModuleDict({n: model[int(n)] for n in stage.nodes}) for stage in plan.stages]
     ties = _ties(stages)  # param id -> the tied parameter
+    assert not (corrected and ties), "the corrections do not cover tied parameters"
     optimizers = [make_optimizer(own) if (own := _own(stage, ties)) else None for stage in stages]
     tie_optimizers = {key: make_optimizer([param]) for key, param in ties.items()}
     tie_history = {
@@ -82,12 +96,21 @@ def train(
     history = [[_clone(stage, ties)] for stage in stages]
     pending: list[dict[str, torch.Tensor]] = [{} for _ in stages]
     counts = [0 for _ in stages]
+    applied = [0 for _ in stages]  # updates per stage, for the warm-up
+    ramps = [lr_warmup_per_delay * _stage_delay(plan, sync, s) for s in range(len(stages))]
     m = num_microbatches
     for t, (x, y) in enumerate(batches):
         xs, ys = chunk(x, m), chunk(y, m)
         for j in range(m):
             i = t * m + j
-            params = [history[s][version_of(plan, sync, s, i, m)] for s in range(len(stages))]
+            params = []
+            for s in range(len(stages)):
+                v = version_of(plan, sync, s, i, m)
+                d = i // plan.stages[s].replicas - v
+                if weight_prediction and v > 0 and d > 0:
+                    params.append(_extrapolate(history[s][v], history[s][v - 1], d))
+                else:
+                    params.append(history[s][v])
             tied = {key: h[tie_version(plan, sync, i, m)] for key, h in tie_history.items()}
             grads, tie_grads = _gradients(stages, params, tied, xs[j], ys[j], loss_fn)
             for s, stage_grads in enumerate(grads):
@@ -96,7 +119,9 @@ def train(
                 counts[s] += 1
                 size = plan.stages[s].replicas if sync in PER_MINIBATCH else m
                 if counts[s] == size:
-                    _apply(stages[s], optimizers[s], pending[s], size, ties)
+                    applied[s] += 1
+                    scale = 1.0 if ramps[s] == 0 else min(1.0, applied[s] / ramps[s])
+                    _apply(stages[s], optimizers[s], pending[s], size, ties, scale)
                     history[s].append(_clone(stages[s], ties))
                     pending[s], counts[s] = {}, 0
             for key, grad in tie_grads.items():
@@ -175,12 +200,34 @@ def _gradients(stages, params, tied, x, y, loss_fn):  # type: ignore[no-untyped-
     return out, tie_grads
 
 
-def _apply(stage: nn.ModuleDict, optimizer, summed, size, ties) -> None:  # type: ignore[no-untyped-def]
+def _apply(stage: nn.ModuleDict, optimizer, summed, size, ties, scale=1.0) -> None:  # type: ignore[no-untyped-def]
     if optimizer is None:
         return
     for name, param in stage.named_parameters():
         if id(param) in ties:
             continue
         param.grad = summed[name] / size if name in summed else None
+    base = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
     optimizer.step()
+    for group, lr in zip(optimizer.param_groups, base, strict=True):
+        group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def _stage_delay(plan: Plan, sync: str, stage: int) -> int:
+    s, first = plan.stages[stage], plan.stages[0]
+    if sync == "async":
+        return s.warmup
+    if sync == "vertical_sync":
+        return -(-(first.replicas * first.warmup) // s.replicas)
+    return 0
+
+
+def _extrapolate(current: dict, previous: dict, d: int) -> dict[str, torch.Tensor]:
+    """W_v + d (W_v - W_(v-1)) as new leaves."""
+    return {
+        n: (w.detach() + d * (w.detach() - previous[n].detach())).requires_grad_(True)
+        for n, w in current.items()
+    }

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2, help="with --balance 0")
     parser.add_argument("--model", choices=("mlp", "seq2seq"), default="mlp")
+    parser.add_argument("--weight-prediction", action="store_true")
+    parser.add_argument("--lr-warmup-per-delay", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for config in args.configs:
@@ -85,6 +87,11 @@ def thread_cpus() -> list[list[int]]:
 
 def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
     m = args.microbatches
+    corrections = {}  # only when asked: the other modes refuse them
+    if args.weight_prediction:
+        corrections["weight_prediction"] = True
+    if args.lr_warmup_per_delay:
+        corrections["lr_warmup_per_delay"] = args.lr_warmup_per_delay
     if args.model == "seq2seq":
         module, loader = seq2seq_net(), seq2seq_loader(m, 2 * m)
     else:
@@ -100,10 +107,14 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         devices = args.devices
     elif args.replicas:
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
-        strategy = PipeDreamStrategy(sync=sync, plan=plan, microbatches=m, timeout=60)
+        strategy = PipeDreamStrategy(
+            sync=sync, plan=plan, microbatches=m, timeout=60, **corrections
+        )
         devices = plan.num_workers
     else:
-        strategy = PipeDreamStrategy(sync=sync, balance=args.balance, microbatches=m, timeout=60)
+        strategy = PipeDreamStrategy(
+            sync=sync, balance=args.balance, microbatches=m, timeout=60, **corrections
+        )
         devices = len(args.balance)
     trainer = Trainer(
         strategy=strategy,

@@ -15,7 +15,6 @@ from pl_pipedream.strategy.divergence import (
     DivergenceWatch,
     describe_optimizer,
     divergence_message,
-    stage_delays,
 )
 
 SCRIPT = Path(__file__).with_name("divergence_script.py")
@@ -88,13 +87,6 @@ def test_bad_thresholds_are_refused() -> None:
         DivergenceWatch(patience=6, window=5)
     with pytest.raises(ValueError, match=r"divergence_rise: -1"):
         DivergenceWatch(rise=-1)
-
-
-def test_stage_delays_follow_the_update_rules() -> None:
-    assert stage_delays(SyncMode.ASYNC, 3) == [2, 1, 0]
-    assert stage_delays(SyncMode.VERTICAL_SYNC, 3) == [2, 2, 2]
-    assert stage_delays(SyncMode.TWO_BW, 2) == [1, 1]
-    assert stage_delays(SyncMode.FLUSH, 4) == [0, 0, 0, 0]
 
 
 def test_the_optimizer_is_described_from_its_param_groups() -> None:

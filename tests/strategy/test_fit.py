@@ -80,6 +80,26 @@ def test_fit_then_consolidate_equals_the_oracle(tmp_path: Path, label: str) -> N
 
 
 @pytest.mark.slow
+def test_fit_with_both_staleness_corrections_equals_the_oracle(tmp_path: Path) -> None:
+    """``weight_prediction=True, lr_warmup_per_delay=2`` through the Trainer (the warm-up's
+    wrapper around the stage's updates and Lightning's hooks) on the oracle's rules."""
+    configs = ["async:sgd", "vertical_sync:sgd", "async:adam"]
+    extra = ["--weight-prediction", "--lr-warmup-per-delay", "2"]
+    result = launch(tmp_path, [3, 3], None, 2, configs, extra=extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = Plan.from_balance([3, 3])
+    for config in configs:
+        sync, name = config.split(":")
+        got = torch.load(tmp_path / f"{sync}-{name}" / "weights.pt")
+        expected = oracle.train(
+            make_model(), plan, sync, make_batches(2), 2, loss_fn, OPTIMIZERS[name], True, 2
+        )
+        for key, tensor in expected.items():
+            diff = (got[f"net.{key}"] - tensor).abs().max().item()
+            assert diff <= 1e-5, f"{sync}/{name} {key}: {diff}"
+
+
+@pytest.mark.slow
 def test_strategy_by_name_plans_automatically(tmp_path: Path) -> None:
     """``Trainer(strategy="pipedream")``: defaults (async, one microbatch), planned at setup."""
     command_extra = ["--strategy-name"]

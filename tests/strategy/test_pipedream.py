@@ -44,3 +44,13 @@ def test_trainer_finds_the_strategy_by_name() -> None:
 
 def test_every_stage_samples_every_batch_in_the_same_order() -> None:
     assert PipeDreamStrategy().distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+@pytest.mark.parametrize("sync", ["flush", "gpipe", "2bw"])
+def test_staleness_corrections_are_refused_outside_the_per_minibatch_modes(sync: str) -> None:
+    with pytest.raises(ValueError, match=r"weight_prediction=True.*sync='async'"):
+        PipeDreamStrategy(sync=sync, weight_prediction=True)
+    with pytest.raises(ValueError, match=r"lr_warmup_per_delay=4"):
+        PipeDreamStrategy(sync=sync, lr_warmup_per_delay=4)
+    strategy = PipeDreamStrategy(sync="vertical_sync", weight_prediction=True)
+    assert strategy.weight_prediction and strategy.lr_warmup_per_delay == 0

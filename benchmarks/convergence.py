@@ -6,6 +6,8 @@ strategy's script launcher, ``OMP_NUM_THREADS=1``) and on one device (a plain Tr
 * ``digits``: an MLP of 6 pipeline layers (Flatten, Linear 64-128, ReLU, Linear 128-128, ReLU,
   Linear 128-10) on scikit-learn's digits, batch 32, SGD at lr 0.1 and 0.03, momentum 0 and 0.9,
   on 2 and 3 stages (issue 13's newcomer: 3 stages, lr 0.1, momentum 0.9, async);
+* ``digits6``: the same data with a deeper MLP of 6 Linear layers (hidden 128, 128, 128, 128,
+  64; 12 pipeline layers, 4 per stage), SGD at lr 0.1 and 0.03 with momentum 0.9, 3 stages;
 * ``text``: CharGPT (embedding, 2 blocks, tied head) on the characters of standard-library
   sources (``data.text``), Adam, 2 stages;
 * ``awdlm``: the paper's AWD-LM with its widths divided by 10 (embedding 40, hidden 115, tied
@@ -67,7 +69,7 @@ class Setting:
     """One model, data set, optimizer and pipeline depth, trained under every configuration."""
 
     name: str
-    model: str  # "digits", "text" or "awdlm"
+    model: str  # "digits", "digits6", "text" or "awdlm"
     stages: int
     epochs: int
     optimizer: dict[str, Any] = field(default_factory=dict)
@@ -92,6 +94,9 @@ def settings(quick: bool) -> list[Setting]:
                     Setting(f"digits-{stages}st-lr{lr}-m{momentum}", "digits", stages, 15, sgd)
                 )
     found.append(Setting("digits-3st-adam", "digits", 3, 15, dict(optimizer="adam", lr=3e-3)))
+    for lr in (0.1, 0.03):  # the deeper MLP: 6 Linear layers, where staleness costs most
+        sgd = dict(optimizer="sgd", lr=lr, momentum=0.9)
+        found.append(Setting(f"digits6-3st-lr{lr}-m0.9", "digits6", 3, 15, sgd))
     adam = dict(optimizer="adam", lr=3e-3)
     found.append(Setting("text-2st-adam", "text", 2, 12, adam, tied=True))
     found.append(Setting("awdlm-3st-sgd", "awdlm", 3, 8, dict(lr=5.0), "val_loss", tied=True))
@@ -117,6 +122,10 @@ def build(setting: Setting) -> tuple[Any, Any, list[int]]:
         data = DigitsDataModule(batch_size=BATCH)
         model = MLP((1, 8, 8), 10, hidden=(128, 128), **setting.optimizer)
         balance = {2: [3, 3], 3: [2, 2, 2]}[setting.stages]
+    elif setting.model == "digits6":
+        data = DigitsDataModule(batch_size=BATCH)
+        model = MLP((1, 8, 8), 10, hidden=(128, 128, 128, 128, 64), **setting.optimizer)
+        balance = {2: [6, 6], 3: [4, 4, 4]}[setting.stages]
     elif setting.model == "text":
         data = TextDataModule(length=32, num_examples=1536, batch_size=BATCH)
         model = CharGPT((32,), 128, width=64, heads=4, blocks=2, **setting.optimizer)

@@ -307,6 +307,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["setting"] for r in results))
+    palette = plt.get_cmap("tab10").colors
+    color = {config: palette[i % len(palette)] for i, config in enumerate(CONFIGS)}
     columns = min(4, len(names))
     rows = math.ceil(len(names) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.6 * rows), squeeze=False)
@@ -316,7 +318,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             if r["setting"] == setting:
                 metric = "val_acc" if "val_acc" in r["epochs"][-1] else "val_loss"
                 curve = [m.get(metric, math.nan) for m in r["epochs"]]
-                ax.plot(range(1, len(curve) + 1), curve, label=r["config"], lw=1.2)
+                ax.plot(range(1, len(curve) + 1), curve, color=color[r["config"]], lw=1.2)
         ax.set_title(f"{setting} ({metric})", fontsize=8)
         if metric == "val_acc":
             ax.set_ylim(0, 1)
@@ -325,7 +327,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    shown = [config for config in CONFIGS if any(r["config"] == config for r in results)]
+    handles = [plt.Line2D([], [], color=color[config], lw=1.2) for config in shown]
+    figure.legend(handles, shown, loc="lower right", fontsize=7, ncols=2)  # one color per config
     figure.supxlabel("epoch", fontsize=8)
     figure.supylabel("validation accuracy (or loss)", fontsize=8)
     figure.tight_layout()

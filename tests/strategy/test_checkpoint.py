@@ -3,16 +3,22 @@ saved atomically by the strategy (the multi-process tests at the end)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.atomic import retired_dir
+from pl_pipedream.strategy.atomic import leftovers, retired_dir
 from pl_pipedream.strategy.checkpoint import (
     CheckpointError,
     check_layout,
@@ -27,6 +33,7 @@ from pl_pipedream.strategy.checkpoint import (
     write_shard,
 )
 from pl_pipedream.strategy.stage import PipelineSetupError
+from tests.runtime.test_executor import NUM_BATCHES
 
 PLAN = Plan.from_balance([2, 1], replicas=[2, 1])  # stage 0 on ranks 0 and 1, stage 1 on rank 2
 
@@ -222,3 +229,88 @@ def test_a_checkpoint_left_aside_by_an_interrupted_publish_is_named(tmp_path: Pa
     with pytest.raises(CheckpointError) as error:
         read_shards(path)
     assert f"left the previous checkpoint at {aside}: rename it to {path}" in str(error.value)
+
+
+SCRIPT = Path(__file__).with_name("checkpoint_script.py")
+STEPS = NUM_BATCHES  # per epoch
+
+
+def launch(out: Path, *extra: str) -> subprocess.Popen:
+    """Start ``checkpoint_script.py`` (2 ranks, flush, ``timeout=20``) in its own process group."""
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--timeout", "20", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command,
+        cwd=out.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """The exit code and stderr; the whole process group is killed if it has not ended."""
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stderr
+
+
+def checkpoints(directory: Path) -> dict[str, int]:
+    """Every entry of ``directory`` (hidden ones too) and the step its checkpoint records."""
+    return {p.name: read_shards(p)[0]["step"] for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_resumes_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 stops halfway through writing its shard of ``last.ckpt`` at the end of epoch 1
+    and is killed: rank 0 stops naming it within the timeout, ``last.ckpt`` still holds epoch
+    0, and training on from it gives the uninterrupted run's weights, bit for bit. Both runs
+    keep the checkpoints ``save_top_k=2`` and ``save_last`` ask for, and nothing else."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    straight.mkdir()
+    crashed.mkdir()
+    code, stderr = finish(launch(straight), 120)
+    assert code == 0, stderr[-3000:]
+    expected = {
+        f"epoch=1-step={2 * STEPS}.ckpt": 2 * STEPS,
+        f"epoch=2-step={3 * STEPS}.ckpt": 3 * STEPS,
+        "last.ckpt": 3 * STEPS,
+    }
+    assert checkpoints(straight / "ckpts") == expected
+
+    process = launch(crashed, "--block")
+    blocked = crashed / "blocked"
+    deadline = time.monotonic() + 90
+    while not blocked.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert blocked.is_file(), finish(process, 5)[1][-3000:]
+    os.kill(int(blocked.read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    code, stderr = finish(process, 60)
+    assert code != 0 and time.monotonic() - killed < 20, stderr[-3000:]
+    assert "could not receive stage 1's shard record from rank 1" in stderr, stderr[-3000:]
+    last = crashed / "ckpts" / "last.ckpt"
+    assert read_shards(last)[0]["step"] == STEPS  # the previous save, whole
+    assert leftovers(last), "the kill did not interrupt a save of last.ckpt"
+
+    # ckpt_path="last": ModelCheckpoint looks for "last" in its directory's names, and the
+    # staging directory left by the kill has none.
+    code, stderr = finish(launch(crashed, "--resume", "last"), 120)
+    assert code == 0, stderr[-3000:]
+    # The crashed run's complete epoch-1 checkpoint keeps its name and the resumed run's gets a
+    # version suffix (Lightning does so for any existing file); the leftovers are gone.
+    assert checkpoints(crashed / "ckpts") == {
+        **expected,
+        f"epoch=1-step={2 * STEPS}-v1.ckpt": 2 * STEPS,
+    }
+    want, got = torch.load(straight / "weights.pt"), torch.load(crashed / "weights.pt")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

@@ -29,6 +29,7 @@ import io
 import json
 import os
 import pickle
+import re
 import secrets
 import time
 from collections.abc import Iterable
@@ -291,19 +292,26 @@ class SaveExchange:
         return pickle.loads(data.numpy().tobytes())
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
+        start = time.monotonic()
         try:
             if work.wait(timedelta(seconds=self.timeout)):
                 return
             detail = "no answer"
         except RuntimeError as error:
-            detail = str(error).strip().splitlines()[0] if str(error).strip() else "closed"
+            detail = _first_sentence(str(error))
         raise PeerError(
-            f"every writer must finish its part of a checkpoint before it is published (rank "
-            f"{self.rank} could not {what} rank {peer} after "
-            f"{time.monotonic() - self.start:.1f} s, timeout {self.timeout:g} s: {detail}); "
-            f"rank {peer} has probably failed: look for its error above. The checkpoint was "
-            f"not published: whatever was at {self.path} before is intact"
+            f"every writer of a checkpoint must finish its part before the checkpoint is "
+            f"published (rank {self.rank} could not {what} rank {peer}: {detail} after "
+            f"{time.monotonic() - start:.1f} s of waiting, timeout {self.timeout:g} s; path: "
+            f"{self.path}); rank {peer} has probably failed: look for its error above. Nothing "
+            f"was published: a checkpoint already at {self.path} is intact"
         )
+
+
+def _first_sentence(message: str) -> str:
+    """The gist of a gloo error: its first sentence without the source location."""
+    message = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[0] if message else "")
+    return message.split(". ")[0] or "the connection failed"
 
 
 class ShardedCheckpointHooks:

@@ -111,8 +111,11 @@ def publish(staged: Path, path: str | Path, token: str) -> None:
         os.rename(path, retired_dir(path, token))
         os.rename(staged, path)
     fsync_dir(parent)
-    for leftover in leftovers(path):
-        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in leftovers(path):  # a symlink here is a swapped-out save_last="link"
+        if leftover.is_symlink():
+            leftover.unlink()
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def remove(path: str | Path) -> None:

@@ -73,3 +73,15 @@ def test_remove_takes_a_directory_a_symlink_or_a_file(tmp_path: Path) -> None:
     remove(tmp_path / "plain.ckpt")
     remove(tmp_path / "missing.ckpt")  # nothing to do
     assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_over_a_symlink_replaces_the_link_and_keeps_its_target(tmp_path: Path) -> None:
+    """``last.ckpt`` left as a link by ``ModelCheckpoint(save_last="link")``, then saved."""
+    target = make(tmp_path / "epoch=1.ckpt", "linked")
+    (tmp_path / "last.ckpt").symlink_to(target.name)
+    staged = make(staging_dir(tmp_path / "last.ckpt", "t"), "new")
+    publish(staged, tmp_path / "last.ckpt", "t")
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert (tmp_path / "last.ckpt" / "data").read_text() == "new"
+    assert (target / "data").read_text() == "linked"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]

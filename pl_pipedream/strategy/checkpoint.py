@@ -1,10 +1,11 @@
-"""Sharded checkpoints: one file per stage plus a description of the pipeline.
+"""Sharded checkpoints: one file per stage plus a description of the pipeline, published whole.
 
 ``trainer.save_checkpoint("run.ckpt")`` under ``PipeDreamStrategy`` writes a directory:
 
 ```
 run.ckpt/
-  pipeline.json        the plan, the sync mode, the number of microbatches, the shard files
+  pipeline.json        the plan, the sync mode, the microbatches, the step, and every shard's
+                       file name, size and sha256
   stage-00.pt          Lightning's checkpoint dict as stage 0 sees it (its state_dict holds only
   stage-01.pt          stage 0's parameters and buffers, under the LightningModule's names)
 ```
@@ -12,23 +13,49 @@ run.ckpt/
 The first replica of each stage writes that stage's shard; state outside the pipeline (shared
 by every rank) goes into stage 0's shard. ``consolidate_checkpoint`` merges the shards back into
 the LightningModule's full ``state_dict``.
+
+A save is atomic: the writers (each stage's first replica) write and fsync their shards into a
+staging directory beside the target (``.pipedream-partial-<key>-<token>``, a name no reader or
+``ModelCheckpoint`` takes for a checkpoint), send rank 0 each shard's size and checksum, and rank
+0 writes the description and swaps the staging directory into place (``publish``). Until then a
+checkpoint already at the path is untouched, and a reader checks every shard against the
+description, so no reader ever accepts a half-written shard or a mix of two saves.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-import shutil
+import os
+import pickle
+import re
+import secrets
+import time
 from collections.abc import Iterable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from pl_pipedream.planner.plan import Plan, Stage
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.strategy.atomic import (
+    RETIRED,
+    fsync_dir,
+    leftovers,
+    publish,
+    remove,
+    staging_dir,
+    write_file,
+)
 from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = [
     "CheckpointError",
+    "SaveExchange",
     "ShardedCheckpointHooks",
     "check_layout",
     "consolidate_checkpoint",
@@ -38,7 +65,6 @@ __all__ = [
     "optimizer_states",
     "read_shards",
     "remove",
-    "save",
     "shard_name",
     "write_description",
     "write_shard",
@@ -47,6 +73,8 @@ __all__ = [
 Shards = tuple[dict[str, Any], list[dict[str, Any]]]  # the description and every stage's dict
 
 META_FILE = "pipeline.json"
+FORMAT = "pl-pipedream sharded checkpoint"
+SAVE_TAG = 0x5AFE  # the tag of the save's messages on the default process group
 
 
 class CheckpointError(ValueError):
@@ -55,23 +83,6 @@ class CheckpointError(ValueError):
 
 def shard_name(stage: int) -> str:
     return f"stage-{stage:02d}.pt"
-
-
-def save(
-    path: str | Path,
-    checkpoint: dict[str, Any],
-    rank: int,
-    stage: Stage,
-    plan: Plan,
-    sync: str,
-    microbatches: int,
-) -> None:
-    """Write ``rank``'s part of a checkpoint: its stage's shard if it is the stage's first
-    replica, and the description if it is rank 0."""
-    if rank == stage.ranks[0]:
-        write_shard(path, stage.index, checkpoint)
-    if rank == 0:
-        write_description(path, sync, microbatches, plan)
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -91,31 +102,44 @@ def optimizer_states(saved: Shards, plan: Plan, stage: int) -> list[dict[str, An
     return shards[stage]["optimizer_states"]
 
 
-def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> None:
-    """Write ``stage``'s checkpoint dict into the checkpoint directory ``path``."""
+def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Write and fsync ``stage``'s checkpoint dict into the directory ``path``; return the
+    shard's record for the description: its file name, size and sha256."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, root / shard_name(stage))
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    data = buffer.getvalue()
+    write_file(root / shard_name(stage), data)
+    return {
+        "file": shard_name(stage),
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
-def write_description(path: str | Path, sync: str, microbatches: int, plan: Plan) -> None:
-    """Write ``pipeline.json``: the plan, the sync mode, the microbatches, the shard files."""
+def write_description(
+    path: str | Path,
+    sync: str,
+    microbatches: int,
+    plan: Plan,
+    shards: list[dict[str, Any]],
+    step: int | None,
+) -> None:
+    """Write and fsync ``pipeline.json``: the plan, the sync mode, the microbatches, the global
+    step, and every shard's record (``write_shard``), in stage order."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     meta = {
-        "format": "pl-pipedream sharded checkpoint",
+        "format": FORMAT,
         "sync": str(sync),
         "microbatches": microbatches,
+        "step": step,
         "plan": plan.to_dict(),
-        "shards": [shard_name(s.index) for s in plan.stages],
+        "shards": shards,
     }
-    (root / META_FILE).write_text(json.dumps(meta, indent=1))
-
-
-def remove(path: str | Path) -> None:
-    """Delete the checkpoint directory ``path`` (what ``ModelCheckpoint`` replaces)."""
-    if Path(path).is_dir():
-        shutil.rmtree(path)
+    write_file(root / META_FILE, json.dumps(meta, indent=1).encode())
+    fsync_dir(root)
 
 
 def merge_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -141,25 +165,63 @@ def check_layout(saved: Plan, plan: Plan) -> None:
 
 
 def read_shards(path: str | Path) -> Shards:
-    """The pipeline description and every stage's checkpoint dict, in stage order."""
+    """The pipeline description and every stage's checkpoint dict, in stage order, each shard
+    checked against its record in the description (size, sha256, step)."""
     root = Path(path)
     meta_path = root / META_FILE
     if not meta_path.is_file():
+        retired = [p for p in leftovers(root) if p.name.startswith(RETIRED) and is_sharded(p)]
+        hint = (
+            f"; a save was interrupted between its two renames and left the previous "
+            f"checkpoint at {retired[-1]}: rename it to {root}"
+            if retired and not root.exists()
+            else ""
+        )
         raise CheckpointError(
             f"a PipeDream checkpoint is a directory with {META_FILE} and one shard per stage "
-            f"(path: {root}); pass the path given to trainer.save_checkpoint"
+            f"(path: {root}); pass the path given to trainer.save_checkpoint{hint}"
         )
     meta = json.loads(meta_path.read_text())
-    shards = []
-    for stage, name in enumerate(meta["shards"]):
-        shard = root / name
-        if not shard.is_file():
+    return meta, [
+        _read_shard(root, stage, record, meta) for stage, record in enumerate(meta["shards"])
+    ]
+
+
+def _read_shard(root: Path, stage: int, record: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Stage ``stage``'s checkpoint dict, refused unless it is the shard the description
+    records (a record is a file name alone in checkpoints older than the records)."""
+    name = record["file"] if isinstance(record, dict) else record
+    shard = root / name
+    if not shard.is_file():
+        raise CheckpointError(
+            f"a PipeDream checkpoint needs every stage's shard (missing: {shard}, stage "
+            f"{stage}); the rank serving that stage did not finish saving: use an earlier "
+            "checkpoint"
+        )
+    data = shard.read_bytes()
+    if isinstance(record, dict):
+        if len(data) != record["size"]:
             raise CheckpointError(
-                f"a PipeDream checkpoint needs every stage's shard (missing: {shard}, stage "
-                f"{stage}); the rank serving that stage did not finish saving"
+                f"a shard must have the size {META_FILE} records ({shard}: {len(data)} bytes, "
+                f"recorded: {record['size']}); the file was cut short or replaced after the "
+                "save: use an earlier checkpoint"
             )
-        shards.append(torch.load(shard, map_location="cpu", weights_only=False))
-    return meta, shards
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != record["sha256"]:
+            raise CheckpointError(
+                f"a shard must have the sha256 {META_FILE} records ({shard}: {digest[:16]}..., "
+                f"recorded: {record['sha256'][:16]}...); the file was corrupted or replaced "
+                "after the save: use an earlier checkpoint"
+            )
+    checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    step = meta.get("step")
+    if step is not None and checkpoint.get("global_step") != step:
+        raise CheckpointError(
+            f"every shard must come from the step {META_FILE} records ({shard}: step "
+            f"{checkpoint.get('global_step')}, recorded: {step}); the directory mixes two "
+            "saves: use an earlier checkpoint"
+        )
+    return checkpoint
 
 
 def consolidate_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
@@ -168,10 +230,95 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return merge_states(shard["state_dict"] for shard in shards)
 
 
+class SaveExchange:
+    """The messages of one save among its writers (each stage's first replica), point to point
+    on the default process group so that a writer that died is named: rank 0 (the lead) sends
+    every other writer the staging token, each writer sends the lead its shard's record once
+    the shard is on disk, and the lead answers with the outcome of the publish."""
+
+    def __init__(self, rank: int, writers: list[int], timeout: float, path: Path) -> None:
+        self.rank = rank
+        self.lead = writers[0]
+        self.others = [w for w in writers if w != self.lead]
+        self.timeout = timeout
+        self.path = path
+        self.start = time.monotonic()
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == self.lead
+
+    def token(self) -> str:
+        """The staging token, made by the lead and agreed by every writer."""
+        if self.leads:
+            token = f"{secrets.token_hex(4)}-{os.getpid()}"
+            for peer in self.others:
+                self._send(token, peer)
+            return token
+        return self._recv(self.lead, "the staging token")
+
+    def records(self, record: dict[str, Any], stages: dict[int, int]) -> list[dict[str, Any]]:
+        """On the lead: every stage's shard record, in stage order (``stages``: stage of each
+        writer). Elsewhere: send ``record``; nothing comes back."""
+        if not self.leads:
+            self._send(record, self.lead)
+            return []
+        received = {stages[self.rank]: record}
+        for peer in self.others:
+            received[stages[peer]] = self._recv(peer, f"stage {stages[peer]}'s shard record")
+        return [received[stage] for stage in sorted(received)]
+
+    def outcome(self, error: str | None = None) -> None:
+        """The lead tells the others whether the checkpoint was published; they raise if not."""
+        if self.leads:
+            for peer in self.others:
+                self._send(error, peer)
+            return
+        error = self._recv(self.lead, "the outcome of the publish")
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _send(self, obj: Any, peer: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for tensor in (size, data):
+            self._wait(dist.isend(tensor, peer, tag=SAVE_TAG), peer, "send to")
+
+    def _recv(self, peer: int, what: str) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self._wait(dist.irecv(size, peer, tag=SAVE_TAG), peer, f"receive {what} from")
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._wait(dist.irecv(data, peer, tag=SAVE_TAG), peer, f"receive {what} from")
+        return pickle.loads(data.numpy().tobytes())
+
+    def _wait(self, work: Any, peer: int, what: str) -> None:
+        start = time.monotonic()
+        try:
+            if work.wait(timedelta(seconds=self.timeout)):
+                return
+            detail = "no answer"
+        except RuntimeError as error:
+            detail = _first_sentence(str(error))
+        raise PeerError(
+            f"every writer of a checkpoint must finish its part before the checkpoint is "
+            f"published (rank {self.rank} could not {what} rank {peer}: {detail} after "
+            f"{time.monotonic() - start:.1f} s of waiting, timeout {self.timeout:g} s; path: "
+            f"{self.path}); rank {peer} has probably failed: look for its error above. Nothing "
+            f"was published: a checkpoint already at {self.path} is intact"
+        )
+
+
+def _first_sentence(message: str) -> str:
+    """The gist of a gloo error: its first sentence without the source location."""
+    message = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[0] if message else "")
+    return message.split(". ")[0] or "the connection failed"
+
+
 class ShardedCheckpointHooks:
     """The strategy's checkpoint hooks (mixed into ``PipeDreamStrategy`` before Lightning's
-    ``ParallelStrategy``): each stage's first replica writes its shard; loading merges the shards
-    and keeps them so that each stage restores its own optimizer state."""
+    ``ParallelStrategy``): each stage's first replica writes its shard, rank 0 publishes the
+    checkpoint atomically; loading checks and merges the shards and keeps them so that each
+    stage restores its own optimizer state."""
 
     # Set by PipeDreamStrategy; listed for readers and type checkers.
     local_stage: Any
@@ -179,6 +326,7 @@ class ShardedCheckpointHooks:
     sync: Any
     microbatches: int
     global_rank: int
+    timeout: float
     lightning_module: Any
     optimizers: list[Any]
     _resume: Shards | None
@@ -195,9 +343,33 @@ class ShardedCheckpointHooks:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
+        """Write this rank's shard if it is its stage's first replica; rank 0 publishes the
+        checkpoint once every shard is on disk (``SaveExchange``, ``atomic.publish``). Ranks
+        that write nothing return at once; Lightning's barrier after the save holds them."""
         assert self.local_stage is not None and self.plan is not None
-        stage, rank = self.local_stage.stage, self.global_rank
-        save(filepath, checkpoint, rank, stage, self.plan, self.sync, self.microbatches)
+        writers = {s.ranks[0]: s.index for s in self.plan.stages}
+        if self.global_rank not in writers:
+            return
+        path = Path(filepath)
+        exchange = SaveExchange(self.global_rank, sorted(writers), self.timeout, path)
+        token = exchange.token()
+        staged = staging_dir(path, token)
+        record = write_shard(staged, self.local_stage.stage.index, checkpoint)
+        records = exchange.records(record, writers)
+        if not exchange.leads:
+            exchange.outcome()
+            return
+        try:
+            step = checkpoint.get("global_step")
+            write_description(staged, self.sync, self.microbatches, self.plan, records, step)
+            publish(staged, path, token)
+        except OSError as error:
+            exchange.outcome(
+                f"a checkpoint is published by rank {self.global_rank} (path: {path}): "
+                f"{error}; free space or fix the permissions of {path.parent}"
+            )
+            raise
+        exchange.outcome()
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None

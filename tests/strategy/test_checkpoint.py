@@ -1,13 +1,24 @@
-"""Sharded checkpoints: one shard per stage plus ``pipeline.json``, read back and merged."""
+"""Sharded checkpoints: one shard per stage plus ``pipeline.json``, read back, checked and merged;
+saved atomically by the strategy (the multi-process tests at the end)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.strategy.atomic import leftovers, retired_dir
 from pl_pipedream.strategy.checkpoint import (
     CheckpointError,
     check_layout,
@@ -18,11 +29,11 @@ from pl_pipedream.strategy.checkpoint import (
     optimizer_states,
     read_shards,
     remove,
-    save,
     write_description,
     write_shard,
 )
 from pl_pipedream.strategy.stage import PipelineSetupError
+from tests.runtime.test_executor import NUM_BATCHES
 
 PLAN = Plan.from_balance([2, 1], replicas=[2, 1])  # stage 0 on ranks 0 and 1, stage 1 on rank 2
 
@@ -34,36 +45,87 @@ def shard(stage: int) -> dict:
         state["scale"] = torch.zeros(1)  # every rank has the state outside the pipeline
     return {
         "epoch": 3 + stage,
+        "global_step": 7,
         "state_dict": state,
         "optimizer_states": [{"stage": stage}],
     }
 
 
-def write(path: Path) -> None:
+def write(path: Path, step: int = 7) -> list[dict]:
+    """A complete checkpoint at ``step``; the shards' records."""
+    records = []
     for stage in PLAN.stages:
-        write_shard(path, stage.index, shard(stage.index))
-    write_description(path, "async", 4, PLAN)
+        records.append(write_shard(path, stage.index, {**shard(stage.index), "global_step": step}))
+    write_description(path, "async", 4, PLAN, records, step)
+    return records
 
 
 def test_shards_and_the_description_round_trip(tmp_path: Path) -> None:
     write(tmp_path / "run.ckpt")
     meta, shards = read_shards(tmp_path / "run.ckpt")
     assert meta["sync"] == "async" and meta["microbatches"] == 4
-    assert meta["shards"] == ["stage-00.pt", "stage-01.pt"]
+    assert [record["file"] for record in meta["shards"]] == ["stage-00.pt", "stage-01.pt"]
     assert Plan.from_dict(meta["plan"]) == PLAN
     assert [s["epoch"] for s in shards] == [3, 4]
     assert torch.equal(shards[1]["state_dict"]["net.1.weight"], torch.ones(2))
 
 
-def test_save_writes_a_shard_per_stage_from_its_first_replica(tmp_path: Path) -> None:
+def test_the_description_records_every_shards_size_and_sha256(tmp_path: Path) -> None:
     path = tmp_path / "run.ckpt"
-    for rank in range(PLAN.num_workers):
-        stage = PLAN.stage_of_rank(rank)
-        save(path, shard(stage.index), rank, stage, PLAN, "flush", 2)
-        if rank == 1:  # the second replica of stage 0 writes nothing
-            assert sorted(p.name for p in path.iterdir()) == ["pipeline.json", "stage-00.pt"]
-    assert sorted(p.name for p in path.iterdir()) == ["pipeline.json", "stage-00.pt", "stage-01.pt"]
-    assert read_shards(path)[0]["sync"] == "flush"
+    write(path)
+    meta, _ = read_shards(path)
+    assert meta["step"] == 7
+    for record in meta["shards"]:
+        data = (path / record["file"]).read_bytes()
+        assert record["size"] == len(data)
+        assert record["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_a_shard_cut_short_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    records = write(path)
+    shard_file = path / "stage-01.pt"
+    shard_file.write_bytes(shard_file.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as error:
+        read_shards(path)
+    assert (
+        f"a shard must have the size pipeline.json records ({shard_file}: 100 bytes, "
+        f"recorded: {records[1]['size']}); the file was cut short"
+    ) in str(error.value)
+
+
+def test_a_shard_of_the_right_size_but_other_bytes_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    write(path)
+    shard_file = path / "stage-00.pt"
+    data = bytearray(shard_file.read_bytes())
+    data[-30] ^= 0xFF
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"must have the sha256 pipeline.json records \("):
+        read_shards(path)
+    with pytest.raises(CheckpointError) as error:
+        consolidate_checkpoint(path)
+    assert str(shard_file) in str(error.value)
+
+
+def test_a_shard_from_another_save_is_refused(tmp_path: Path) -> None:
+    """A directory mixing two saves: a shard of step 5 next to the description of step 7."""
+    path, other = tmp_path / "run.ckpt", tmp_path / "old.ckpt"
+    write(path, step=7)
+    write(other, step=5)
+    shutil.copy(other / "stage-01.pt", path / "stage-01.pt")
+    with pytest.raises(CheckpointError, match=r"stage-01.pt: .* recorded: .*the file was"):
+        read_shards(path)
+    # Described as step 7 but holding step 5's shards with their true records: the step is wrong.
+    meta = json.loads((other / "pipeline.json").read_text())
+    meta["step"] = 7
+    (other / "pipeline.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as error:
+        read_shards(other)
+    assert (
+        f"every shard must come from the step pipeline.json records ({other / 'stage-00.pt'}: "
+        "step 5, recorded: 7); the directory mixes two saves"
+    ) in str(error.value)
 
 
 def test_merge_states_keeps_a_names_first_occurrence() -> None:
@@ -146,3 +208,109 @@ def test_remove_deletes_a_checkpoint_directory(tmp_path: Path) -> None:
     remove(tmp_path / "run.ckpt")
     assert not (tmp_path / "run.ckpt").exists()
     remove(tmp_path / "run.ckpt")  # already gone: nothing to do
+
+
+def test_a_description_without_records_still_loads(tmp_path: Path) -> None:
+    """Checkpoints saved before the records list only the shards' file names."""
+    path = tmp_path / "run.ckpt"
+    write(path)
+    meta = json.loads((path / "pipeline.json").read_text())
+    meta["shards"] = [record["file"] for record in meta["shards"]]
+    del meta["step"]
+    (path / "pipeline.json").write_text(json.dumps(meta))
+    assert sorted(consolidate_checkpoint(path)) == ["net.0.weight", "net.1.weight", "scale"]
+
+
+def test_a_checkpoint_left_aside_by_an_interrupted_publish_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    write(path)
+    aside = retired_dir(path, "abc")
+    path.rename(aside)
+    with pytest.raises(CheckpointError) as error:
+        read_shards(path)
+    assert f"left the previous checkpoint at {aside}: rename it to {path}" in str(error.value)
+
+
+SCRIPT = Path(__file__).with_name("checkpoint_script.py")
+STEPS = NUM_BATCHES  # per epoch
+
+
+def launch(out: Path, *extra: str) -> subprocess.Popen:
+    """Start ``checkpoint_script.py`` (2 ranks, flush, ``timeout=20``) in its own process group."""
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--timeout", "20", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command,
+        cwd=out.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """The exit code and stderr; the whole process group is killed if it has not ended."""
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stderr
+
+
+def checkpoints(directory: Path) -> dict[str, int]:
+    """Every entry of ``directory`` (hidden ones too) and the step its checkpoint records."""
+    return {p.name: read_shards(p)[0]["step"] for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_resumes_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 stops halfway through writing its shard of ``last.ckpt`` at the end of epoch 1
+    and is killed: rank 0 stops naming it within the timeout, ``last.ckpt`` still holds epoch
+    0, and training on from it gives the uninterrupted run's weights, bit for bit. Both runs
+    keep the checkpoints ``save_top_k=2`` and ``save_last`` ask for, and nothing else."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    straight.mkdir()
+    crashed.mkdir()
+    code, stderr = finish(launch(straight), 120)
+    assert code == 0, stderr[-3000:]
+    expected = {
+        f"epoch=1-step={2 * STEPS}.ckpt": 2 * STEPS,
+        f"epoch=2-step={3 * STEPS}.ckpt": 3 * STEPS,
+        "last.ckpt": 3 * STEPS,
+    }
+    assert checkpoints(straight / "ckpts") == expected
+
+    process = launch(crashed, "--block")
+    blocked = crashed / "blocked"
+    deadline = time.monotonic() + 90
+    while not blocked.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert blocked.is_file(), finish(process, 5)[1][-3000:]
+    os.kill(int(blocked.read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    code, stderr = finish(process, 60)
+    assert code != 0 and time.monotonic() - killed < 20, stderr[-3000:]
+    assert "could not receive stage 1's shard record from rank 1" in stderr, stderr[-3000:]
+    last = crashed / "ckpts" / "last.ckpt"
+    assert read_shards(last)[0]["step"] == STEPS  # the previous save, whole
+    assert leftovers(last), "the kill did not interrupt a save of last.ckpt"
+
+    # ckpt_path="last": ModelCheckpoint looks for "last" in its directory's names, and the
+    # staging directory left by the kill has none.
+    code, stderr = finish(launch(crashed, "--resume", "last"), 120)
+    assert code == 0, stderr[-3000:]
+    # The crashed run's complete epoch-1 checkpoint keeps its name and the resumed run's gets a
+    # version suffix (Lightning does so for any existing file); the leftovers are gone.
+    assert checkpoints(crashed / "ckpts") == {
+        **expected,
+        f"epoch=1-step={2 * STEPS}-v1.ckpt": 2 * STEPS,
+    }
+    want, got = torch.load(straight / "weights.pt"), torch.load(crashed / "weights.pt")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

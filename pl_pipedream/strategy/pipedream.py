@@ -55,7 +55,7 @@ from pl_pipedream.strategy.divergence import (
 )
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
-from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
+from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
@@ -199,8 +199,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = lightning_patches.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = PipelineScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, self.timeout
             )
         else:
             self._launcher = PipelineSpawnLauncher(self, start_method=self._start_method)

@@ -9,7 +9,9 @@ exiting 0, and its error scrolled past among the other ranks' output.
 errors and passes it in ``PL_PIPEDREAM_ERRORS``; each of those ranks writes its uncaught
 exception there (``record_uncaught_errors``). When rank 0's interpreter exits, it waits for the
 other ranks (up to the strategy's timeout plus a margin, then stops them), prints the first
-failed rank's error once, at the very end, and exits 1 if any rank failed.
+failed rank's error once, at the very end, and exits 1 if any rank failed. When rank 0 failed
+too, its own error was just printed: the others get one line each, unless rank 0's error only
+says that a peer stopped (``PeerError``), when the peer's error is the one to read.
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ class ExitReport:
         os.environ[ERRORS_VARIABLE] = self.directory  # inherited by the ranks about to start
         self.procs: list[subprocess.Popen[bytes]] = []
         self.failed_here = False
+        self.waited_on_peer = False  # rank 0 stopped because a peer did: that peer's error matters
         previous = sys.excepthook
 
         def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
             self.failed_here = True
+            self.waited_on_peer = kind.__name__ == "PeerError"
             previous(kind, error, tb)
 
         sys.excepthook = hook
@@ -84,7 +88,10 @@ class ExitReport:
         wait = 5.0 if self.failed_here else self.timeout + 30.0
         codes = _wait_all(self.procs, wait)
         failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code != 0]
-        report = self.describe(failed)
+        # Rank 0's own error was just printed; repeat another rank's only when rank 0's says
+        # no more than that a peer stopped.
+        brief = self.failed_here and not self.waited_on_peer
+        report = self.describe(failed, brief)
         shutil.rmtree(self.directory, ignore_errors=True)
         if not failed:
             return
@@ -94,11 +101,16 @@ class ExitReport:
         if not self.failed_here:
             os._exit(1)
 
-    def describe(self, failed: list[tuple[int, int | None]]) -> str:
+    def describe(self, failed: list[tuple[int, int | None]], brief: bool = False) -> str:
         """The first failed rank's error (the last lines of its traceback) and the others'
-        exit codes, as one block."""
+        exit codes, as one block; only the exit codes when ``brief``."""
         if not failed:
             return ""
+        if brief:
+            return "\n".join(
+                f"pl-pipedream: rank {rank} failed as well ({_exit_text(code)})"
+                for rank, code in failed
+            )
         rank, code = failed[0]
         lines = [f"pl-pipedream: rank {rank} failed ({_exit_text(code)}); its error:"]
         path = Path(self.directory, f"rank-{rank}.txt")

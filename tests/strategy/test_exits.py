@@ -63,6 +63,11 @@ def test_the_report_names_the_first_failed_rank_and_its_error(tmp_path: Path) ->
         assert "  ValueError: bad batch on rank 2" in text.splitlines()
         assert text.splitlines()[-1] == "pl-pipedream: rank 3 failed as well (killed by SIGKILL)"
         assert report.describe([]) == ""
+        brief = report.describe([(2, 1), (3, -9)], brief=True)  # rank 0's error came first
+        assert brief.splitlines() == [
+            "pl-pipedream: rank 2 failed as well (exit code: 1)",
+            "pl-pipedream: rank 3 failed as well (killed by SIGKILL)",
+        ]
     finally:
         os.environ.pop(ERRORS_VARIABLE, None)
         sys.excepthook = hook

@@ -237,6 +237,7 @@ def _receive_from_a_peer_that_exits(rank: int, world: int) -> str:
     return "received"
 
 
+@pytest.mark.slow
 def test_a_peer_that_exits_is_reported_as_a_closed_connection_not_a_timeout() -> None:
     """The error says what happened (the connection closed, after how long), not 'within 30 s'
     a few seconds after the peer died."""

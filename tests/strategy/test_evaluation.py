@@ -186,3 +186,36 @@ def test_structured_activations_and_predictions_cross_to_the_next_stage_and_ever
         assert set(got) == {"tokens", "batch", "none"}, (rank, got)
         assert got["none"] is None and got["batch"] == 7
         assert torch.equal(got["tokens"], expected)
+
+
+@pytest.mark.slow
+def test_trainer_predict_returns_the_predictions_on_every_rank(tmp_path) -> None:
+    """A popen run (as a user's script): after fit, ``trainer.predict`` returns on rank 1 the
+    same list as on rank 0, each batch's logits equal to the trained model's on one device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.strategy.test_lightning_features import Net, loader
+
+    script = Path(__file__).with_name("predict_script.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [torch.load(tmp_path / f"predictions-{r}.pt", weights_only=False) for r in (0, 1)]
+    states = [torch.load(tmp_path / f"stage-{r}.pt") for r in (0, 1)]
+    one_device = Net(optimizer="sgd")
+    one_device.load_state_dict({**states[0], **states[1]})
+    batches = list(loader(2))
+    for rank in (0, 1):
+        assert len(got[rank]) == len(batches), (rank, got[rank])
+        for index, ((x, _), prediction) in enumerate(zip(batches, got[rank], strict=True)):
+            assert prediction["batch"] == index
+            assert torch.allclose(prediction["logits"], one_device.net(x), atol=1e-6)

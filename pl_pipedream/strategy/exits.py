@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ERRORS_VARIABLE", "ExitReport", "record_uncaught_errors"]
+__all__ = [
+    "ERRORS_VARIABLE",
+    "ExitReport",
+    "error_lines",
+    "record_uncaught_errors",
+    "write_error",
+]
 
 ERRORS_VARIABLE = "PL_PIPEDREAM_ERRORS"
 LAST_LINES = 12  # of a rank's traceback, printed at the end
@@ -46,15 +52,28 @@ def record_uncaught_errors(rank: int) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        try:
-            text = "".join(traceback.format_exception(kind, error, tb))
-            Path(directory, f"rank-{rank}.txt").write_text(text)
-        except OSError:
-            pass  # the report is a convenience: never hide the error itself
+        write_error(directory, rank, error)
         previous(kind, error, tb)
 
     hook.records_errors = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def write_error(directory: str, rank: int, error: BaseException) -> None:
+    """``error`` with its traceback, as rank ``rank``'s entry in ``directory``."""
+    try:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        Path(directory, f"rank-{rank}.txt").write_text(text)
+    except OSError:
+        pass  # the report is a convenience: never hide the error itself
+
+
+def error_lines(directory: str, rank: int) -> list[str]:
+    """The last lines of rank ``rank``'s recorded error, indented; a note when none was."""
+    path = Path(directory, f"rank-{rank}.txt")
+    if not path.exists():
+        return ["  (none recorded: it was killed or exited; its output above says where)"]
+    return [f"  {line}" for line in path.read_text().rstrip().splitlines()[-LAST_LINES:]]
 
 
 class ExitReport:
@@ -113,12 +132,7 @@ class ExitReport:
             )
         rank, code = failed[0]
         lines = [f"pl-pipedream: rank {rank} failed ({_exit_text(code)}); its error:"]
-        path = Path(self.directory, f"rank-{rank}.txt")
-        if path.exists():
-            tail = path.read_text().rstrip().splitlines()[-LAST_LINES:]
-            lines += [f"  {line}" for line in tail]
-        else:
-            lines.append("  (none recorded: it was killed or exited; its output above says where)")
+        lines += error_lines(self.directory, rank)
         for other, other_code in failed[1:]:
             lines.append(f"pl-pipedream: rank {other} failed as well ({_exit_text(other_code)})")
         return "\n".join(lines)

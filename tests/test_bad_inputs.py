@@ -154,7 +154,13 @@ ROWS = {
         "config",
         "`PipeDreamStrategy(microbatches=0)`",
         lambda tmp: PipeDreamStrategy(microbatches=0),
-        ("microbatches must be a positive integer", "microbatches: 0"),
+        ("microbatches must be a positive integer", "microbatches: 0", "microbatches=4"),
+    ),
+    "timeout zero": Row(
+        "config",
+        "`PipeDreamStrategy(timeout=0)`",
+        lambda tmp: PipeDreamStrategy(timeout=0),
+        ("timeout must be a positive number of seconds", "timeout: 0"),
     ),
     "unknown start method": Row(
         "config",

@@ -139,7 +139,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_arguments(microbatches, start_method, divergence)
+        _check_arguments(microbatches, start_method, divergence, timeout)
         self.sync = SyncMode.parse(sync)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction = weight_prediction
@@ -430,11 +430,14 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
 
 
-def _check_arguments(microbatches: Any, start_method: str, divergence: str) -> None:
+def _check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
-            f"microbatches must be a positive integer (microbatches: {microbatches!r})"
+            f"microbatches must be a positive integer (microbatches: {microbatches!r}); pass 1 "
+            "or more, e.g. PipeDreamStrategy(microbatches=4)"
         )
+    if not isinstance(timeout, (int, float)) or not timeout > 0:  # 0 would fail every wait
+        raise ValueError(f"timeout must be a positive number of seconds (timeout: {timeout!r})")
     if start_method not in ("popen", "spawn", "fork"):
         raise ValueError(
             f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"

@@ -160,7 +160,7 @@ ROWS = {
         "config",
         "`PipeDreamStrategy(timeout=0)`",
         lambda tmp: PipeDreamStrategy(timeout=0),
-        ("timeout must be a positive number of seconds", "timeout: 0"),
+        ("timeout must be a positive number of seconds", "timeout: 0", "timeout=300"),
     ),
     "unknown start method": Row(
         "config",

@@ -433,11 +433,14 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
 def _check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
-            f"microbatches must be a positive integer (microbatches: {microbatches!r}); pass 1 "
-            "or more, e.g. PipeDreamStrategy(microbatches=4)"
+            f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
+            "example PipeDreamStrategy(microbatches=4)"
         )
     if not isinstance(timeout, (int, float)) or not timeout > 0:  # 0 would fail every wait
-        raise ValueError(f"timeout must be a positive number of seconds (timeout: {timeout!r})")
+        raise ValueError(
+            f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
+            "PipeDreamStrategy(timeout=300)"
+        )
     if start_method not in ("popen", "spawn", "fork"):
         raise ValueError(
             f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"

@@ -132,12 +132,39 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _read_plan(path: str) -> Plan:
+    """The plan in ``path``, or a ``PlanError`` naming the file and how to write a good one:
+    a user who mistypes the name or passes another file should not have to read a traceback."""
+    again = f"write it with 'pl-pipedream plan ... --output {path}'"
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError as error:
+        raise PlanError(
+            f"the plan file must be a readable file (plan: {path}, {error.strerror}); "
+            f"check the path, or {again}"
+        ) from error
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanError(
+            f"a plan file must be JSON (plan: {path}, line {error.lineno} column "
+            f"{error.colno}: {error.msg}); {again}"
+        ) from error
+    try:
+        return Plan.from_dict(data)
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise PlanError(
+            f"a plan file must hold a plan written by 'pl-pipedream plan --output' (plan: "
+            f"{path}, {type(error).__name__}: {error}); {again}"
+        ) from error
+
+
 def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pl_pipedream.schedule import build, render, simulate
 
     if args.plan:
-        with open(args.plan) as handle:
-            chosen = Plan.from_json(handle.read())
+        chosen = _read_plan(args.plan)
     elif args.profile:
         chosen = _planned(args, parser)
     else:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -63,11 +65,26 @@ def other_ranks(num_processes: int) -> Iterator[None]:
     On leaving the block normally, waits for every child and raises if one failed. If a child
     fails while the block runs, rank 0 may be blocked on it inside a collective; the child's
     error is logged, the other children are stopped and rank 0 is killed (as Lightning's own
-    launcher does), so a failure never hangs until the strategy's timeout.
+    launcher does), so a failure never hangs until the strategy's timeout. Either way the
+    failed child's own error (the last lines of its traceback, which each child records in a
+    directory named by ``PL_PIPEDREAM_ERRORS``) is in rank 0's last message.
     """
+    # strategy.exits is imported where needed: the strategy package loads Lightning, which
+    # train.py's checks run without.
     if num_processes <= 1 or "LOCAL_RANK" in os.environ or _slurm_tasks() > 1:
-        yield  # a launcher (torchrun, srun with a task per device) started every rank already
+        # a launcher (torchrun, srun with a task per device, or rank 0 here) started every rank
+        try:
+            yield
+        except BaseException as error:
+            from pl_pipedream.strategy.exits import ERRORS_VARIABLE, write_error
+
+            errors = os.environ.get(ERRORS_VARIABLE)
+            if errors and "LOCAL_RANK" in os.environ:  # for rank 0's report (Hydra prints it)
+                write_error(errors, int(os.environ["LOCAL_RANK"]), error)
+            raise
         return
+    from pl_pipedream.strategy.exits import ERRORS_VARIABLE
+
     saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
     shared = {
         "NODE_RANK": "0",
@@ -83,21 +100,23 @@ def other_ranks(num_processes: int) -> Iterator[None]:
         hydra.job.config_name,
         [s.path for s in hydra.runtime.config_sources if s.provider == "command-line"],
     )
+    errors = tempfile.mkdtemp(prefix="pl-pipedream-errors-")  # each child's error, if any
     children = []
     for rank in range(1, num_processes):
-        env = {**os.environ, **shared, "LOCAL_RANK": str(rank)}
+        env = {**os.environ, **shared, "LOCAL_RANK": str(rank), ERRORS_VARIABLE: errors}
         rank_command = [*command, f"hydra.job.name={hydra.job.name}_rank{rank}"]
         children.append(subprocess.Popen(rank_command, env=env, cwd=hydra.runtime.cwd))
     os.environ.update({**shared, "LOCAL_RANK": "0"})
-    watcher = _Watcher(children)
+    watcher = _Watcher(children, errors=errors)
     watcher.start()
     try:
         yield
         watcher.stop()
-        _wait(children)
+        _wait(children, errors=errors)
     finally:
         watcher.stop()
         _stop(children)
+        shutil.rmtree(errors, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -138,7 +157,20 @@ def _quoted(path: str) -> str:
     return "'" + doubled.replace("'", "\\'") + "'"
 
 
-def _wait(children: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> None:
+def _failure(rank: int, code: int, errors: str | None) -> str:
+    """Rank ``rank``'s failure, with the last lines of its error when it recorded one."""
+    from pl_pipedream.strategy.exits import error_lines
+
+    if errors is None:
+        return f"rank {rank} failed (exit code: {code}); its error is printed above"
+    return "\n".join(
+        [f"rank {rank} failed (exit code: {code}); its error:", *error_lines(errors, rank)]
+    )
+
+
+def _wait(
+    children: list[subprocess.Popen[bytes]], timeout: float = 120.0, errors: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     for rank, child in enumerate(children, start=1):
         try:
@@ -149,9 +181,7 @@ def _wait(children: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> No
                 f"{child.pid}); its output above says where it stopped"
             ) from error
         if code != 0:
-            raise RuntimeError(
-                f"rank {rank} failed (exit code: {code}); its error is printed above"
-            )
+            raise RuntimeError(_failure(rank, code, errors))
 
 
 def _stop(children: list[subprocess.Popen[bytes]]) -> None:
@@ -169,9 +199,15 @@ def _stop(children: list[subprocess.Popen[bytes]]) -> None:
 class _Watcher(threading.Thread):
     """Kills the job as soon as a child exits with an error (rank 0 may be blocked on it)."""
 
-    def __init__(self, children: list[subprocess.Popen[bytes]], period: float = 1.0) -> None:
+    def __init__(
+        self,
+        children: list[subprocess.Popen[bytes]],
+        period: float = 1.0,
+        errors: str | None = None,
+    ) -> None:
         super().__init__(daemon=True, name="pl-pipedream-rank-watcher")
         self.children = children
+        self.errors = errors
         self.period = period
         self.stopped = threading.Event()
 
@@ -183,8 +219,6 @@ class _Watcher(threading.Thread):
             for rank, child in enumerate(self.children, start=1):
                 code = child.poll()
                 if code not in (None, 0) and not self.stopped.is_set():
-                    log.error(
-                        "rank %d failed (exit code: %s); stopping the other ranks", rank, code
-                    )
                     _stop(self.children)
+                    log.error("%s\nstopping every rank", _failure(rank, code, self.errors))
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -144,8 +144,10 @@ def check_machine(
 
     GPUs without (enough) CUDA devices; several nodes without a launcher that set this node's
     rank (``NODE_RANK``, ``GROUP_RANK`` or ``SLURM_NODEID``); more processes per node than the
-    cluster's innermost level (a server) holds, or more in all than the cluster has.
-    ``cuda_devices`` defaults to what torch sees here.
+    cluster's innermost level (a server) holds, or more in all than the cluster has; processes
+    that do not fill whole machines of the cluster (``topology_for_devices``), or a topology of
+    another size than the run's processes (the strategy would stop every rank after they all
+    started). ``cuda_devices`` defaults to what torch sees here.
     """
     trainer = cfg.trainer
     accelerator = str(trainer.get("accelerator") or "auto")
@@ -190,6 +192,16 @@ def check_machine(
             raise MachineError(
                 f"{needs} ({shown}) and the cluster's innermost level holds {server} workers, "
                 f"the cluster {topology.num_workers} in all{here}"
+            )
+        try:  # the topology the strategy will plan for, checked before any rank starts
+            part = _pipeline_arguments(cfg, per_node).get("topology")
+        except TopologyError as error:
+            raise MachineError(f"{error} ({shown})") from None
+        if part is not None and part.num_workers != per_node * nodes:
+            raise MachineError(
+                f"the topology planned for must have one worker per process (topology workers: "
+                f"{part.num_workers}, {shown}); give the layout by hand (strategy.balance=[...]) "
+                "or plan for this machine's links (cluster=local)"
             )
 
 

@@ -94,3 +94,28 @@ def test_simulate_rejects_an_unknown_mode(tmp_path, capsys) -> None:
         main(["simulate", "--plan", str(tmp_path / "plan.json"), "--sync", "fast"])
     assert exit.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, ["plan file must be a readable file", "No such file", "--output"]),
+        ("", ["plan file must be JSON", "line 1 column 1", "--output"]),
+        ("not json at all", ["plan file must be JSON", "line 1 column 1", "--output"]),
+        ('{"stages": [{"nodes": 1}]}', ["must hold a plan", "TypeError", "--output"]),
+        ("[1, 2]", ["must hold a plan", "--output"]),
+    ],
+)
+def test_simulate_a_missing_or_garbage_plan_is_a_clear_error(
+    tmp_path, capsys, content, words
+) -> None:
+    """Exit code 2 and one line naming the file and how to write a good one; no traceback."""
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["simulate", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pl-pipedream simulate: error: "), err
+    assert str(path) in err and "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)

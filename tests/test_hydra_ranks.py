@@ -233,6 +233,26 @@ def test_wait_names_the_failed_rank_and_the_late_one() -> None:
     assert late.returncode == -signal.SIGTERM
 
 
+def test_a_childs_own_error_ends_rank_zeros_message(tmp_path: Path) -> None:
+    """A child (LOCAL_RANK set) whose block raises records its error; rank 0's failure message
+    ends with it, so the user reads it last, not buried above among the other ranks' output."""
+    code = (
+        "from pl_pipedream.hydra_ranks import other_ranks\n"
+        "with other_ranks(2):\n"
+        "    raise ValueError('bad config on rank 1')\n"
+    )
+    env = {**os.environ, "LOCAL_RANK": "1", "PL_PIPEDREAM_ERRORS": str(tmp_path)}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
+    with pytest.raises(RuntimeError) as caught:
+        _wait([child], errors=str(tmp_path))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "rank 1 failed (exit code: 1); its error:"
+    assert lines[-1] == "  ValueError: bad config on rank 1"
+    killed = python("import os; os.kill(os.getpid(), 9)")
+    with pytest.raises(RuntimeError, match=r"\(exit code: -9\); its error:\n  \(none recorded"):
+        _wait([killed], errors=str(tmp_path / "none"))
+
+
 def test_the_watcher_stops_the_others_and_kills_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     kills = fake_kill(monkeypatch)
     healthy, failing = python("import time; time.sleep(60)"), python("raise SystemExit(5)")

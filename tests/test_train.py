@@ -313,6 +313,14 @@ def test_smoke_true_without_settings_changes_nothing() -> None:
             "cluster 4 in all",
         ),
         (
+            ["cluster=cluster_a", "trainer.num_nodes=2"],  # planned for 2 of 4 processes
+            0,
+            {"NODE_RANK": "0"},
+            "the topology planned for must have one worker per process (topology workers: 2, "
+            "trainer.accelerator: cpu, trainer.num_nodes: 2, trainer.devices: 2); give the "
+            "layout by hand (strategy.balance=[...])",
+        ),
+        (
             ["trainer=gpu", "smoke=true"],
             0,
             {},

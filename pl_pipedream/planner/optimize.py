@@ -109,6 +109,14 @@ def plan(
         raise PlanError(
             f"memory per worker must be positive (memory: {memory}); omit it or raise it"
         )
+    if straight and topology.num_workers > len(profile.nodes):
+        layers = len(profile.nodes)
+        raise PlanError(
+            f"a straight pipeline has at most {layers} stages for {layers} layers (layers: "
+            f"{layers}, workers: {topology.num_workers}); use fewer devices or more microbatches "
+            "so stages can be replicated (each replica count must divide the microbatches per "
+            "batch)"
+        )
     graph = _graph(profile, max_states, cuts)
     prefix = _prefix(graph)
     precedes = ancestor_matrix(graph.ancestors)

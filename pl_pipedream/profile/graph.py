@@ -68,7 +68,24 @@ class Profile:
                     f"every edge must join two nodes of the profile (edge: {src} -- {dst}, "
                     f"unknown node: {missing}); add the node or remove the edge"
                 )
+        for node in self.nodes:
+            _check_costs(node)
         self.topological_order()  # raises on a cycle
+
+    def check_connected(self) -> None:
+        """Refuse a file whose nodes (several) include one without any edge: its edge lines
+        were lost or never written, and planning it would order the layers arbitrarily. Checked
+        when a file is read; the planner's own subgraphs may leave a node alone."""
+        if len(self.nodes) < 2:
+            return
+        joined = {node_id for edge in self.edges for node_id in edge}
+        alone = [node.node_id for node in self.nodes if node.node_id not in joined]
+        if alone:
+            raise ProfileError(
+                f"every node of a profile of several nodes must have an edge, or the planner "
+                f"cannot order it (nodes without edges: {alone[:5]}, edges: {len(self.edges)}); "
+                "add the edges (graph.txt: tab-indented 'src -- dst' lines after the nodes)"
+            )
 
     # ----- construction -----------------------------------------------------------------------
 
@@ -188,7 +205,9 @@ class Profile:
         if not nodes:
             raise ProfileError(f"a profile needs at least one node (file: {source})")
         try:
-            return cls(tuple(nodes), tuple(edges))
+            profile = cls(tuple(nodes), tuple(edges))
+            profile.check_connected()
+            return profile
         except ProfileError as error:
             raise ProfileError(f"{error} (file: {source})") from error
 
@@ -218,7 +237,9 @@ class Profile:
             for node in data["nodes"]
         )
         edges = tuple((src, dst) for src, dst in data["edges"])
-        return cls(nodes, edges, data.get("batch_size"), dict(data.get("meta") or {}))
+        profile = cls(nodes, edges, data.get("batch_size"), dict(data.get("meta") or {}))
+        profile.check_connected()
+        return profile
 
     # ----- files ------------------------------------------------------------------------------
 
@@ -248,6 +269,23 @@ class Profile:
 
     def with_nodes(self, nodes: Iterable[Node]) -> Profile:
         return Profile(tuple(nodes), self.edges, self.batch_size, dict(self.meta))
+
+
+def _check_costs(node: Node) -> None:
+    """Times and sizes are measurements: a negative or non-finite one (a profiler's bad clock
+    difference, a hand-edited file) would make the planner prefer that layer's stage."""
+    costs = {
+        "forward_ms": node.forward_ms,
+        "backward_ms": node.backward_ms,
+        "parameter_bytes": node.parameter_bytes,
+    }
+    costs.update({f"activation_bytes[{i}]": a for i, a in enumerate(node.activation_bytes)})
+    for name, value in costs.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ProfileError(
+                f"a profile's times and sizes must be finite and non-negative (node: "
+                f"{node.node_id}, {name}: {value}); measure the layer again or fix its line"
+            )
 
 
 def _as_floats(value: float | Sequence[float]) -> tuple[float, ...]:

@@ -299,9 +299,10 @@ class Channel:
         self._pending = [p for p in self._pending if not p[0].is_completed()]
 
     def _wait(self, work: dist.Work, peer: int, what: str, sending: bool = False) -> None:
+        start = time.monotonic()
         try:
             if self._nccl:
-                deadline = time.monotonic() + self.timeout
+                deadline = start + self.timeout
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise RuntimeError("timed out")
@@ -309,13 +310,29 @@ class Channel:
             elif not work.wait(timedelta(seconds=self.timeout)):
                 raise RuntimeError("timed out")
         except RuntimeError as error:
-            raise self._error("send" if sending else "receive", what, peer, error) from error
+            waited = time.monotonic() - start
+            verb = "send" if sending else "receive"
+            raise self._error(verb, what, peer, error, waited) from error
 
-    def _error(self, verb: str, what: str, peer: int, cause: BaseException) -> PeerError:
+    def _error(
+        self, verb: str, what: str, peer: int, cause: BaseException, waited: float | None = None
+    ) -> PeerError:
+        """What happened, in the user's terms: the deadline passed (the peer may be slow or
+        stuck), or the peer's connection closed before it (the peer has stopped: its own error
+        is the one to read). ``waited`` is None when the operation failed as it was posted."""
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        return PeerError(
+        start = (
             f"{self.describe} could not {verb} {what} {'to' if verb == 'send' else 'from'} "
-            f"rank {peer} within {self.timeout:g} s ({detail}); rank {peer} has probably failed "
-            f"or stopped: look for its error above, or raise the timeout "
-            f"(PipeDreamStrategy(timeout=...)) if its stage is just slow"
+            f"rank {peer}"
+        )
+        if waited is not None and waited >= 0.95 * self.timeout:
+            return PeerError(
+                f"{start} within {self.timeout:g} s ({detail}); rank {peer} has probably failed "
+                f"or stopped: look for its error above, or raise the timeout "
+                f"(PipeDreamStrategy(timeout=...)) if its stage is just slow"
+            )
+        after = "as it was posted" if waited is None else f"after {waited:.1f} s of waiting"
+        return PeerError(
+            f"{start}: the connection was closed by rank {peer} {after} ({detail}); rank "
+            f"{peer} has stopped: look for its error above (or in its log)"
         )

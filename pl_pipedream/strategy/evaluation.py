@@ -4,7 +4,8 @@ The pipeline is drained before evaluation starts, so evaluation messages never m
 ones. Each batch goes through the stages in order, one message per boundary (whatever structure a
 stage returns, as in training: ``runtime.boundary``); the last stage runs
 the user's hook (``validation_step``, ...) with ``self(x)`` returning the pipeline's output.
-Predictions travel from the last stage to rank 0, which returns them to the user. Metrics the
+Predictions travel from the last stage to every other rank, so that ``trainer.predict`` returns
+them on every rank. Metrics the
 last stage logged are shared with every rank (``lightning_patches.share_evaluation_metrics``),
 because callbacks such as ``ModelCheckpoint`` and ``EarlyStopping`` monitor them on every rank.
 """
@@ -67,20 +68,23 @@ class EvaluationPipe:
             with forward_returns(module, output):
                 return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
 
-    def predictions_to_rank_zero(self, result: Any, batch_idx: int) -> Any:
-        """The last stage's predictions travel to rank 0, which returns them to the user."""
+    def predictions_to_every_rank(self, result: Any, batch_idx: int) -> Any:
+        """The last stage's predictions, on every rank: the last stage's first replica sends
+        them to each other rank (one message each), so that ``trainer.predict`` returns the
+        same list everywhere, as a user of ``DDPStrategy`` expects each rank to get its own."""
         last = self.plan.stages[-1].ranks[0]
-        if last == 0:
+        others = sorted(r for stage in self.plan.stages for r in stage.ranks if r != last)
+        if not others:
             return result
         what = f"the predictions of batch {batch_idx}"
         if self.rank == last:
-            self.channel.send(self._message(result), 0, TAG_PREDICTIONS, what)
-            return None
-        if self.rank == 0:
-            message = self.channel.recv(last, TAG_PREDICTIONS, what)
-            # the user keeps predictions: copies, not views that hold on to the whole frame
-            return map_tensors(torch.clone, unflatten(message.tensors, message.structure))
-        return None
+            message = self._message(result)
+            for rank in others:
+                self.channel.send(message, rank, TAG_PREDICTIONS, what)
+            return result
+        message = self.channel.recv(last, TAG_PREDICTIONS, what)
+        # the user keeps predictions: copies, not views that hold on to the whole frame
+        return map_tensors(torch.clone, unflatten(message.tensors, message.structure))
 
     def _message(self, value: Any) -> Message:
         """``value`` flattened into one message, or an error naming the layer and the stage."""
@@ -113,7 +117,7 @@ class EvaluationHooks:
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.evaluation is not None
         result = self._evaluate("predict_step", *args, **kwargs)
-        return self.evaluation.predictions_to_rank_zero(result, args[1] if len(args) > 1 else 0)
+        return self.evaluation.predictions_to_every_rank(result, args[1] if len(args) > 1 else 0)
 
     def _evaluate(self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kw: Any) -> Any:
         assert self.evaluation is not None

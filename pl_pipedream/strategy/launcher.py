@@ -18,9 +18,38 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_pipedream.strategy.checkpoint import merge_states
-from pl_pipedream.strategy.lightning_patches import MultiProcessingLauncher, WorkerOutput
+from pl_pipedream.strategy.exits import ExitReport, record_uncaught_errors
+from pl_pipedream.strategy.lightning_patches import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+)
 
-__all__ = ["PipelineSpawnLauncher"]
+__all__ = ["PipelineScriptLauncher", "PipelineSpawnLauncher"]
+
+
+class PipelineScriptLauncher(SubprocessScriptLauncher):
+    """``start_method="popen"``: Lightning's script launcher, plus the exit report
+    (``strategy.exits``): the launching command exits 1 when any rank failed, even after rank 0
+    finished, and prints the first failed rank's error once at the end."""
+
+    def __init__(
+        self, cluster_environment: Any, num_processes: int, num_nodes: int, timeout: float
+    ):
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.timeout = timeout
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.cluster_environment.creates_processes_externally:
+            record_uncaught_errors(int(os.environ.get("LOCAL_RANK", "0")))
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        report = ExitReport(self.timeout)
+        super()._call_children_scripts()
+        report.watch(self.procs)
 
 
 class PipelineSpawnLauncher(MultiProcessingLauncher):

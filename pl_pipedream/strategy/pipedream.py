@@ -55,7 +55,7 @@ from pl_pipedream.strategy.divergence import (
 )
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
-from pl_pipedream.strategy.launcher import PipelineSpawnLauncher
+from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
@@ -139,7 +139,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_arguments(microbatches, start_method, divergence)
+        _check_arguments(microbatches, start_method, divergence, timeout)
         self.sync = SyncMode.parse(sync)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction = weight_prediction
@@ -199,8 +199,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = lightning_patches.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = PipelineScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, self.timeout
             )
         else:
             self._launcher = PipelineSpawnLauncher(self, start_method=self._start_method)
@@ -430,10 +430,16 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
 
 
-def _check_arguments(microbatches: Any, start_method: str, divergence: str) -> None:
+def _check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
-            f"microbatches must be a positive integer (microbatches: {microbatches!r})"
+            f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
+            "example PipeDreamStrategy(microbatches=4)"
+        )
+    if not isinstance(timeout, (int, float)) or not timeout > 0:  # 0 would fail every wait
+        raise ValueError(
+            f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
+            "PipeDreamStrategy(timeout=300)"
         )
     if start_method not in ("popen", "spawn", "fork"):
         raise ValueError(

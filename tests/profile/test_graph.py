@@ -148,6 +148,40 @@ def test_empty_file_raises(tmp_path: Path) -> None:
         Profile.load(path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("forward_compute_time", "-0.5"),
+        ("backward_compute_time", "nan"),
+        ("activation_size", "-4.0"),
+        ("parameter_size", "inf"),
+    ],
+)
+def test_negative_or_non_finite_costs_are_refused_naming_the_node(
+    field: str, value: str, tmp_path: Path
+) -> None:
+    line2 = GOOD_LINE.replace("node1", "node2")
+    start = line2.index(field + "=") + len(field) + 1
+    end = min(i for i in (line2.find(",", start), len(line2)) if i >= 0)
+    path = tmp_path / "graph.txt"
+    path.write_text(f"{GOOD_LINE}\n{line2[:start]}{value}{line2[end:]}\n\tnode1 -- node2\n")
+    with pytest.raises(ProfileError) as caught:
+        Profile.load(path)
+    message = str(caught.value)
+    assert "finite and non-negative" in message and "node: node2" in message, message
+    assert "graph.txt" in message, message
+
+
+def test_nodes_without_edges_are_refused_naming_them(tmp_path: Path) -> None:
+    line2 = GOOD_LINE.replace("node1", "node2")
+    path = tmp_path / "graph.txt"
+    path.write_text(f"{GOOD_LINE}\n{line2}\n")
+    with pytest.raises(ProfileError, match=r"nodes without edges: \['node1', 'node2'\]"):
+        Profile.load(path)
+    single = Profile.from_graph_txt(GOOD_LINE + "\n")  # one node needs no edge
+    assert len(single.nodes) == 1
+
+
 # ----- chains ---------------------------------------------------------------------------------
 
 
@@ -185,7 +219,9 @@ def test_is_chain_does_not_depend_on_file_order() -> None:
 def test_is_chain_is_false_for_branches_skips_and_disconnected_nodes() -> None:
     nodes = tuple(Node(f"n{i}", "L", 1.0, 1.0, (1.0,), 0.0) for i in range(3))
     assert Profile(nodes[:1]).is_chain()
-    assert not Profile(nodes[:2]).is_chain()  # two nodes, no edge
+    assert not Profile(nodes[:2]).is_chain()  # two nodes, no edge: built directly, allowed
+    four = nodes + (Node("n3", "L", 1.0, 1.0, (1.0,), 0.0),)
+    assert not Profile(four, (("n0", "n1"), ("n2", "n3"))).is_chain()  # two pieces
     assert not Profile(nodes, (("n0", "n1"), ("n0", "n2"))).is_chain()  # branch
     assert not Profile(nodes, (("n0", "n1"), ("n1", "n2"), ("n0", "n2"))).is_chain()  # skip
     assert Profile(nodes, (("n2", "n0"), ("n0", "n1"))).is_chain()  # path n2 -> n0 -> n1

@@ -65,6 +65,7 @@ def _wait_forever(rank: int, world: int) -> str:
             channel.recv(0, tag=7, what="activations of minibatch 3")
         except PeerError as error:
             return str(error)
+    time.sleep(2.5)  # alive past rank 1's deadline: a timeout, not a closed connection
     return "done"
 
 
@@ -218,3 +219,33 @@ def test_a_frame_carries_the_losses_and_the_data_fingerprint(losses, fingerprint
     back = _unpack(frame, frame[:HEADER_BYTES].view(torch.int64).tolist())
     assert (back.losses, back.fingerprint) == (losses, fingerprint)
     assert back.tensors[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def _receive_from_a_peer_that_exits(rank: int, world: int) -> str:
+    """Rank 0 returns after 1 s and its process ends; rank 1 waits with a 30 s deadline."""
+    channel = Channel(
+        rank, torch.device("cpu"), timeout=30.0, describe=f"rank {rank} (stage {rank})"
+    )
+    if rank == 0:
+        time.sleep(1.0)
+        return "left"
+    start = time.perf_counter()
+    try:
+        channel.recv(0, tag=3, what="activations of minibatch 2")
+    except PeerError as error:
+        return f"{time.perf_counter() - start:.3f} {error}"
+    return "received"
+
+
+@pytest.mark.slow
+def test_a_peer_that_exits_is_reported_as_a_closed_connection_not_a_timeout() -> None:
+    """The error says what happened (the connection closed, after how long), not 'within 30 s'
+    a few seconds after the peer died."""
+    results = run(2, _receive_from_a_peer_that_exits)
+    status, text = results[1]
+    assert status == "ok", results[1]
+    seconds, message = text.split(" ", 1)
+    assert float(seconds) < 20.0, text
+    assert "the connection was closed by rank 0 after" in message, message
+    assert "within 30 s" not in message, message
+    assert "activations of minibatch 2" in message, message

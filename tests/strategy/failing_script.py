@@ -1,6 +1,7 @@
-"""A pipelined run that goes wrong on purpose: ``--fail nan`` (the loss becomes NaN on step 2)
-or ``--fail die`` (the last stage's process exits in step 2); ``--divergence`` is the strategy's
-option of that name. Used by test_errors.py."""
+"""A pipelined run that goes wrong on purpose: ``--fail nan`` (the loss becomes NaN on step 2),
+``--fail die`` (the last stage's process exits in step 2) or ``--fail after-fit`` (rank 1 raises
+in the user's code after ``trainer.fit`` returned, when rank 0 has finished); ``--divergence`` is
+the strategy's option of that name. Used by test_errors.py and test_exits.py."""
 
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ class Failing(Net):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fail", choices=["nan", "die"], required=True)
+    parser.add_argument("--fail", choices=["nan", "die", "after-fit"], required=True)
     parser.add_argument("--divergence", default="error")
     args = parser.parse_args()
     strategy = PipeDreamStrategy(
         sync="async", balance=[3, 3], microbatches=2, timeout=20, divergence=args.divergence
     )
-    trainer(devices=2, strategy=strategy).fit(Failing(args.fail), loader(2))
+    fitter = trainer(devices=2, strategy=strategy)
+    fitter.fit(Failing(args.fail), loader(2))
+    if args.fail == "after-fit" and fitter.global_rank == 1:
+        import time
+
+        time.sleep(2.0)  # rank 0 has finished by now
+        raise RuntimeError("the user's code failed on rank 1 after fit")

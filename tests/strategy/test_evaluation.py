@@ -83,7 +83,7 @@ def test_the_last_stage_runs_the_hook_with_self_x_returning_the_pipelines_output
     assert torch.allclose(output, 2 * model.head(model.body(x)))
     assert (batch_idx, dataloader_idx) == (3, 1)
     assert "forward" not in vars(model)
-    assert pipe.predictions_to_rank_zero(output, 3) is output  # rank 0 is the last stage
+    assert pipe.predictions_to_every_rank(output, 3) is output  # one rank: the last stage
     assert pipe.metrics_source == 0
 
 
@@ -162,26 +162,60 @@ def _predict_seq2seq(rank: int, world: int) -> object:
     model = seq2seq_net()
     model.__class__ = Predicting
     (source, decoder_input), target = seq2seq_batches(2)[0]
-    plan = Plan.from_balance([2, 3])
+    plan = Plan.from_balance([2, 2, 1])
     local = cut_stage(model, model.configure_pipeline(), plan, rank)
     pipe = EvaluationPipe(plan, local, Channel(rank, torch.device("cpu"), timeout=30.0), rank)
     result = pipe.run(model, "predict_step", (source, decoder_input, target), 7)
-    predictions = pipe.predictions_to_rank_zero(result, 7)
+    predictions = pipe.predictions_to_every_rank(result, 7)
     pipe.channel.flush()  # sends do not wait for the peer; the strategy's teardown flushes too
     return predictions
 
 
 @pytest.mark.slow
-def test_structured_activations_and_predictions_cross_to_the_next_stage_and_rank_zero() -> None:
+def test_structured_activations_and_predictions_cross_to_the_next_stage_and_every_rank() -> None:
     from tests.runtime.distributed import run
     from tests.runtime.test_boundary import seq2seq_batches
     from tests.strategy.fit_script import seq2seq_net
 
-    results = run(2, _predict_seq2seq, timeout=120.0)
+    results = run(3, _predict_seq2seq, timeout=120.0)
     assert all(status == "ok" for status, _ in results.values()), results
-    got = results[0][1]
     (source, decoder_input), _ = seq2seq_batches(2)[0]
     expected = seq2seq_net()((source, decoder_input)).argmax(-1)
-    assert set(got) == {"tokens", "batch", "none"} and got["none"] is None and got["batch"] == 7
-    assert torch.equal(got["tokens"], expected)
-    assert results[1][1] is None
+    for rank in range(3):  # every rank returns the predictions, not only rank 0
+        got = results[rank][1]
+        assert set(got) == {"tokens", "batch", "none"}, (rank, got)
+        assert got["none"] is None and got["batch"] == 7
+        assert torch.equal(got["tokens"], expected)
+
+
+@pytest.mark.slow
+def test_trainer_predict_returns_the_predictions_on_every_rank(tmp_path) -> None:
+    """A popen run (as a user's script): after fit, ``trainer.predict`` returns on rank 1 the
+    same list as on rank 0, each batch's logits equal to the trained model's on one device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.strategy.test_lightning_features import Net, loader
+
+    script = Path(__file__).with_name("predict_script.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [torch.load(tmp_path / f"predictions-{r}.pt", weights_only=False) for r in (0, 1)]
+    states = [torch.load(tmp_path / f"stage-{r}.pt") for r in (0, 1)]
+    one_device = Net(optimizer="sgd")
+    one_device.load_state_dict({**states[0], **states[1]})
+    batches = list(loader(2))
+    for rank in (0, 1):
+        assert len(got[rank]) == len(batches), (rank, got[rank])
+        for index, ((x, _), prediction) in enumerate(zip(batches, got[rank], strict=True)):
+            assert prediction["batch"] == index
+            assert torch.allclose(prediction["logits"], one_device.net(x), atol=1e-6)

@@ -16,7 +16,11 @@ import torch
 from lightning.pytorch import Trainer
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.strategy.launcher import PipelineSpawnLauncher, _gather_state_dict
+from pl_pipedream.strategy.launcher import (
+    PipelineScriptLauncher,
+    PipelineSpawnLauncher,
+    _gather_state_dict,
+)
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
@@ -57,7 +61,8 @@ def test_spawn_and_fork_launch_with_the_pipeline_launcher(start_method: str) -> 
 def test_popen_launches_like_ddp() -> None:
     strategy = PipeDreamStrategy(balance=[1, 1], start_method="popen")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    assert type(trainer.strategy.launcher) is SubprocessScriptLauncher
+    assert isinstance(trainer.strategy.launcher, SubprocessScriptLauncher)
+    assert type(trainer.strategy.launcher) is PipelineScriptLauncher  # adds the exit report
 
 
 class StageStates:

@@ -22,6 +22,7 @@ training. Under SLURM with ``auto_requeue``, the agreed stop also runs Lightning
 from __future__ import annotations
 
 import collections
+import os
 import signal
 from collections.abc import Sequence
 from datetime import timedelta
@@ -71,11 +72,15 @@ def exit_code(signum: int) -> int:
 
 def checkpoint_path(trainer: Any) -> Path:
     """Where a preempted fit saves: ``last.ckpt`` in the first ``ModelCheckpoint``'s directory
-    (where ``fit(ckpt_path="last")`` looks), else in ``trainer.default_root_dir``."""
+    (where ``fit(ckpt_path="last")`` looks), else in ``trainer.default_root_dir``. The callback
+    takes it for its own last checkpoint (``last_model_path``, saved with it), so that the
+    resumed fit rewrites it rather than writing ``last-v1.ckpt`` beside it."""
     callback = trainer.checkpoint_callback
-    if callback is not None and getattr(callback, "dirpath", None):
-        return Path(callback.dirpath) / "last.ckpt"
-    return Path(trainer.default_root_dir) / "last.ckpt"
+    if callback is None or not getattr(callback, "dirpath", None):
+        return Path(trainer.default_root_dir) / "last.ckpt"
+    name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+    callback.last_model_path = os.path.join(callback.dirpath, name)
+    return Path(callback.last_model_path)
 
 
 class Preemption:

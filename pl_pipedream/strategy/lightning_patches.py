@@ -9,7 +9,10 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: rank 0 broadcasts a SIGTERM flag before
   every training step; that collective would put every stage in lock-step. Each rank checks its
-  own flag instead.
+  own flag instead, and runs the preemption check there (``strategy.preemption``).
+* Preemption: ``_SignalConnector._slurm_sigusr_handler_fn`` (Lightning's SLURM requeue, run at
+  the agreed step rather than in the handler) and the launcher's ``procs`` and its thread named
+  ``child-process-observer``, which would kill rank 0 once a child exits with a non-zero code.
 * ``_LoggerConnector.update_eval_epoch_metrics``: metrics are logged on the last stage only; every
   rank must see them, since callbacks monitor them on every rank.
 * ``Precision.clip_grad_by_norm`` (an instance attribute over the plugin's method): Lightning
@@ -36,6 +39,9 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +69,8 @@ __all__ = [
     "init_dist_connection",
     "is_last_batch",
     "check_sigterm_per_rank",
+    "slurm_requeue",
+    "wait_for_child_ranks",
     "keep_user_samplers",
     "patch_for_pipeline",
     "share_evaluation_metrics",
@@ -99,19 +107,20 @@ def patch_for_pipeline(
     clip: Callable[[Any, float], None] | None,
     metrics_source: int,
     before_sharing: Callable[[], None],
+    at_step: Callable[[], None] | None = None,
 ) -> None:
     """Every patch a pipeline's setup applies: the model summary runs ``summary``, metrics
     compute locally, evaluation metrics come from rank ``metrics_source`` (after
     ``before_sharing``), clipping by norm uses ``clip`` (the flushed modes' global norm; None
-    keeps Lightning's), each rank checks its own SIGTERM flag, and DataLoaders keep their own
-    samplers."""
+    keeps Lightning's), each rank checks its own SIGTERM flag and runs ``at_step`` before each
+    training step, and DataLoaders keep their own samplers."""
     keep_user_samplers(trainer)
     summary_forward(module, summary)
     stop_metric_sync(module)
     share_evaluation_metrics(trainer, metrics_source, before_sharing)
     if clip is not None:
         clip_by_global_norm(precision, clip)
-    check_sigterm_per_rank(trainer)
+    check_sigterm_per_rank(trainer, at_step)
 
 
 def keep_user_samplers(trainer: Any) -> None:
@@ -123,17 +132,48 @@ def keep_user_samplers(trainer: Any) -> None:
     connector.use_distributed_sampler = False
 
 
-def check_sigterm_per_rank(trainer: Any) -> None:
+def check_sigterm_per_rank(trainer: Any, at_step: Callable[[], None] | None = None) -> None:
     """Replace the per-step SIGTERM broadcast (``trainer.fit_loop.epoch_loop.
-    _broadcast_sigterm_tensor``) by a check of this rank's own flag."""
+    _broadcast_sigterm_tensor``, called before each training step) by a check of this rank's
+    own flag, then ``at_step()``."""
     epoch_loop = trainer.fit_loop.epoch_loop
     _require(epoch_loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
 
     def check() -> None:
         if getattr(trainer, "received_sigterm", False):
             raise SIGTERMException()
+        if at_step is not None:
+            at_step()
 
     epoch_loop._broadcast_sigterm_tensor = check
+
+
+def slurm_requeue(trainer: Any, signum: int) -> None:
+    """Under SLURM with ``auto_requeue``, run Lightning's requeue handler
+    (``trainer._signal_connector._slurm_sigusr_handler_fn``: loggers finalized, an ``hpc_ckpt``
+    saved by every rank, ``scontrol requeue`` from rank 0) on every rank; else nothing."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        connector = trainer._signal_connector
+        _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
+
+
+def wait_for_child_ranks(strategy: Any, timeout: float) -> None:
+    """On the rank that launched the others (``launcher.procs``): stop Lightning's observer
+    thread (``child-process-observer``, whose ``_run`` would kill this rank once a child exits
+    non-zero), then wait up to ``timeout`` s for the children, so that the launching command
+    ends after every rank."""
+    procs = getattr(getattr(strategy, "_launcher", None), "procs", None) or []
+    if not procs:
+        return
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_run"):
+            thread._run = lambda: True  # type: ignore[attr-defined]
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
 
 
 def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], None]) -> None:

@@ -58,6 +58,7 @@ from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import SetupPlanner
+from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import (
     StageUpdates,
@@ -103,6 +104,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             ``rise`` of the progress made (first loss minus lowest), from the 20th logged loss
             on; the defaults separate measured healthy and diverging runs (README,
             "Statistical efficiency").
+        preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved and
+            exit status 128 + signal (``strategy.preemption``); ``()`` leaves them to Lightning.
     """
 
     strategy_name = "pipedream"
@@ -125,6 +128,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         divergence_rise: float = 0.9,
         divergence_patience: int = 3,
         divergence_window: int = 5,
+        preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -171,6 +175,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
         self._data_seed: int | None = None  # the same on every rank (strategy.data)
         self._loaders_seeded = 0
+        self.preemption = Preemption(parse_signals(preempt_signals))
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -277,6 +282,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             clip,
             self.evaluation.metrics_source,
             self.runner.executor.channel.flush,
+            lambda: self.preemption.at_step(trainer, self),
         )
 
     def _build_pipeline(self, trainer: pl.Trainer) -> None:
@@ -408,10 +414,12 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
 
     @override
     def teardown(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        failed = trainer is not None and trainer.interrupted
+        self.preemption.finish(failed)
         if self.runner is not None:
             runner, self.runner = self.runner, None
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            runner.close(failed=trainer is not None and trainer.interrupted)
+            runner.close(failed=failed)
         if self.lightning_module is not None:
             move_to_device(self.lightning_module, torch.device("cpu"))
         if self._unbound_cpus is not None:

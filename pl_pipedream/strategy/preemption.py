@@ -1,0 +1,160 @@
+"""Preemption: a signal to any rank stops every rank at one step, with a checkpoint.
+
+SLURM and Kubernetes send SIGTERM (SLURM with ``--signal=USR1@90``: SIGUSR1) some time before
+they kill a job. While training, the strategy's handler for each of ``preempt_signals`` only
+records the signal. At the start of every training step each rank posts, without waiting, an
+all-reduce (max) of the signal it has recorded (0 for none) over a process group of its own, and
+waits for the one it posted ``lag`` steps earlier (``lag`` = the number of ranks, so that the
+first stage may run as far ahead of the last as 1F1B lets it). Every rank thus reads the same
+value at the same step: the first non-zero one stops them all there, whether the signal reached
+one rank (one node of several preempted) or all of them at once (``scancel``). Then every rank
+drains the pipeline, the ranks save ``last.ckpt`` together (``checkpoint_path``), and each
+rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1): the status of a process
+that the signal ended, so the scheduler accounts the job as ended by it, not completed.
+``trainer.fit(ckpt_path="last")`` resumes.
+
+Lightning's own SIGTERM handler broadcasts inside the handler (a collective that can meet a
+pipeline message mid-step) and forwards the signal to the other ranks; it stays in place outside
+training. Under SLURM with ``auto_requeue``, the agreed stop also runs Lightning's requeue
+(``lightning_patches.slurm_requeue``) on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pl_pipedream.strategy import lightning_patches
+
+__all__ = ["Preempted", "Preemption", "checkpoint_path", "exit_code", "parse_signals"]
+
+
+class Preempted(SystemExit):
+    """Raised on every rank at the agreed step, after the checkpoint; its code is the exit
+    status (``exit_code``)."""
+
+
+def parse_signals(names: Sequence[str | int | signal.Signals]) -> tuple[signal.Signals, ...]:
+    """``("SIGTERM", "USR1", 15, signal.SIGUSR1)`` as signals; an unknown name is refused."""
+    parsed = []
+    for name in names:
+        try:
+            if isinstance(name, str):
+                upper = name.upper()
+                parsed.append(signal.Signals[upper if upper.startswith("SIG") else "SIG" + upper])
+            else:
+                parsed.append(signal.Signals(name))
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"preempt_signals must name signals (preempt_signals: {tuple(names)!r}); for "
+                'example PipeDreamStrategy(preempt_signals=("SIGTERM", "SIGUSR1")), or () for none'
+            ) from None
+        if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(
+                f"SIGKILL and SIGSTOP cannot be caught (preempt_signals: {tuple(names)!r}); ask "
+                "the scheduler for a signal before the kill, e.g. SLURM's --signal=USR1@90"
+            )
+    return tuple(dict.fromkeys(parsed))
+
+
+def exit_code(signum: int) -> int:
+    """The exit status of a preempted rank: 128 + the signal's number."""
+    return 128 + int(signum)
+
+
+def checkpoint_path(trainer: Any) -> Path:
+    """Where a preempted fit saves: ``last.ckpt`` in the first ``ModelCheckpoint``'s directory
+    (where ``fit(ckpt_path="last")`` looks), else in ``trainer.default_root_dir``. The callback
+    takes it for its own last checkpoint (``last_model_path``, saved with it), so that the
+    resumed fit rewrites it rather than writing ``last-v1.ckpt`` beside it."""
+    callback = trainer.checkpoint_callback
+    if callback is None or not getattr(callback, "dirpath", None):
+        return Path(trainer.default_root_dir) / "last.ckpt"
+    name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+    callback.last_model_path = os.path.join(callback.dirpath, name)
+    return Path(callback.last_model_path)
+
+
+class Preemption:
+    """The recorded signal and the per-step agreement of one fit (see the module docstring)."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.signals = signals
+        self.received = 0  # the signal this rank recorded (its number), 0 for none
+        self.group: Any = None
+        self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self._lag = 1
+        self._previous: dict[signal.Signals, Any] = {}
+        self._started = False
+
+    def _record(self, signum: int, frame: Any) -> None:
+        """The handler: records the signal, nothing else (no collective, no I/O)."""
+        self.received = max(self.received, int(signum))
+
+    def start(self, timeout: float) -> None:
+        """At the first training step, on every rank: the agreement's group, then the handlers
+        (which replace Lightning's for these signals until ``finish``)."""
+        self._started = True
+        if not self.signals or not dist.is_initialized():
+            return
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self._lag = dist.get_world_size()
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._record)
+
+    def at_step(self, trainer: Any, strategy: Any) -> None:
+        """At the start of each training step, on every rank: post this rank's signal, and
+        stop the fit (``stop_fit``) when the value agreed ``lag`` steps ago is one."""
+        if not self._started:
+            self.start(strategy.timeout)
+        if self.group is None:
+            return
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending.append((work, flag))
+        if len(self._pending) <= self._lag:
+            return
+        work, agreed = self._pending.popleft()
+        work.wait()
+        if int(agreed.item()):
+            self._pending.clear()  # every rank stops here: none waits for the rest
+            stop_fit(trainer, strategy, int(agreed.item()))
+
+    def finish(self, failed: bool) -> None:
+        """At the end of training: the handlers back, and the group given back (after the
+        reductions under way, which every rank posted, unless the fit failed)."""
+        self._started = False
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        group, self.group = self.group, None
+        if group is None or (failed and self._pending):
+            return  # a peer that failed may never join the reductions under way
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        dist.destroy_process_group(group)
+
+
+def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
+    """What every rank does at the agreed step: drain, save, requeue (SLURM), and exit."""
+    path = checkpoint_path(trainer)
+    name = signal.Signals(signum).name
+    print(
+        f"[rank {strategy.global_rank}] {name}: every rank stops at step {trainer.global_step} "
+        f"and saves {path}; resume with trainer.fit(..., ckpt_path='last')",
+        flush=True,
+    )
+    strategy.drain()
+    trainer.save_checkpoint(path)
+    lightning_patches.slurm_requeue(trainer, signum)
+    lightning_patches.wait_for_child_ranks(strategy, strategy.timeout)
+    raise Preempted(exit_code(signum))

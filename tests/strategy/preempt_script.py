@@ -1,0 +1,121 @@
+"""Train with ``ModelCheckpoint(save_last=True)``, as a user's script would, and optionally
+send SIGTERM at a given step, to rank 1 alone or to every rank (the process group).
+
+Run as ``python tests/strategy/preempt_script.py --out DIR --sync flush [--signal-at K
+--target rank1|group] [--resume]``, in a session of its own for ``--target group``. Rank 0
+consolidates ``DIR/ckpts/last.ckpt`` into ``DIR/weights.pt`` at the end of a fit that ends; each
+rank whose fit raises ``SystemExit`` writes its code and the time to ``DIR/exit-rank{r}.json``.
+The loader is stateful (``state_dict``/``load_state_dict``), so a fit resumed mid-epoch goes on
+with the next batch, as Lightning resumes on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
+from tests.strategy.test_lightning_features import Net  # noqa: E402
+
+BATCHES = 24  # per epoch
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that, restored from a checkpoint, skips the batches already trained on."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.seen = 0
+        self.skip = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.seen, skip, self.skip = 0, self.skip, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.seen = index + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip = state["seen"]
+
+
+def data() -> ResumableLoader:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * BATCHES, 6, generator=generator)
+    y = x[:, :3] - 0.5 * x[:, 3:]
+    return ResumableLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+class Signal(Callback):
+    """At global step ``at``: SIGTERM to rank 1 alone, or to the whole process group."""
+
+    def __init__(self, at: int, target: str, out: Path) -> None:
+        self.at, self.target, self.out = at, target, out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step != self.at:
+            return
+        if self.target == "rank1" and trainer.global_rank == 1:
+            (self.out / "signalled").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.target == "group" and trainer.global_rank == 0:
+            (self.out / "signalled").write_text(str(time.time()))
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sync", default="flush")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--target", choices=("rank1", "group"), default="rank1")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    ckpts = out / "ckpts"
+    out.mkdir(parents=True, exist_ok=True)
+    saver = ModelCheckpoint(dirpath=ckpts, save_last=True, save_top_k=0)
+    torch.manual_seed(0)
+    model = Net(optimizer="adam")
+    strategy = PipeDreamStrategy(
+        sync=args.sync, balance=[3, 3], microbatches=2, timeout=60, divergence="off"
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=args.epochs,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[saver, Signal(args.signal_at, args.target, out)],
+    )
+    try:
+        trainer.fit(model, data(), ckpt_path="last" if args.resume else None)
+    except SystemExit as stopped:
+        record = {"code": stopped.code, "time": time.time(), "step": trainer.global_step}
+        (out / f"exit-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        raise
+    if trainer.is_global_zero:
+        torch.save(consolidate_checkpoint(ckpts / "last.ckpt"), out / "weights.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Preemption: signal names, the exit status, and SIGTERM mid-training to one rank or to every
+rank, resumed to the weights of an uninterrupted run (``preempt_script.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pl_pipedream.strategy.preemption import exit_code, parse_signals
+
+SCRIPT = Path(__file__).with_name("preempt_script.py")
+
+
+def test_signals_are_parsed_and_uncatchable_ones_refused() -> None:
+    assert parse_signals(("SIGTERM", "usr1", 15)) == (signal.SIGTERM, signal.SIGUSR1)
+    assert exit_code(signal.SIGTERM) == 143 and exit_code(signal.SIGUSR1) == 138
+    with pytest.raises(ValueError, match="preempt_signals must name signals"):
+        parse_signals(("SIGNOPE",))
+    with pytest.raises(ValueError, match="SIGKILL and SIGSTOP cannot be caught"):
+        parse_signals(("SIGKILL",))
+
+
+def run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+    # A session of its own: "--target group" signals the whole process group, as scancel does.
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=90, start_new_session=True
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sync", "target", "seed"),
+    [("flush", "rank1", 1), ("flush", "group", 2), ("async", "group", 3)],
+    ids=str,
+)
+def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
+    tmp_path: Path, sync: str, target: str, seed: int
+) -> None:
+    at = random.Random(seed).randrange(2, 40)  # 48 steps in all
+    stopped = run(tmp_path / "stopped", "--sync", sync, "--signal-at", str(at), "--target", target)
+    ended = time.time()
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    signalled = float((tmp_path / "stopped" / "signalled").read_text())
+    exits = [json.loads((tmp_path / "stopped" / f"exit-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [e["code"] for e in exits] == [143, 143]
+    assert exits[0]["step"] == exits[1]["step"] > at  # one agreed step, after the signal
+    assert ended - signalled < 30, ended - signalled
+    last = tmp_path / "stopped" / "ckpts" / "last.ckpt"
+    assert json.loads((last / "pipeline.json").read_text())["step"] == exits[0]["step"]
+
+    resumed = run(tmp_path / "stopped", "--sync", sync, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = run(tmp_path / "straight", "--sync", sync)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got = torch.load(tmp_path / "stopped" / "weights.pt")
+    want = torch.load(tmp_path / "straight" / "weights.pt")
+    assert got.keys() == want.keys()
+    for key in want:
+        if sync == "flush":
+            assert torch.equal(got[key], want[key]), key
+        else:  # the drain at the agreed step changes the staleness of the minibatches in flight
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3)

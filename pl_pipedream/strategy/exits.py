@@ -76,6 +76,16 @@ def error_lines(directory: str, rank: int) -> list[str]:
     return [f"  {line}" for line in path.read_text().rstrip().splitlines()[-LAST_LINES:]]
 
 
+_planned_exit: int | None = None  # every rank's agreed exit status (a preemption), not a failure
+
+
+def plan_exit(code: int) -> None:
+    """Every rank is about to exit with ``code`` by agreement (a preemption): rank 0 does not
+    count the others' ``code`` as a failure, and its own exit keeps that status."""
+    global _planned_exit
+    _planned_exit = code
+
+
 class ExitReport:
     """Rank 0's side: made just before the other ranks start, checked when rank 0 exits."""
 
@@ -106,7 +116,8 @@ class ExitReport:
         _detach_lightning_observer()
         wait = 5.0 if self.failed_here else self.timeout + 30.0
         codes = _wait_all(self.procs, wait)
-        failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code != 0]
+        agreed = (0, _planned_exit)
+        failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code not in agreed]
         # Rank 0's own error was just printed; repeat another rank's only when rank 0's says
         # no more than that a peer stopped.
         brief = self.failed_here and not self.waited_on_peer

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy import exits, lightning_patches
 
 __all__ = ["Preempted", "Preemption", "checkpoint_path", "exit_code", "parse_signals"]
 
@@ -157,4 +157,5 @@ def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
     trainer.save_checkpoint(path)
     lightning_patches.slurm_requeue(trainer, signum)
     lightning_patches.wait_for_child_ranks(strategy, strategy.timeout)
+    exits.plan_exit(exit_code(signum))  # the other ranks' equal status is no failure
     raise Preempted(exit_code(signum))

@@ -42,12 +42,12 @@ from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stag
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy.arguments import check_arguments
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.divergence import (
-    DIVERGENCE_ACTIONS,
     DivergenceWatch,
     TrainingDiverged,
     describe_optimizer,
@@ -143,7 +143,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_arguments(microbatches, start_method, divergence, timeout)
+        check_arguments(microbatches, start_method, divergence, timeout)
         self.sync = SyncMode.parse(sync)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction = weight_prediction
@@ -435,26 +435,4 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "pipedream", cls, description="PipeDream pipeline parallelism (1F1B, weight stashing)"
-        )
-
-
-def _check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(
-            f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
-            "example PipeDreamStrategy(microbatches=4)"
-        )
-    if not isinstance(timeout, (int, float)) or not timeout > 0:  # 0 would fail every wait
-        raise ValueError(
-            f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
-            "PipeDreamStrategy(timeout=300)"
-        )
-    if start_method not in ("popen", "spawn", "fork"):
-        raise ValueError(
-            f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
-        )
-    if divergence not in DIVERGENCE_ACTIONS:
-        raise ValueError(
-            f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
-            f'{divergence!r}); for example PipeDreamStrategy(divergence="warn")'
         )

@@ -1,0 +1,31 @@
+"""``check_arguments``: each plain argument of the strategy refused with its name and a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pl_pipedream.strategy.arguments import check_arguments
+
+
+def test_good_arguments_pass() -> None:
+    check_arguments(4, "popen", "error", 300)
+    check_arguments(1, "spawn", "off", 0.5)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            (0, "popen", "error", 300),
+            r"must be a positive integer \(microbatches: 0\)",
+        ),
+        ((2.0, "popen", "error", 300), r"\(microbatches: 2\.0\); for example"),
+        ((4, "popen", "error", 0), r"timeout must be a positive number of seconds \(timeout: 0\)"),
+        ((4, "popen", "error", "5"), r"\(timeout: '5'\)"),
+        ((4, "thread", "error", 300), r"start_method must be 'popen', 'spawn' or 'fork'"),
+        ((4, "popen", "raise", 300), r"divergence must be one of error, warn, off"),
+    ],
+)
+def test_each_bad_argument_is_named_with_a_fix(arguments: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_arguments(*arguments)

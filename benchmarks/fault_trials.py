@@ -22,7 +22,7 @@ last save rank 0 finished. Prints one row per trial and the totals; exits 1 if a
 a check.
 
     python benchmarks/fault_trials.py                              # 20 trials on 2 and 3 ranks
-    python benchmarks/fault_trials.py --quick                      # 3 trials on 2 ranks, one a phase
+    python benchmarks/fault_trials.py --quick                      # 3 trials, 2 ranks, one a phase
     python benchmarks/fault_trials.py --trials 5 --ranks 3 --seed 1 --timeout 30
 """
 
@@ -39,7 +39,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -282,7 +281,7 @@ def check_checkpoint(out: Path) -> tuple[str, bool]:
     return (f"step {step}", True)
 
 
-# ----- the table -----------------------------------------------------------------------------------
+# ----- the table ----------------------------------------------------------------------------------
 
 
 def row(i: int, t: Trial) -> str:

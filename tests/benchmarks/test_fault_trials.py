@@ -1,0 +1,63 @@
+"""benchmarks/fault_trials.py: the quick run's verdicts, and how trials are drawn and judged."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import fault_trials  # noqa: E402
+
+
+def test_trials_are_drawn_from_the_seed_and_kill_after_the_first_save() -> None:
+    first = [fault_trials.pick(random.Random(3), 3) for _ in range(2)]
+    assert first[0] == first[1]  # the same seed, the same trial
+    trials = [fault_trials.pick(random.Random(s), 3) for s in range(200)]
+    assert {t.phase for t in trials} == set(fault_trials.PHASES)
+    assert {t.victim for t in trials} == {0, 1, 2}
+    for t in trials:
+        if t.phase == "train":  # after the first checkpoint (step 5), before the last step
+            assert fault_trials.EVERY < t.at < fault_trials.STEPS
+        if t.phase == "checkpoint":  # a file of the second save or later: one save is whole
+            assert t.at > (4 if t.victim == 0 else 2)
+
+
+def test_a_trial_passes_only_when_every_check_does() -> None:
+    good = fault_trials.Trial(2, 1, "train", 7, killed=True, exit_seconds=1.5, named=True)
+    good.loads = True
+    assert good.ok
+    for change in (
+        {"exit_seconds": None},
+        {"named": False},
+        {"left_behind": 1},
+        {"loads": False},
+        {"killed": False},
+    ):
+        bad = fault_trials.Trial(**{**good.__dict__, **change})
+        assert not bad.ok, change
+
+
+@pytest.mark.slow
+def test_the_quick_run_kills_in_each_phase_and_every_check_holds(tmp_path: Path) -> None:
+    """One SIGKILL in training, in validation and inside a save, on 2 ranks: the survivor exits
+    within the timeout naming the dead rank, nothing is left behind, last.ckpt loads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(BENCHMARKS / "fault_trials.py"), "--quick"]
+    command += ["--out", str(tmp_path), "--timeout", "20"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("  ") and " | " in line]
+    rows = [r for r in rows if r.strip()[0].isdigit()]
+    assert [r.split("|")[3].strip() for r in rows] == ["train", "validation", "checkpoint"]
+    for line in rows:
+        cells = [c.strip() for c in line.split("|")]
+        assert float(cells[5]) < 20  # the survivor exited within the timeout
+        assert cells[6] == "yes" and cells[7] == "0" and cells[8].startswith("step ")
+    assert "passed every check: 3" in result.stdout

@@ -2,10 +2,10 @@
 save, and count what the surviving ranks do.
 
 Every trial trains the digits MLP (Flatten, Linear 64-64, ReLU, Linear 64-64, ReLU, Linear 64-10;
-batch 32, async, one stage per rank) through the real strategy, Lightning's Trainer and gloo, with
-validation (2 batches) and ``ModelCheckpoint(every_n_train_steps=5, save_top_k=1,
-save_last=True)`` every 5 steps, for at most 30 steps. A seeded RNG picks the rank to kill and the
-point:
+batch 24, async, one stage and one microbatch per rank) through the real strategy, Lightning's
+Trainer and gloo, with validation (2 batches) and ``ModelCheckpoint(every_n_train_steps=5,
+save_top_k=1, save_last=True)`` every 5 steps, for at most 30 steps. A seeded RNG picks the
+rank to kill and the point:
 
 * ``train``: at the start of a training step (step 6 to 29);
 * ``validation``: at the start of a validation batch of the 2nd to 5th validation run;
@@ -146,7 +146,7 @@ def run_worker(args: argparse.Namespace) -> None:
         callbacks=[killer, saver],
     )
     model = MLP((1, 8, 8), 10, hidden=(64, 64), optimizer="sgd", lr=0.05, momentum=0.9)
-    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=24))
 
 
 # ----- the parent: one trial ---------------------------------------------------------------------
@@ -286,6 +286,8 @@ def check_checkpoint(out: Path) -> tuple[str, bool]:
 
 def row(i: int, t: Trial) -> str:
     seconds = "HANG" if t.exit_seconds is None else f"{t.exit_seconds:5.1f}"
+    if not t.killed:  # the run ended (or failed) before the chosen point came
+        seconds, t.point = "-", "not killed: the run ended first"
     return (
         f"{i:3d} | {t.ranks} | {t.victim} | {t.phase:10s} | {t.point[:34]:34s} | {seconds:>5s} | "
         f"{'yes' if t.named else 'NO':3s} | {t.left_behind:4d} | {t.checkpoint}"

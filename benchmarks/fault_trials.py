@@ -162,7 +162,7 @@ class Trial:
     point: str = ""
     killed: bool = False
     exit_seconds: float | None = None  # kill to the last survivor's exit; None: a hang
-    named: bool = False  # every survivor's output names the dead rank
+    naming: int = 0  # survivors whose output names the dead rank
     left_behind: int = 0  # processes of the run still alive after the trial
     checkpoint: str = ""  # "step N" when last.ckpt loads, else what went wrong
     loads: bool = False
@@ -171,6 +171,11 @@ class Trial:
     def ok(self) -> bool:
         ends = self.exit_seconds is not None
         return self.killed and ends and self.named and self.left_behind == 0 and self.loads
+
+    @property
+    def named(self) -> bool:
+        """Whether every survivor's output names the dead rank."""
+        return self.naming == self.ranks - 1
 
 
 def pick(rng: random.Random, ranks: int, phase: str | None = None) -> Trial:
@@ -257,7 +262,7 @@ def run_trial(trial: Trial, out: Path, timeout: float) -> Trial:
         trial.exit_seconds = max(ended[r] for r in survivors) - killed_at
     pattern = re.compile(rf"\brank {trial.victim}\b")
     logs = [(out / f"rank{r}.log") for r in survivors]
-    trial.named = all(p.exists() and pattern.search(p.read_text()) for p in logs)
+    trial.naming = sum(bool(p.exists() and pattern.search(p.read_text())) for p in logs)
     trial.checkpoint, trial.loads = check_checkpoint(out)
     return trial
 
@@ -290,7 +295,7 @@ def row(i: int, t: Trial) -> str:
         seconds, t.point = "-", "not killed: the run ended first"
     return (
         f"{i:3d} | {t.ranks} | {t.victim} | {t.phase:10s} | {t.point[:34]:34s} | {seconds:>5s} | "
-        f"{'yes' if t.named else 'NO':3s} | {t.left_behind:4d} | {t.checkpoint}"
+        f"{t.naming}/{t.ranks - 1}{'' if t.named else '!'} | {t.left_behind:4d} | {t.checkpoint}"
         f"{'' if t.ok else '  <-- FAILED'}"
     )
 
@@ -340,7 +345,8 @@ def main() -> None:
         + f" (timeout {args.timeout:g} s)"
     )
     print(
-        f"dead rank named by every survivor: {sum(t.named for t in trials)}/{len(trials)}; "
+        f"dead rank named by every survivor: {sum(t.named for t in trials)}/{len(trials)} trials, "
+        f"by {sum(t.naming for t in trials)}/{sum(t.ranks - 1 for t in trials)} survivors; "
         f"processes left behind: {sum(t.left_behind for t in trials)}; "
         f"last.ckpt loads: {sum(t.loads for t in trials)}/{len(trials)}"
     )

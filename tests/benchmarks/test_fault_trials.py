@@ -30,12 +30,12 @@ def test_trials_are_drawn_from_the_seed_and_kill_after_the_first_save() -> None:
 
 
 def test_a_trial_passes_only_when_every_check_does() -> None:
-    good = fault_trials.Trial(2, 1, "train", 7, killed=True, exit_seconds=1.5, named=True)
+    good = fault_trials.Trial(3, 1, "train", 7, killed=True, exit_seconds=1.5, naming=2)
     good.loads = True
     assert good.ok
     for change in (
         {"exit_seconds": None},
-        {"named": False},
+        {"naming": 1},  # one of the two survivors does not name rank 1
         {"left_behind": 1},
         {"loads": False},
         {"killed": False},
@@ -59,5 +59,5 @@ def test_the_quick_run_kills_in_each_phase_and_every_check_holds(tmp_path: Path)
     for line in rows:
         cells = [c.strip() for c in line.split("|")]
         assert float(cells[5]) < 20  # the survivor exited within the timeout
-        assert cells[6] == "yes" and cells[7] == "0" and cells[8].startswith("step ")
+        assert cells[6] == "1/1" and cells[7] == "0" and cells[8].startswith("step ")
     assert "passed every check: 3" in result.stdout

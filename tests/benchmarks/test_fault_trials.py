@@ -61,3 +61,15 @@ def test_the_quick_run_kills_in_each_phase_and_every_check_holds(tmp_path: Path)
         assert float(cells[5]) < 20  # the survivor exited within the timeout
         assert cells[6] == "1/1" and cells[7] == "0" and cells[8].startswith("step ")
     assert "passed every check: 3" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_last_stage_killed_in_validation_is_named_by_the_first(tmp_path: Path) -> None:
+    """3 ranks, rank 2 (the last stage) killed at a validation batch: rank 0 waits in the metrics
+    broadcast and names rank 2 (it printed gloo's bare "Connection reset by peer" before)."""
+    trial = fault_trials.Trial(3, 2, "validation", 5, batch=1)
+    fault_trials.run_trial(trial, tmp_path, timeout=20)
+    assert trial.killed and trial.exit_seconds is not None and trial.exit_seconds < 20
+    assert trial.naming == 2, (tmp_path / "rank0.log").read_text()[-3000:]
+    assert "could not receive them from rank 2" in (tmp_path / "rank0.log").read_text()
+    assert trial.left_behind == 0 and trial.loads

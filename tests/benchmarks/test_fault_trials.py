@@ -73,3 +73,16 @@ def test_the_last_stage_killed_in_validation_is_named_by_the_first(tmp_path: Pat
     assert trial.naming == 2, (tmp_path / "rank0.log").read_text()[-3000:]
     assert "could not receive them from rank 2" in (tmp_path / "rank0.log").read_text()
     assert trial.left_behind == 0 and trial.loads
+
+
+@pytest.mark.slow
+def test_a_writer_killed_in_a_save_is_named_by_every_other_writer(tmp_path: Path) -> None:
+    """3 ranks, rank 2 killed halfway through its shard of a save: rank 0 (the lead) names it and
+    passes the error on to rank 1, which named rank 0 before (it waited for the lead's
+    outcome); the previous last.ckpt (step 10) loads."""
+    trial = fault_trials.Trial(3, 2, "checkpoint", 6)
+    fault_trials.run_trial(trial, tmp_path, timeout=20)
+    assert trial.killed and trial.exit_seconds is not None and trial.exit_seconds < 20
+    assert trial.naming == 2, (tmp_path / "rank1.log").read_text()[-3000:]
+    assert "from rank 2" in (tmp_path / "rank1.log").read_text()
+    assert trial.left_behind == 0 and trial.loads and trial.checkpoint == "step 10"

@@ -15,7 +15,8 @@ rank to kill and the point:
 The chosen rank writes the time and the point to ``killed.json`` and sends itself SIGKILL. The
 parent then watches every rank's process id and records, per trial: the seconds from the kill to
 the last survivor's exit (a hang is a survivor still there ``--timeout`` + 15 s after the kill;
-it is then killed), whether every survivor's output names the dead rank (``rank <r>``), whether
+it is then killed), whether every survivor's output names the dead rank (``rank <r>``; on rank
+0 also Lightning's ``[rank: <r>] Child process ... terminated``), whether
 any process of the run's process group is left behind, and whether the last complete checkpoint
 (``last.ckpt``, consolidated with ``consolidate_checkpoint``) loads and is at least as new as the
 last save rank 0 finished. Prints one row per trial and the totals; exits 1 if any trial failed
@@ -260,7 +261,9 @@ def run_trial(trial: Trial, out: Path, timeout: float) -> Trial:
     survivors = [r for r in range(trial.ranks) if r != trial.victim]
     if killed_at is not None and all(r in ended for r in survivors):
         trial.exit_seconds = max(ended[r] for r in survivors) - killed_at
-    pattern = re.compile(rf"\brank {trial.victim}\b")
+    # "rank 1" in the strategy's errors, "[rank: 1] Child process ... terminated" from Lightning's
+    # launcher on rank 0 when a rank it started dies
+    pattern = re.compile(rf"\brank:? {trial.victim}\b")
     logs = [(out / f"rank{r}.log") for r in survivors]
     trial.naming = sum(bool(p.exists() and pattern.search(p.read_text())) for p in logs)
     trial.checkpoint, trial.loads = check_checkpoint(out)

@@ -265,8 +265,23 @@ class SaveExchange:
             return []
         received = {stages[self.rank]: record}
         for peer in self.others:
-            received[stages[peer]] = self._recv(peer, f"stage {stages[peer]}'s shard record")
+            try:
+                received[stages[peer]] = self._recv(peer, f"stage {stages[peer]}'s shard record")
+            except PeerError as error:
+                self._tell_others(str(error), peer)
+                raise
         return [received[stage] for stage in sorted(received)]
+
+    def _tell_others(self, error: str, failed: int) -> None:
+        """Send ``error`` as the outcome to every writer but ``failed``, so that each names the
+        writer that failed instead of the lead that stops next; best effort: another writer may
+        have stopped too."""
+        for peer in self.others:
+            if peer != failed:
+                try:
+                    self._send(error, peer)
+                except PeerError:
+                    pass
 
     def outcome(self, error: str | None = None) -> None:
         """The lead tells the others whether the checkpoint was published; they raise if not."""

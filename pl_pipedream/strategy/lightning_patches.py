@@ -57,6 +57,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
+from pl_pipedream.runtime.channel import PeerError
+
 __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
@@ -195,7 +197,15 @@ def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], Non
         shared: list[Any] = [None]
         if dist.get_rank() == source:
             shared[0] = _cpu((outputs, *(getattr(connector, name) for name in names)))
-        dist.broadcast_object_list(shared, src=source)
+        try:
+            dist.broadcast_object_list(shared, src=source)
+        except RuntimeError as error:  # gloo's "Connection closed by peer" names no rank
+            raise PeerError(
+                f"every rank adopts the metrics the last stage logged after an evaluation (rank "
+                f"{dist.get_rank()} could not receive them from rank {source}: "
+                f"{str(error).split('. ')[0]}); rank {source} has probably failed: look for its "
+                "error above"
+            ) from error
         outputs, *metrics = shared[0]
         if dist.get_rank() != source:
             for name, values in zip(names, metrics, strict=True):

@@ -55,7 +55,16 @@ __all__ = [
     "run",
 ]
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+def _shared_data() -> Path:
+    """``shared/data`` beside the checkout: found from the package in a checkout, else from the
+    working directory (the repository or its parent) when the package is installed elsewhere."""
+    here, cwd = Path(__file__).resolve().parents[1].parent, Path.cwd()
+    candidates = [folder / "shared" / "data" for folder in (here, cwd.parent, cwd)]
+    return next((path for path in candidates if path.is_dir()), candidates[0])
+
+
+SHARED = _shared_data()
 DEFAULT_TABLE = SHARED / "pipedream_table1.csv"
 DEFAULT_PROFILES = SHARED / "pipedream_profiles"
 CLUSTERS = Path(__file__).resolve().parent / "configs" / "cluster"

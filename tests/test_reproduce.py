@@ -160,3 +160,22 @@ def test_our_own_profile_plans_a_row_and_the_png_and_json_carry_it(capsys, tmp_p
     assert row["own_predicted_speedup"] == pytest.approx(dp / pipedream)
     assert row["own_ratio"] == pytest.approx(dp / pipedream / 4.92)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_shared_data_is_found_from_the_working_directory_of_an_installed_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed package lies in site-packages, far from the checkout: run from the
+    repository, the table beside it (``../shared/data``) is found."""
+    import pl_pipedream.reproduce as module
+
+    repo, data = tmp_path / "repo", tmp_path / "shared" / "data"
+    repo.mkdir()
+    data.mkdir(parents=True)
+    monkeypatch.setattr(
+        module, "__file__", str(tmp_path / "venv" / "lib" / "site" / "pl_pipedream" / "x.py")
+    )
+    monkeypatch.chdir(repo)
+    assert module._shared_data() == data
+    monkeypatch.chdir(tmp_path)  # the parent of the repository: shared/ right here
+    assert module._shared_data() == data

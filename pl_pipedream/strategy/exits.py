@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -113,7 +112,9 @@ class ExitReport:
 
     def at_exit(self) -> None:
         """Wait for the other ranks and report; exit 1 when one failed and rank 0 did not."""
-        _detach_lightning_observer()
+        from pl_pipedream.strategy.lightning_patches import stop_child_observer
+
+        stop_child_observer()  # it would kill rank 0 mid-report once it sees a failed rank
         wait = 5.0 if self.failed_here else self.timeout + 30.0
         codes = _wait_all(self.procs, wait)
         agreed = (0, _planned_exit)
@@ -170,11 +171,3 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], seconds: float) -> list[
             proc.wait()
             codes.append(None)
     return codes
-
-
-def _detach_lightning_observer() -> None:
-    """Lightning's observer thread kills rank 0 (SIGKILL) when it sees a rank fail; once rank 0
-    is exiting, that would cut the report short. Give it no processes to watch."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []  # noqa: SLF001 - Lightning's private observer

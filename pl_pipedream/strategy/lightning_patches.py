@@ -72,6 +72,7 @@ __all__ = [
     "is_last_batch",
     "check_sigterm_per_rank",
     "slurm_requeue",
+    "stop_child_observer",
     "wait_for_child_ranks",
     "keep_user_samplers",
     "patch_for_pipeline",
@@ -162,17 +163,23 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
 
 
+def stop_child_observer() -> None:
+    """Stop Lightning's launcher thread ``child-process-observer``, which kills this rank
+    (SIGKILL) once a child rank exits non-zero, by leaving it no processes to watch (its check
+    of an empty list finishes the thread). Called when rank 0 is about to end on purpose."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []  # noqa: SLF001 - Lightning's private observer
+
+
 def wait_for_child_ranks(strategy: Any, timeout: float) -> None:
     """On the rank that launched the others (``launcher.procs``): stop Lightning's observer
-    thread (``child-process-observer``, whose ``_run`` would kill this rank once a child exits
-    non-zero), then wait up to ``timeout`` s for the children, so that the launching command
-    ends after every rank."""
+    (``stop_child_observer``), then wait up to ``timeout`` s for the children, so that the
+    launching command ends after every rank."""
     procs = getattr(getattr(strategy, "_launcher", None), "procs", None) or []
     if not procs:
         return
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_run"):
-            thread._run = lambda: True  # type: ignore[attr-defined]
+    stop_child_observer()
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout)

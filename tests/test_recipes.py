@@ -22,7 +22,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from pl_pipedream.reproduce import DEFAULT_TABLE, read_table
-from pl_pipedream.train import MachineError, apply_smoke, check_machine
+from pl_pipedream.train import MachineError, _build_model, apply_smoke, check_machine
 from tests.test_train import run_app
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -127,13 +127,8 @@ def test_a_recipe_refuses_this_machine_unless_smoke(name: str) -> None:
 
 
 def instantiate_small(cfg: DictConfig):  # type: ignore[no-untyped-def]
-    """The smoke run's model, built from the smoke run's data as the app builds it."""
-    datamodule = instantiate(cfg.data)
-    return instantiate(
-        cfg.model,
-        input_shape=list(datamodule.input_shape),
-        num_classes=int(datamodule.num_classes),
-    )
+    """The smoke run's model, built from the smoke run's data by the app's own builder."""
+    return _build_model(cfg, instantiate(cfg.data))
 
 
 # one recipe per model: its smoke run through the app and the strategy

@@ -98,6 +98,9 @@ class PipelineRunner:
         stage = plan.stage_of_rank(rank)
         describe = f"rank {rank} (stage {stage.index})"
         channel = Channel(rank, device, timeout, describe, messages)
+        # A peer runs at most a few batches behind on a link (1F1B), and posts its receives
+        # ahead: a send this many messages old on its link has certainly been received.
+        channel.max_pending = (2 * plan.num_stages + 4) * microbatches
         held = [
             HeldTie(t.local_name, t.ranks, TAG_TIED + k, t.label)
             for k, t in enumerate(ties)

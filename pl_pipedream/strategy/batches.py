@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from pl_pipedream.runtime.boundary import map_tensors
+from pl_pipedream.strategy import lightning_patches
 
 __all__ = [
     "TrainingBatch",
@@ -122,9 +123,7 @@ class TrainingBatch:
             return torch.tensor(float("nan"), device=device)
         value = finished
         loss = torch.tensor(value, device=device)
-        self.module.log(
-            "train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False
-        )
+        lightning_patches.log_step_value(self.module, "train_loss", loss)
         return loss
 
 

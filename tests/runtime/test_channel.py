@@ -249,3 +249,36 @@ def test_a_peer_that_exits_is_reported_as_a_closed_connection_not_a_timeout() ->
     assert "the connection was closed by rank 0 after" in message, message
     assert "within 30 s" not in message, message
     assert "activations of minibatch 2" in message, message
+
+
+def _many_sends(rank: int, world: int, bound: int | None) -> list:
+    channel = Channel(rank, torch.device("cpu"), timeout=30.0)
+    channel.max_pending = bound
+    if rank == 0:
+        held = []
+        for step in range(12):
+            channel.send(Message([torch.full((5,), float(step))]), 1, 1, "x")
+            held.append(channel.sends_under_way)
+            dist.barrier()  # rank 1 has taken this message
+        channel.flush()
+        return held
+    channel.expect(0, 1)
+    got = []
+    for _ in range(12):
+        got.append(channel.recv(0, 1, "x").tensors[0][0].item())
+        channel.expect(0, 1)
+        dist.barrier()
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [None, 3])
+def test_gloo_sends_are_kept_until_flushed_unless_bounded_per_link(bound: int | None) -> None:
+    # A gloo send reports completion only when waited for: unbounded, every frame stays held
+    # until flush (the 12 messages and the first one's resize notice); with max_pending 3, the
+    # link never holds more than 3 sends.
+    results = run(2, _many_sends, bound, timeout=60.0)
+    (status0, held), (status1, got) = results[0], results[1]
+    assert status0 == "ok" and status1 == "ok", (held, got)
+    assert got == [float(step) for step in range(12)]
+    assert held == (list(range(2, 14)) if bound is None else [2, 3] + [3] * 10)

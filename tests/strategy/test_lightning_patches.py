@@ -342,3 +342,42 @@ def test_a_metric_called_after_stop_metric_sync_computes_locally(two_ranks) -> N
 def test_a_metric_updated_after_stop_metric_sync_computes_locally(two_ranks) -> None:  # type: ignore[no-untyped-def]
     for rank, value in two_ranks.items():
         assert value["mean after update"] == float(rank)
+
+
+# ----- _ResultCollection.update_metrics: the per-step training loss ---------------------------
+
+
+class StepLogged(Model):
+    """Logs ``100 * epoch + batch_idx`` as ``train_loss`` through ``log_step_value`` and counts
+    the calls that reach ``LightningModule.log``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full_logs = 0
+
+    def log(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self.full_logs += 1
+        super().log(*args, **kwargs)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        value = torch.tensor(100.0 * self.current_epoch + batch_idx)
+        patches.log_step_value(self, "train_loss", value)
+        return self(batch[0]).sum()
+
+
+class Logged(Callback):
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # type: ignore[no-untyped-def]
+        self.seen.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def test_log_step_value_logs_every_step_through_lightning_once_per_epoch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = DataLoader(TensorDataset(torch.ones(8, 4), torch.zeros(8)), batch_size=2)
+    model, logged = StepLogged(), Logged()
+    trainer(max_epochs=2, callbacks=[logged], default_root_dir=tmp_path).fit(model, data)
+    # every step's value reaches the callback metrics (the progress bar's and loggers' source)
+    assert logged.seen == [0.0, 1.0, 2.0, 3.0, 100.0, 101.0, 102.0, 103.0]
+    # LightningModule.log registers the metric at each epoch's first step; the rest update it
+    assert model.full_logs == 2

@@ -301,3 +301,19 @@ def _equal(actual: tuple[list[Grads], list], expected: tuple[list[Grads], list])
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in pairs
     )
+
+
+def test_a_fused_layer_binds_no_signature_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An autograd.Function with a separate setup_context binds every apply's arguments through
+    # inspect.signature: a fixed cost per layer and microbatch that the fused layer avoids.
+    import inspect
+
+    module = _mlp(torch.float32)
+    params, forward = _snapshot(module)
+    sums = LinearGradientSums()
+    calls = []
+    original = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: calls.append(a) or original(*a, **k))
+    _run(_captured(sums, params, forward), params, _inputs(2, (4, 5), torch.float32))
+    assert calls == []
+    assert sums.pending  # the three layers were fused

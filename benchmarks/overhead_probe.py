@@ -52,8 +52,11 @@ class Clock(Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
 
+        self.cpu: list[float] = []
+
     def on_train_batch_end(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
 
 def batches(steps: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,14 +101,19 @@ def run(args: argparse.Namespace) -> None:
         profile.dump_stats(
             os.path.join(args.profile, f"{args.sync or 'one'}-{args.m}-r{rank}.prof")
         )
+    t, c, w = clock.times, clock.cpu, args.warmup
+    steps = len(t) - 2 - w
+    per_step = (t[-2] - t[w]) / steps * 1e3
+    cpu = (c[-2] - c[w]) / steps * 1e3
+    name = f"{args.sync}-{args.m}" if args.sync else "lightning-1"
     if rank == 0:
-        t = clock.times
-        per_step = (t[-2] - t[args.warmup]) / (len(t) - 2 - args.warmup) * 1e3
-        name = f"{args.sync}-{args.m}" if args.sync else "lightning-1"
         print(
-            f"RESULT {name}: {per_step:.3f} ms/step, {per_step / args.m:.3f} ms/microbatch",
+            f"RESULT {name}: {per_step:.3f} ms/step, {per_step / args.m:.3f} ms/microbatch; "
+            f"CPU rank 0 {cpu:.3f} ms/step",
             flush=True,
         )
+    else:
+        print(f"RESULT {name}: CPU rank 1 {cpu:.3f} ms/step", flush=True)
 
 
 def main() -> None:
@@ -117,14 +125,21 @@ def main() -> None:
     parser.add_argument("--profile", default="")
     parser.add_argument("--all", action="store_true", help="run every configuration")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--code", nargs="*", default=[], help="checkouts to compare, alternately (PYTHONPATH)"
+    )
     args = parser.parse_args()
     if not args.all:
         run(args)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     configs = [[], ["--sync", "async"], ["--sync", "flush"], ["--sync", "flush", "--m", "8"]]
+    runs = [(code, config) for config in configs for code in (args.code or [None])]
     for _ in range(args.repeats):
-        for config in configs:
+        for code, config in runs:
+            if code is not None:
+                env["PYTHONPATH"] = code
+                print(f"[{code}]", end=" ")
             extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             if args.profile:
                 extra += ["--profile", args.profile]

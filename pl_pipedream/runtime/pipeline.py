@@ -64,6 +64,9 @@ class PipelineRunner:
         self._finished: dict[int, int] = {}  # batch -> backward passes done at the first stage
         self._taken = -1  # the batch of ``loss`` in this run (-1: none yet)
         self._first_stage = plan.stages[0].ranks
+        # Each segment is asked for up to lookahead + 2 times (as a step's own, as lookahead,
+        # by the loss bookkeeping): each is built once, and dropped once its step has passed.
+        self._segments: dict[tuple[int, int], tuple[Action, ...]] = {}
         self.groups: list[Any] = []  # process groups made for this pipeline alone
 
     @classmethod
@@ -149,7 +152,7 @@ class PipelineRunner:
             None if fingerprint is None else lambda i, got: fingerprint(i - first, got),
         )
         self.executor.execute(
-            self.stream.segment(self.executor.rank, self.step),
+            self._segment(self.executor.rank, self.step),
             feed,
             self.update,
             lookahead=self._upcoming(drain),
@@ -157,6 +160,8 @@ class PipelineRunner:
         )
         self._note_finished(self.step)
         self.step += 1
+        for key in [k for k in self._segments if k[1] < self.step]:
+            del self._segments[key]
         if drain:
             self.drain()
 
@@ -165,7 +170,7 @@ class PipelineRunner:
         the mean loss of the newest batch they finished (``LossBook.mean``; a batch this rank
         does not know whole, which the schedule rules out, is passed over)."""
         for rank in self._first_stage:
-            for action in self.stream.segment(rank, t):
+            for action in self._segment(rank, t):
                 if action.kind is ActionKind.BACKWARD and action.batch is not None:
                     self._finished[action.batch] = self._finished.get(action.batch, 0) + 1
         done = [b for b, count in self._finished.items() if count == self.microbatches]
@@ -191,8 +196,14 @@ class PipelineRunner:
             return list(self.stream.drain(rank, self.step))
         upcoming: list[Action] = []
         for later in range(self.step + 1, self.step + 1 + self.lookahead):
-            upcoming.extend(self.stream.segment(rank, later))
+            upcoming.extend(self._segment(rank, later))
         return upcoming
+
+    def _segment(self, rank: int, t: int) -> tuple[Action, ...]:
+        segment = self._segments.get((rank, t))
+        if segment is None:
+            segment = self._segments[(rank, t)] = self.stream.segment(rank, t)
+        return segment
 
     def drain(self) -> None:
         """Finish every minibatch in flight and apply its update; the next batch starts a run."""
@@ -206,6 +217,7 @@ class PipelineRunner:
         self.executor.channel.flush()
         self._take_loss(self.step - 1)  # every batch of the run has finished
         self.executor.restart()
+        self._segments.clear()
         self._finished.clear()
         self._taken = -1
         self.step = 0

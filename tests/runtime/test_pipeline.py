@@ -46,6 +46,14 @@ def _async_run_then_close(rank: int, world: int) -> dict:
     )
     batches = make_batches(M)[:STEPS]
     drained, logged, computed = [], [], {}
+    built: list[tuple[int, int]] = []
+    segment = runner.stream.segment
+
+    def counted(rank: int, t: int):  # type: ignore[no-untyped-def]
+        built.append((rank, t))
+        return segment(rank, t)
+
+    object.__setattr__(runner.stream, "segment", counted)  # (a frozen dataclass)
 
     def loss(out, j, t, ys):  # type: ignore[no-untyped-def]
         value = loss_fn(out, ys[j])
@@ -71,6 +79,7 @@ def _async_run_then_close(rank: int, world: int) -> dict:
         "computed": computed,
         "channel_group": channel.group,
         "groups": runner.groups,
+        "built": built,
     }
 
 
@@ -146,6 +155,14 @@ def test_every_rank_has_the_mean_of_the_newest_batch_finished_at_the_first_stage
     mean = {t: (computed[(t, 0)] + computed[(t, 1)]) / 2 for t in range(STEPS)}
     for rank in (0, 1):
         assert runs[rank]["async"]["logged"] == [None, mean[0], mean[2]], f"rank {rank}"
+
+
+def test_each_segment_is_built_once_per_run(runs) -> None:  # type: ignore[no-untyped-def]
+    # every step asks for its own segment, the next lookahead ones and the first stage's
+    for rank in (0, 1):
+        built = runs[rank]["async"]["built"]
+        assert len(built) == len(set(built)), f"rank {rank}: {built}"
+        assert (rank, 0) in built and (0, 0) in built  # its own and the first stage's
 
 
 def test_replicas_of_the_last_stage_share_their_losses(runs) -> None:  # type: ignore[no-untyped-def]

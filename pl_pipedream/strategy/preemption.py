@@ -2,9 +2,9 @@
 
 SLURM and Kubernetes send SIGTERM (SLURM with ``--signal=USR1@90``: SIGUSR1) some time before
 they kill a job. While training, the strategy's handler for each of ``preempt_signals`` only
-records the signal. At the start of every training step each rank posts, without waiting, an
+records the signal. At the start of a training step each rank posts, without waiting, an
 all-reduce (max) of the signal it has recorded (0 for none) over a process group of its own, and
-waits for the one it posted ``lag`` steps earlier (``lag`` = the number of ranks, so that the
+waits for the one it posted ``lag`` posts earlier (``lag`` = the number of ranks, so that the
 first stage may run as far ahead of the last as 1F1B lets it). Every rank thus reads the same
 value at the same step: the first non-zero one stops them all there, whether the signal reached
 one rank (one node of several preempted) or all of them at once (``scancel``). Then every rank
@@ -12,6 +12,14 @@ drains the pipeline, the ranks save ``last.ckpt`` together (``checkpoint_path``)
 rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1): the status of a process
 that the signal ended, so the scheduler accounts the job as ended by it, not completed.
 ``trainer.fit(ckpt_path="last")`` resumes.
+
+Posting an all-reduce costs tens of microseconds, which steps of a millisecond or less notice
+(README, "Pipeline throughput"). So a post happens every ``period`` steps, not every step: the
+all-reduce also carries each rank's time per step since its previous post, and the agreed
+(largest) one sets the next period to the steps that fill ``MIN_INTERVAL`` seconds, at most
+``MAX_PERIOD``. Every rank reads the same agreed values at the same post, so every rank posts
+at the same steps; a signal stops the ranks within ``lag`` posts, about
+``lag x max(MIN_INTERVAL, one step)`` after it arrives.
 
 Lightning's own SIGTERM handler broadcasts inside the handler (a collective that can meet a
 pipeline message mid-step) and forwards the signal to the other ranks; it stays in place outside
@@ -22,8 +30,10 @@ training. Under SLURM with ``auto_requeue``, the agreed stop also runs Lightning
 from __future__ import annotations
 
 import collections
+import math
 import os
 import signal
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +45,9 @@ import torch.distributed as dist
 from pl_pipedream.strategy import exits, lightning_patches
 
 __all__ = ["Preempted", "Preemption", "checkpoint_path", "exit_code", "parse_signals"]
+
+MIN_INTERVAL = 0.002  # seconds: steps shorter than this share one agreement
+MAX_PERIOD = 4  # steps between two agreements at most
 
 
 class Preempted(SystemExit):
@@ -92,6 +105,10 @@ class Preemption:
         self.group: Any = None
         self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._lag = 1
+        self._step = 0  # training steps seen in this fit
+        self._next = 0  # the step of the next post
+        self._period = 1  # steps between posts, as last agreed
+        self._posted_at = 0.0  # this rank's clock at its last post
         self._previous: dict[signal.Signals, Any] = {}
         self._started = False
 
@@ -103,6 +120,8 @@ class Preemption:
         """At the first training step, on every rank: the agreement's group, then the handlers
         (which replace Lightning's for these signals until ``finish``)."""
         self._started = True
+        self._step = self._next = 0
+        self._period = 1
         if not self.signals or not dist.is_initialized():
             return
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
@@ -117,16 +136,27 @@ class Preemption:
             self.start(strategy.timeout)
         if self.group is None:
             return
-        flag = torch.tensor([self.received], dtype=torch.int64)
+        step, self._step = self._step, self._step + 1
+        if step < self._next:
+            return
+        now = time.perf_counter()
+        per_step = 0 if step == 0 else (now - self._posted_at) / self._period
+        self._posted_at = now
+        flag = torch.tensor([self.received, int(per_step * 1e6)], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending.append((work, flag))
+        self._next = step + self._period
         if len(self._pending) <= self._lag:
             return
         work, agreed = self._pending.popleft()
         work.wait()
-        if int(agreed.item()):
+        signum, micros = (int(v) for v in agreed.tolist())
+        if signum:
             self._pending.clear()  # every rank stops here: none waits for the rest
-            stop_fit(trainer, strategy, int(agreed.item()))
+            stop_fit(trainer, strategy, signum)
+        fill = math.ceil(MIN_INTERVAL * 1e6 / micros) if micros else 1
+        self._period = max(1, min(MAX_PERIOD, fill))
+        self._next = step + self._period
 
     def finish(self, failed: bool) -> None:
         """At the end of training: the handlers back, and the group given back (after the

@@ -72,3 +72,60 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
             assert torch.equal(got[key], want[key]), key
         else:  # the drain at the agreed step changes the staleness of the minibatches in flight
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _agree(rank: int, world: int, signal_at: int) -> dict:
+    """60 steps of ``at_step`` with no work between them (steps far below MIN_INTERVAL); rank 1
+    records SIGUSR1 at step ``signal_at``. Returns the steps at which this rank posted and the
+    step at which it was told to stop."""
+    from pl_pipedream.strategy import preemption
+
+    posted: list[int] = []
+    original = preemption.dist.all_reduce
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        posted.append(step)
+        return original(*args, **kwargs)
+
+    def stop(trainer, strategy, signum):  # type: ignore[no-untyped-def]
+        raise _Stopped(signum)
+
+    preemption.dist.all_reduce = counted
+    preemption.stop_fit = stop
+    watch = preemption.Preemption((signal.SIGUSR1,))
+
+    class Strategy:
+        timeout = 30.0
+
+    stopped = None
+    try:
+        for step in range(60):
+            if rank == 1 and step == signal_at:
+                watch._record(int(signal.SIGUSR1), None)
+            watch.at_step(None, Strategy())
+    except _Stopped as error:
+        stopped = (step, error.args[0])
+    watch.finish(failed=stopped is not None)
+    return {"posted": posted, "stopped": stopped}
+
+
+@pytest.mark.slow
+def test_short_steps_share_an_agreement_at_the_same_steps_on_every_rank() -> None:
+    from pl_pipedream.strategy.preemption import MAX_PERIOD
+    from tests.runtime.distributed import run as run_ranks
+
+    results = run_ranks(2, _agree, 30, timeout=60.0)
+    (status0, got0), (status1, got1) = results[0], results[1]
+    assert status0 == "ok" and status1 == "ok", (got0, got1)
+    assert got0["posted"] == got1["posted"]  # the same steps on both ranks
+    posted = got0["posted"]
+    assert len(posted) < 30  # fewer posts than steps: sub-millisecond steps share them
+    assert max(b - a for a, b in zip(posted, posted[1:], strict=False)) <= MAX_PERIOD
+    # both stop at the same step, within lag (2) posts of MAX_PERIOD steps after the signal
+    assert got0["stopped"] == got1["stopped"]
+    step, signum = got0["stopped"]
+    assert signum == int(signal.SIGUSR1) and 30 <= step <= 30 + 3 * MAX_PERIOD

@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
+from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
@@ -134,6 +134,7 @@ class StageExecutor:
         self.describe = f"rank {rank} (stage {stage})"
         tied = tied_versions.names if tied_versions else set()
         self.stash = WeightStash(module, self.describe, tied)
+        self._call = StageCall(module)  # the module's forward on a version's tensors
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
         self.microbatches = microbatches  # per batch; None: replicas do not share losses
@@ -275,9 +276,8 @@ class StageExecutor:
             params = predict(params, self.stash.get(action.version - 1), delay)
         if self.tied_versions is not None:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
-        state = {**params, **dict(self.module.named_buffers())}
         with self._capture(params):  # one argument, as nn.Sequential passes it on
-            output = functional_call(self.module, state, (value,))
+            output = self._call(params, value)
         flight = _InFlight(
             action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )

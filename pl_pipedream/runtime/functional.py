@@ -1,0 +1,55 @@
+"""A stage's forward on given parameter tensors, at a fraction of ``functional_call``'s cost.
+
+Every forward pass of the executor runs the stage on one weight version's tensors (a stashed
+snapshot, a prediction) instead of the module's own parameters. ``torch.func.functional_call``
+does that, but per call it rebuilds the map of tied names, checks the keys and swaps through
+attribute lookups: about 0.1 ms per forward on this machine, measured, for any size of stage, a
+fixed cost per microbatch (README, "Pipeline throughput"). ``StageCall`` finds each parameter's
+slot (the module that owns it and its name there) once, with the names tied to it, and per call
+puts the given tensors in those slots, runs the module and puts the parameters back, even when
+the forward raises. As with ``functional_call(module, params, args, strict=False)``, a
+parameter not given keeps the module's own, and a tensor given for one of several names of a
+tied parameter serves all of them. Buffers are not swapped: the module's own are used (and
+updated, e.g. BatchNorm's running statistics), which is what the executor passed anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StageCall"]
+
+
+class StageCall:
+    """``StageCall(module)(params, value)``: ``module(value)`` with ``params`` (by the names of
+    ``module.named_parameters()``) in place of the module's own parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        canonical: dict[int, str] = {}
+        for name, param in module.named_parameters():
+            canonical[id(param)] = name
+        # (owner, attribute, the name a caller gives for it), every registration of a tied one
+        self._slots: list[tuple[nn.Module, str, str]] = []
+        for prefix, owner in module.named_modules(remove_duplicate=False):
+            for attribute, param in owner._parameters.items():
+                if param is not None:
+                    full = f"{prefix}.{attribute}" if prefix else attribute
+                    self._slots.append((owner, attribute, canonical.get(id(param), full)))
+
+    def __call__(self, params: Mapping[str, torch.Tensor], value: Any) -> Any:
+        swapped: list[tuple[nn.Module, str, Any]] = []
+        try:
+            for owner, attribute, name in self._slots:
+                tensor = params.get(name)
+                if tensor is not None:
+                    swapped.append((owner, attribute, owner._parameters[attribute]))
+                    owner._parameters[attribute] = tensor
+            return self.module(value)
+        finally:
+            for owner, attribute, original in reversed(swapped):
+                owner._parameters[attribute] = original

@@ -1,0 +1,84 @@
+"""StageCall against torch.func.functional_call: outputs, gradients, ties, restoration, cost."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from pl_pipedream.runtime.functional import StageCall
+
+
+class Tied(nn.Module):
+    """A Linear used twice through two names (one Parameter), and a BatchNorm's buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.second = nn.Linear(4, 4)
+        self.second.weight = self.first.weight  # tied: "second.weight" is "first.weight"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.norm(self.first(x))))
+
+
+def _versions(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Another weight version: detached leaves with other values, as a stashed snapshot."""
+    return {n: (p.detach() * 1.5 + 0.1).requires_grad_() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("make", [Tied, lambda: nn.Sequential(nn.Linear(3, 5), nn.ReLU())])
+def test_outputs_and_gradients_equal_functional_calls(make) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    module = make()
+    before = list(module.parameters())
+    x = torch.randn(6, 4 if isinstance(module, Tied) else 3)
+    params = _versions(module)
+    expected = functional_call(module, params, (x,))
+    want = torch.autograd.grad(expected.square().sum(), list(params.values()))
+    got_params = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    got = StageCall(module)(got_params, x)
+    found = torch.autograd.grad(got.square().sum(), list(got_params.values()))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for a, b in zip(found, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the module keeps its own parameters, untouched, and gets no gradient
+    assert all(p.grad is None for p in module.parameters())
+    assert all(p is q for p, q in zip(module.parameters(), before, strict=True))
+
+
+def test_a_parameter_not_given_keeps_the_modules_own_and_a_failure_restores_all() -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    own = [p.detach().clone() for p in module.parameters()]
+    only_first = {"0.weight": torch.zeros(2, 2), "0.bias": torch.ones(2)}
+    out = StageCall(module)(only_first, torch.ones(1, 2))
+    expected = functional_call(module, only_first, (torch.ones(1, 2),), strict=False)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        StageCall(module)(only_first, torch.ones(1, 3))  # wrong width: the forward raises
+    for p, q in zip(module.parameters(), own, strict=True):
+        assert isinstance(p, nn.Parameter) and torch.equal(p, q)
+
+
+def test_a_call_costs_less_than_half_of_functional_calls() -> None:
+    module = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+    params = _versions(module)
+    x = torch.randn(2, 8)
+    call = StageCall(module)
+
+    def best(fn) -> float:  # type: ignore[no-untyped-def]
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(100):
+                fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    ours = best(lambda: call(params, x))
+    theirs = best(lambda: functional_call(module, params, (x,)))
+    assert ours < 0.5 * theirs, (ours, theirs)

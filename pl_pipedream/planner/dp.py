@@ -39,7 +39,9 @@ __all__ = [
     "RowSolution",
     "all_pairs",
     "ancestor_matrix",
-    "pair_starts",
+    "LevelPairs",
+    "level_pairs",
+    "row_times",
     "solve_row",
     "to_last",
 ]
@@ -120,120 +122,153 @@ def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ks.astype(np.int64), js.astype(np.int64)
 
 
-def pair_starts(pairs: tuple[np.ndarray, np.ndarray], count: int) -> np.ndarray:
-    """``starts[j]:starts[j + 1]`` is the slice of ``pairs`` whose later state is ``j``."""
-    return np.r_[0, np.cumsum(np.bincount(pairs[1], minlength=count))].astype(np.int64)
+@dataclass(frozen=True)
+class LevelPairs:
+    """A level's pairs ``(k, j)`` (state ``k`` preceding state ``j``) grouped by ``k``, ``j``
+    ascending, with what every row prices the same way: ``stage[r' - 1, p]``, the time of pair
+    ``p`` as a stage appended after another on ``r'`` replicas, transfers included, and
+    ``stash[p]``, its stashed bytes. ``starts[k]:starts[k + 1]`` are the pairs of ``k``.
+
+    Built once per level (``level_pairs``) instead of once per row: a row's pairs are those whose
+    ``k`` lies inside its segment (``j`` then does too), read off by slicing.
+    """
+
+    ks: np.ndarray
+    js: np.ndarray
+    starts: np.ndarray
+    stage: np.ndarray
+    stash: np.ndarray
 
 
-def solve_row(
-    costs: LevelCosts,
-    row: int,
-    limit: np.ndarray | None = None,
-    starts: np.ndarray | None = None,
-) -> RowSolution:
+def level_pairs(costs: LevelCosts) -> LevelPairs:
+    """The pairs of ``costs.pairs`` regrouped by their first state, priced once."""
+    count = costs.params.shape[0]
+    by_k = np.argsort(costs.pairs[0], kind="stable")
+    ks, js = costs.pairs[0][by_k], costs.pairs[1][by_k]
+    starts = np.r_[0, np.cumsum(np.bincount(ks, minlength=count))].astype(np.int64)
+    max_prime = 1 if costs.straight else max(costs.workers - 1, 1)
+    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+    stage, stash = _appended(costs, ks, js, primes)
+    # Sorting a row's pairs by j is a radix sort on 16-bit keys.
+    narrow = js.astype(np.int16) if count < 2**15 else js
+    return LevelPairs(ks, narrow, starts, stage, stash)
+
+
+def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> RowSolution:
     """Fill the DP table of one row for every end state and every worker count of the level.
 
-    ``limit[j]`` (optional) says that the caller needs ``time[j, -1]`` only where it is at most
-    ``limit[j]``, and that ``limit`` does not grow along the DAG (``limit[j] >= limit[j']`` when
-    ``j`` precedes ``j'``). A segment to ``j`` on ``m + 1`` workers takes at least its compute over
-    ``m + 1`` (the slowest of stages sharing that compute), so where that bound exceeds
-    ``limit[j]`` no split of ``(j, m)`` is tried; such entries keep an over-estimate that is
-    itself above the limit, and every entry at or under it is the exact one, chosen with the
-    same ties. ``starts`` is ``pair_starts(costs.pairs, ...)``, computed here if not given.
+    ``pairs`` is ``level_pairs(costs)``, built here when not given (pass it when solving many
+    rows of one level).
     """
     count = costs.params.shape[0]
     workers = costs.workers
-    bandwidth = costs.bandwidth
     allowed = np.ones(count, dtype=bool) if row == 0 else costs.precedes[row - 1]
-    time = np.full((count, workers), INF)
     split = np.full((count, workers), -1, dtype=np.int64)
     replicas = np.zeros((count, workers), dtype=np.int64)
+    single = 1 if costs.straight else workers
+    replicas[:, :single] = np.arange(1, single + 1)
+    by_workers = _first_stage(costs, row, allowed)  # by_workers[m, k]
+    if workers == 1:
+        return RowSolution(by_workers.T.copy(), split, replicas)
+    if pairs is None:
+        pairs = level_pairs(costs)
+    index = _inside(pairs, allowed)
+    if index.size == 0:
+        return RowSolution(by_workers.T.copy(), split, replicas)
+    # Grouped by j with k ascending: a stable sort of pairs listed by k.
+    index = index[np.argsort(pairs.js[index], kind="stable")]
+    ks = pairs.ks[index]
+    js = pairs.js[index].astype(np.int64)
+    stage = pairs.stage[:, index]
+    heads = np.flatnonzero(np.r_[True, js[1:] != js[:-1]])
+    targets_all = js[heads]
+    sizes = np.diff(np.r_[heads, ks.size])
 
+    max_prime = stage.shape[0]
+    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+    positions = np.arange(ks.size)
+    for m in range(1, workers):
+        width = min(m, max_prime)
+        # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
+        # against the appended stage on r' replicas.
+        candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
+        if costs.memory is not None:
+            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
+            candidate = np.where(stash > costs.memory, INF, candidate)
+        if width == 1:
+            best_prime = np.zeros(ks.size, dtype=np.int64)
+            best = candidate[0]
+        else:
+            best_prime = np.argmin(candidate, axis=0)
+            best = candidate[best_prime, positions]
+        group_best = np.minimum.reduceat(best, heads)
+        hits = np.where(best == np.repeat(group_best, sizes), positions, ks.size)
+        chosen = np.minimum.reduceat(hits, heads)
+        better = group_best < by_workers[m, targets_all]
+        targets, chosen, values = targets_all[better], chosen[better], group_best[better]
+        by_workers[m, targets] = values
+        split[targets, m] = ks[chosen]
+        replicas[targets, m] = best_prime[chosen] + 1
+    return RowSolution(by_workers.T.copy(), split, replicas)
+
+
+def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray:
+    """``first[m, j]``: one stage from ``row`` to ``j`` on ``m + 1`` replicas (``inf`` where that
+    is no segment, does not fit, or is replicated in a straight pipeline)."""
+    count = costs.params.shape[0]
+    workers = costs.workers
+    first = np.full((workers, count), INF)
     base_params = costs.params - (costs.params[row - 1] if row > 0 else 0.0)
     base_acts = costs.activations - (costs.activations[row - 1] if row > 0 else 0.0)
     base_compute = costs.compute[row]
     for m in range(1 if costs.straight else workers):
         r = m + 1
-        allreduce = 4 * m * base_params / (bandwidth * r) / costs.within
+        allreduce = 4 * m * base_params / (costs.bandwidth * r) / costs.within
         value = (base_compute + allreduce) / r
         if costs.memory is not None:
             stashed = math.ceil((workers - r) / r) * (base_acts + base_params)
             value = np.where(stashed > costs.memory, INF, value)
-        value = np.where(allowed, value, INF)
-        time[:, m] = value
-        replicas[:, m] = r
-    if workers == 1:
-        return RowSolution(time, split, replicas)
+        first[m] = np.where(allowed, value, INF)
+    return first
 
-    # The row's pairs (k, j), grouped by j (groups ordered by the first worker count that needs
-    # them when there is a limit), k ascending inside a group; k inside the row's segment and k
-    # preceding j put j inside it too.
-    if starts is None:
-        starts = pair_starts(costs.pairs, count)
-    ends = np.flatnonzero(allowed)
-    first_m = np.zeros(ends.size, dtype=np.int64)
-    if limit is not None:
-        bound = base_compute[ends] / (limit[ends] * (1.0 + 1e-9))
-        with np.errstate(invalid="ignore"):
-            first_m = np.where(
-                limit[ends] > 0, np.maximum(np.ceil(bound) - 1.0, 0.0), float(workers)
-            )
-        first_m = np.minimum(first_m, float(workers)).astype(np.int64)
-        keep = first_m < workers
-        ends, first_m = ends[keep], first_m[keep]
-        order = np.argsort(first_m, kind="stable")
-        ends, first_m = ends[order], first_m[order]
-    lengths = starts[ends + 1] - starts[ends]
+
+def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
+    """Positions in ``pairs`` of the pairs whose ``k`` is inside a row's segment (``allowed``);
+    ``j`` then is too, since ``k`` precedes it."""
+    inside = np.flatnonzero(allowed)
+    lengths = pairs.starts[inside + 1] - pairs.starts[inside]
     total = int(lengths.sum())
-    if total == 0:
-        return RowSolution(time, split, replicas)
-    index = np.repeat(starts[ends] - np.cumsum(lengths) + lengths, lengths) + np.arange(total)
-    ks, js = costs.pairs[0][index], costs.pairs[1][index]
-    pair_m = np.repeat(first_m, lengths)
-    if row > 0:
-        inside = allowed[ks]
-        ks, js, pair_m = ks[inside], js[inside], pair_m[inside]
-    if ks.size == 0:
-        return RowSolution(time, split, replicas)
-    group_starts = np.flatnonzero(np.r_[True, js[1:] != js[:-1]])
-    group_j = js[group_starts]
-    group_m = pair_m[group_starts]
-    max_prime = 1 if costs.straight else workers - 1
+    index = np.repeat(pairs.starts[inside] - np.cumsum(lengths) + lengths, lengths)
+    return index + np.arange(total)
+
+
+def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
+    """``solve_row(costs, row).time[:, -1]`` without the choices: each end state's best time on
+    all workers, for a level whose rows only feed the level above.
+
+    The same candidates as ``solve_row`` (the first stage alone, or the best pipeline up to a
+    cut ``k`` against a stage appended after it), and a minimum of floats does not depend on
+    the order it is taken in, so the values are identical; without ties to break, the
+    candidates are folded into their end states in any order (``minimum.at``) instead of sorted.
+    """
+    workers = costs.workers
+    allowed = np.ones(costs.params.shape[0], dtype=bool) if row == 0 else costs.precedes[row - 1]
+    by_workers = _first_stage(costs, row, allowed)
+    index = _inside(pairs, allowed) if workers > 1 else np.zeros(0, dtype=np.int64)
+    if index.size == 0:
+        return by_workers[-1]
+    ks, js = pairs.ks[index], pairs.js[index]
+    stage = pairs.stage[:, index]
+    max_prime = stage.shape[0]
     primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
-    stage, stash_bytes = _appended(costs, ks, js, primes)
-    by_workers = np.ascontiguousarray(time.T)  # by_workers[m, k]
-    positions = np.arange(ks.size)
     for m in range(1, workers):
-        groups = int(np.searchsorted(group_m, m, side="right"))
-        if groups == 0:
-            continue
-        size = int(group_starts[groups]) if groups < group_starts.size else ks.size
-        kk = ks[:size]
         width = min(m, max_prime)
-        # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
-        # against the appended stage on r' replicas.
-        candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, kk], stage[:width, :size])
+        candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
         if costs.memory is not None:
-            stash = stash_bytes[:size] * np.ceil((workers - (m + 1)) / primes[:width])
+            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
             candidate = np.where(stash > costs.memory, INF, candidate)
-        if width == 1:
-            best_prime = np.zeros(size, dtype=np.int64)
-            best = candidate[0]
-        else:
-            best_prime = np.argmin(candidate, axis=0)
-            best = candidate[best_prime, positions[:size]]
-        heads = group_starts[:groups]
-        group_best = np.minimum.reduceat(best, heads)
-        sizes = np.diff(np.r_[heads, size])
-        hits = np.where(best == np.repeat(group_best, sizes), positions[:size], size)
-        chosen = np.minimum.reduceat(hits, heads)
-        targets = group_j[:groups]
-        better = group_best < by_workers[m, targets]
-        targets, chosen, values = targets[better], chosen[better], group_best[better]
-        by_workers[m, targets] = values
-        split[targets, m] = ks[chosen]
-        replicas[targets, m] = best_prime[chosen] + 1
-    return RowSolution(by_workers.T.copy(), split, replicas)
+        np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
+    return by_workers[-1]
 
 
 def _appended(
@@ -298,3 +333,60 @@ def to_last(costs: LevelCosts) -> np.ndarray:
         first = np.where(allowed, first, INF)
         best = np.minimum(best, np.maximum(first, after[workers - r]).min(axis=1))
     return best
+
+
+def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
+    """``table[row] == row_times(costs, row, pairs)`` for every row, computed cut by cut.
+
+    The rows' DPs share their appended stages: the pairs ``(k, j)`` of cut ``k`` serve every
+    row whose segment contains ``k``. Taking the cuts in the states' topological order, a cut's
+    best times on every worker count are final for every row when it is reached, so its
+    candidates are pushed to all those rows and all its successors at once as one dense block,
+    instead of being gathered anew by each row. Same candidates, same minima, same values.
+    """
+    count = costs.params.shape[0]
+    workers = costs.workers
+    times = _first_stages(costs)
+    if workers == 1:
+        return times[0]
+    max_prime = pairs.stage.shape[0]
+    for k in range(count):
+        low, high = int(pairs.starts[k]), int(pairs.starts[k + 1])
+        if low == high:
+            continue
+        rows = np.r_[0, np.flatnonzero(costs.precedes[:, k]) + 1]
+        # Flat positions of (row, j) in one worker count's table: 1-D take and put are the
+        # fastest gather and scatter numpy has.
+        flat = (rows * count)[:, None] + pairs.js[low:high][None, :]
+        column = times[:, rows, k]
+        for m in range(1, workers):
+            best = None
+            for prime in range(1, min(m, max_prime) + 1):
+                stage = pairs.stage[prime - 1, low:high]
+                if costs.memory is not None:
+                    stash = pairs.stash[low:high] * math.ceil((workers - (m + 1)) / prime)
+                    stage = np.where(stash > costs.memory, INF, stage)
+                candidate = np.maximum(column[m - prime][:, None], stage[None, :])
+                best = candidate if best is None else np.minimum(best, candidate)
+            table = times[m]
+            table.put(flat, np.minimum(table.take(flat), best))
+    return times[-1]
+
+
+def _first_stages(costs: LevelCosts) -> np.ndarray:
+    """``first[m, row, j]``: ``_first_stage(costs, row, ...)[m, j]`` for every row at once."""
+    count = costs.params.shape[0]
+    workers = costs.workers
+    params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
+    acts = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None]
+    allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])
+    first = np.full((workers, count + 1, count), INF)
+    for m in range(1 if costs.straight else workers):
+        r = m + 1
+        allreduce = 4 * m * params / (costs.bandwidth * r) / costs.within
+        value = (costs.compute + allreduce) / r
+        if costs.memory is not None:
+            stashed = math.ceil((workers - r) / r) * (acts + params)
+            value = np.where(stashed > costs.memory, INF, value)
+        first[m] = np.where(allowed, value, INF)
+    return first

@@ -19,7 +19,9 @@ from pl_pipedream.planner.dp import (
     RowSolution,
     all_pairs,
     ancestor_matrix,
-    pair_starts,
+    every_row,
+    level_pairs,
+    row_times,
     solve_row,
     to_last,
 )
@@ -29,6 +31,8 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
 __all__ = ["plan", "data_parallel_time"]
+
+_DENSE_LIMIT = 40_000_000  # floats (320 MB): gnmt_large (1,495 states) on 8 workers is 18 M
 
 
 @dataclass(frozen=True)
@@ -75,80 +79,28 @@ def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
     return table
 
 
-def _two_levels(
-    levels: list[LevelCosts], prefix: _Prefix, starts: np.ndarray, workers: int
-) -> RowSolution:
-    """The top row of a two-level topology, solving the inner rows only as far as they matter.
-
-    Most of the inner rows' work is on segments too long for any good plan. A guessed bound on
-    the answer lets ``solve_row`` skip them (``_row_limit``): if the top level then finds a plan
-    at or under the bound, every plan at or under it was priced exactly, so the answer and its
-    tie-breaking are those of the full DP. Otherwise the plan found (a real one, so at least
-    the optimum) becomes the bound of a second pass, which is then exact; a bound with no plan
-    under it grows fourfold, and after a few such guesses the inner rows are solved in full.
-    The first guess is a quarter above the compute of the whole model shared by all workers,
-    which no plan beats.
-    """
-    inner, outer = levels
-    if outer.workers <= 2:
-        table = np.full((len(starts), len(starts) - 1), math.inf)
-        table[0] = solve_row(inner, 0, starts=starts).time[:, -1]
-        table[1:, -1] = to_last(inner)[1:]
-        levels[1] = replace(outer, compute=table)
-        return solve_row(levels[1], 0, starts=starts)
-    bound = 1.25 * float(prefix.compute[-1]) / workers
-    for attempt in range(5):
-        if attempt == 4:
-            bound = math.inf
-        levels[1] = replace(outer, compute=_inner(inner, starts, outer, bound))
-        top = solve_row(levels[1], 0, starts=starts)
-        value = float(top.time[-1, -1])
-        if value <= bound:
-            break
-        bound = value if math.isfinite(value) else 4.0 * bound
-    return top
-
-
-def _inner(
-    costs: LevelCosts,
-    starts: np.ndarray,
-    top: LevelCosts | None = None,
-    bound: float = math.inf,
-) -> np.ndarray:
+def _inner(costs: LevelCosts, top_workers: float) -> np.ndarray:
     """The level above's compute table: every row's best time on all of this level's workers.
 
-    With a finite ``bound`` (level 0 below the top level only), entries that cannot belong to a
-    plan of the top level at or under ``bound`` may be over-estimated (``_row_limit``).
+    ``top_workers`` is the workers of the level above when that level is the top one (``inf``
+    otherwise). With at most two workers on top, a pipeline of the top level has at most two
+    stages: one from the model's input and one that ends the model. Only row 0 and the segments
+    ending the model are then needed, and ``to_last`` gives the latter for every row in one pass
+    (the rest of the table stays ``inf``, which the top level never reads on its way to the
+    answer). Otherwise every row is needed, and only its times, not its choices: ``every_row``
+    solves all rows at once in a table of ``workers x rows x states`` floats, or ``row_times``
+    one row after another when that table would exceed ``_DENSE_LIMIT`` floats.
     """
     count = costs.params.shape[0]
-    table = np.full((count + 1, count), math.inf)
-    for row in range(count + 1):
-        limit = None if top is None or math.isinf(bound) else _row_limit(costs, top, row, bound)
-        table[row] = solve_row(costs, row, limit, starts).time[:, -1]
-    return table
-
-
-def _row_limit(costs: LevelCosts, top: LevelCosts, row: int, bound: float) -> np.ndarray:
-    """``limit[j]``: the largest time of the segment from ``row`` to ``j`` on one whole component
-    that a top-level stage of at most ``bound`` could use.
-
-    A top-level stage on ``r`` components takes at least ``(T + 4 (r - 1) W / (B r)) / r`` (the
-    all-reduce divided by the component's workers on the first stage), so ``T`` above
-    ``bound r - 4 (r - 1) W / (B r)`` for every ``r`` it may have is of no use: ``r`` is at most
-    the top level's workers on the first stage and one fewer on any later one (a stage precedes
-    it). The limit shrinks as the segment's parameters grow, so it never grows along the DAG.
-    The bound gets a relative margin of 1e-9 against rounding.
-    """
-    params = costs.params - (costs.params[row - 1] if row > 0 else 0.0)
-    most = 1 if costs.straight else top.workers - (1 if row > 0 else 0)
-    padded = bound * (1.0 + 1e-9)
-    limit = np.full(params.shape, -math.inf)
-    for r in range(1, most + 1):
-        allreduce = 4 * (r - 1) * params / (top.bandwidth * r)
-        if row == 0:
-            allreduce = allreduce / costs.workers
-        limit = np.maximum(limit, padded * r - allreduce)
-    return limit
+    pairs = level_pairs(costs)
+    if top_workers <= 2:
+        table = np.full((count + 1, count), math.inf)
+        table[0] = solve_row(costs, 0, pairs).time[:, -1]
+        table[1:, -1] = to_last(costs)[1:]
+        return table
+    if costs.workers * (count + 1) * count <= _DENSE_LIMIT:
+        return every_row(costs, pairs)
+    return np.array([row_times(costs, row, pairs) for row in range(count + 1)])
 
 
 def data_parallel_time(total_compute: float, total_params: float, topology: Topology) -> float:
@@ -221,13 +173,11 @@ def plan(
             )
         )
         within = level.workers
-    starts = pair_starts(pairs, count)
-    if len(levels) == 2:
-        top = _two_levels(levels, prefix, starts, topology.num_workers)
-    else:
-        for number in range(1, len(levels)):
-            levels[number] = replace(levels[number], compute=_inner(levels[number - 1], starts))
-        top = solve_row(levels[-1], 0, starts=starts)
+    for number in range(1, len(levels)):
+        # Only the top level's answer is read, so only the level below it may skip rows.
+        above = levels[number].workers if number == len(levels) - 1 else math.inf
+        levels[number] = replace(levels[number], compute=_inner(levels[number - 1], above))
+    top = solve_row(levels[-1], 0)
     best = float(top.time[count - 1, -1])
     if not math.isfinite(best):
         raise PlanError(

@@ -16,6 +16,7 @@ import numpy as np
 
 from pl_pipedream.planner.dp import (
     LevelCosts,
+    LevelPairs,
     RowSolution,
     all_pairs,
     ancestor_matrix,
@@ -48,17 +49,23 @@ class _Prefix:
 
 
 def _prefix(graph: PlanningGraph) -> _Prefix:
+    """Each state's sums over its member layers (``math.fsum``: exact, in any order)."""
+    compute = [n.compute_ms for n in graph.nodes]
+    forward = [n.forward_ms for n in graph.nodes]
+    backward = [n.backward_ms for n in graph.nodes]
+    params = [n.parameter_bytes for n in graph.nodes]
+    outputs = [n.output_bytes for n in graph.nodes]
     rows = []
     for state in graph.states:
-        members = [graph.nodes[i] for i in _indices(state.members)]
+        members = _indices(state.members)
         rows.append(
             (
-                math.fsum(n.compute_ms for n in members) / 1000.0,
-                math.fsum(n.forward_ms for n in members),
-                math.fsum(n.backward_ms for n in members),
-                math.fsum(n.parameter_bytes for n in members),
-                math.fsum(n.output_bytes for n in members),
-                math.fsum(graph.nodes[i].output_bytes for i in state.augmented),
+                math.fsum(map(compute.__getitem__, members)) / 1000.0,
+                math.fsum(map(forward.__getitem__, members)),
+                math.fsum(map(backward.__getitem__, members)),
+                math.fsum(map(params.__getitem__, members)),
+                math.fsum(map(outputs.__getitem__, members)),
+                math.fsum(map(outputs.__getitem__, state.augmented)),
             )
         )
     columns = np.array(rows, dtype=np.float64).T
@@ -66,7 +73,8 @@ def _prefix(graph: PlanningGraph) -> _Prefix:
 
 
 def _indices(mask: int) -> list[int]:
-    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+    """The positions of a bit set's ones, lowest first (the binary digits read backwards)."""
+    return [i for i, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
 
 
 def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
@@ -79,7 +87,7 @@ def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
     return table
 
 
-def _inner(costs: LevelCosts, top_workers: float) -> np.ndarray:
+def _inner(costs: LevelCosts, pairs: LevelPairs, top_workers: float) -> np.ndarray:
     """The level above's compute table: every row's best time on all of this level's workers.
 
     ``top_workers`` is the workers of the level above when that level is the top one (``inf``
@@ -92,7 +100,6 @@ def _inner(costs: LevelCosts, top_workers: float) -> np.ndarray:
     one row after another when that table would exceed ``_DENSE_LIMIT`` floats.
     """
     count = costs.params.shape[0]
-    pairs = level_pairs(costs)
     if top_workers <= 2:
         table = np.full((count + 1, count), math.inf)
         table[0] = solve_row(costs, 0, pairs).time[:, -1]
@@ -173,11 +180,14 @@ def plan(
             )
         )
         within = level.workers
+    pairs_of = [level_pairs(levels[0])]
     for number in range(1, len(levels)):
         # Only the top level's answer is read, so only the level below it may skip rows.
         above = levels[number].workers if number == len(levels) - 1 else math.inf
-        levels[number] = replace(levels[number], compute=_inner(levels[number - 1], above))
-    top = solve_row(levels[-1], 0)
+        table = _inner(levels[number - 1], pairs_of[-1], above)
+        levels[number] = replace(levels[number], compute=table)
+        pairs_of.append(level_pairs(levels[number]))
+    top = solve_row(levels[-1], 0, pairs_of[-1])
     best = float(top.time[count - 1, -1])
     if not math.isfinite(best):
         raise PlanError(
@@ -185,7 +195,7 @@ def plan(
             f"worker: {memory}, straight: {straight}); allow more memory, more workers, or "
             "replication"
         )
-    segments = _walk(levels, len(levels) - 1, top, 0, count - 1, 0)
+    segments = _walk(levels, pairs_of, len(levels) - 1, top, 0, count - 1, 0)
     stages = _stages(graph, prefix, segments)
     return Plan(
         stages,
@@ -210,6 +220,7 @@ def _graph(profile: Profile, max_states: int, cuts: str) -> PlanningGraph:
 
 def _walk(
     levels: list[LevelCosts],
+    pairs_of: list[LevelPairs],
     level: int,
     solution: RowSolution,
     row: int,
@@ -226,8 +237,10 @@ def _walk(
         if level == 0:
             out.append((start, stop, components))
             continue
-        below = solve_row(levels[level - 1], start)
-        per_component = [_walk(levels, level - 1, below, start, stop, c) for c in components]
+        below = solve_row(levels[level - 1], start, pairs_of[level - 1])
+        per_component = [
+            _walk(levels, pairs_of, level - 1, below, start, stop, c) for c in components
+        ]
         for parts in zip(*per_component, strict=True):
             ranks = [r for part in parts for r in part[2]]
             out.append((parts[0][0], parts[0][1], ranks))

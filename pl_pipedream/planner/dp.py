@@ -187,20 +187,18 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
     max_prime = stage.shape[0]
     primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
     positions = np.arange(ks.size)
+    # prefix[m, p]: by_workers[m, ks[p]], gathered once per worker count when it is final.
+    prefix = np.empty((workers, ks.size))
+    prefix[0] = by_workers[0, ks]
     for m in range(1, workers):
         width = min(m, max_prime)
         # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
         # against the appended stage on r' replicas.
-        candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
+        candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
         if costs.memory is not None:
             stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
             candidate = np.where(stash > costs.memory, INF, candidate)
-        if width == 1:
-            best_prime = np.zeros(ks.size, dtype=np.int64)
-            best = candidate[0]
-        else:
-            best_prime = np.argmin(candidate, axis=0)
-            best = candidate[best_prime, positions]
+        best = candidate[0] if width == 1 else candidate.min(axis=0)
         group_best = np.minimum.reduceat(best, heads)
         hits = np.where(best == np.repeat(group_best, sizes), positions, ks.size)
         chosen = np.minimum.reduceat(hits, heads)
@@ -208,7 +206,9 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         targets, chosen, values = targets_all[better], chosen[better], group_best[better]
         by_workers[m, targets] = values
         split[targets, m] = ks[chosen]
-        replicas[targets, m] = best_prime[chosen] + 1
+        # The lowest replica count among equal times, as argmin's first minimum.
+        replicas[targets, m] = np.argmin(candidate[:, chosen], axis=0) + 1
+        prefix[m] = by_workers[m, ks]
     return RowSolution(by_workers.T.copy(), split, replicas)
 
 
@@ -312,13 +312,16 @@ def to_last(costs: LevelCosts) -> np.ndarray:
         primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
         stage, stash_bytes = _appended(costs, ks, js, primes)
         heads = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        rest = np.empty((workers, js.size))  # rest[m, p]: after[m, js[p]]
+        rest[0] = after[0, js]
         for m in range(1, workers):
             width = min(m, max_prime)
-            candidate = np.maximum(stage[:width], after[m - 1 :: -1][:width][:, js])
+            candidate = np.maximum(stage[:width], rest[m - 1 :: -1][:width])
             if costs.memory is not None:
                 stash = stash_bytes * np.ceil((m - primes[:width]) / primes[:width])
                 candidate = np.where(stash > costs.memory, INF, candidate)
             after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
+            rest[m] = after[m, js]
     params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
     acts = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None]
     allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])

@@ -30,6 +30,7 @@ The arithmetic is vectorised over all (cut, cut) pairs of a row with numpy; no t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,19 +323,9 @@ def to_last(costs: LevelCosts) -> np.ndarray:
                 candidate = np.where(stash > costs.memory, INF, candidate)
             after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
             rest[m] = after[m, js]
-    params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
-    acts = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None]
-    allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])
     best = np.full(count + 1, INF)
-    for r in range(1, 2 if costs.straight else workers + 1):
-        m = r - 1
-        allreduce = 4 * m * params / (costs.bandwidth * r) / costs.within
-        first = (costs.compute + allreduce) / r
-        if costs.memory is not None:
-            stashed = math.ceil((workers - r) / r) * (acts + params)
-            first = np.where(stashed > costs.memory, INF, first)
-        first = np.where(allowed, first, INF)
-        best = np.minimum(best, np.maximum(first, after[workers - r]).min(axis=1))
+    for m, first in _first_stage_tables(costs):
+        best = np.minimum(best, np.maximum(first, after[workers - (m + 1)]).min(axis=1))
     return best
 
 
@@ -379,17 +370,26 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
 def _first_stages(costs: LevelCosts) -> np.ndarray:
     """``first[m, row, j]``: ``_first_stage(costs, row, ...)[m, j]`` for every row at once."""
     count = costs.params.shape[0]
+    first = np.full((costs.workers, count + 1, count), INF)
+    for m, table in _first_stage_tables(costs):
+        first[m] = table
+    return first
+
+
+def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
+    """``(m, table)`` with ``table[row, j]`` as ``_first_stage(costs, row, ...)[m, j]``, for
+    every worker count a first stage may have, one table at a time."""
+    count = costs.params.shape[0]
     workers = costs.workers
     params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
-    acts = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None]
     allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])
-    first = np.full((workers, count + 1, count), INF)
+    if costs.memory is not None:
+        stash = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None] + params
     for m in range(1 if costs.straight else workers):
         r = m + 1
         allreduce = 4 * m * params / (costs.bandwidth * r) / costs.within
         value = (costs.compute + allreduce) / r
         if costs.memory is not None:
-            stashed = math.ceil((workers - r) / r) * (acts + params)
+            stashed = math.ceil((workers - r) / r) * stash
             value = np.where(stashed > costs.memory, INF, value)
-        first[m] = np.where(allowed, value, INF)
-    return first
+        yield m, np.where(allowed, value, INF)

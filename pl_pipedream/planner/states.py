@@ -159,13 +159,18 @@ def _enumerate(
             known = augmented_of[antichain] = _augment(antichain)
         return known
 
+    # still_needed[a]: the ancestors of node a whose outputs some node outside a and its
+    # ancestors still reads; they depend on a alone, so they are found once per node.
+    still_needed: dict[int, int] = {}
+
     def _augment(antichain: tuple[int, ...]) -> tuple[int, ...]:
         extra = 0
         for a in antichain:
-            before = anc[a]
-            for p in _bits(before):
-                if succ_mask[p] & ~(before | (1 << a)):
-                    extra |= 1 << p
+            if a not in still_needed:
+                before = anc[a]
+                closed = before | (1 << a)
+                still_needed[a] = sum(1 << p for p in _bits(before) if succ_mask[p] & ~closed)
+            extra |= still_needed[a]
         return tuple(sorted(set(_bits(extra)) | set(antichain)))
 
     def deaugment(candidates: list[int]) -> tuple[int, ...]:

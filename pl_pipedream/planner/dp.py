@@ -24,7 +24,13 @@ after state ``a`` may only be split at states that follow ``a``; PipeDream's opt
 states unrelated to ``a`` and can then under-price an inner segment (never seen to change a final
 answer). The README records how the DP's answers compare with PipeDream's own optimizer.
 
-The arithmetic is vectorised over all (cut, cut) pairs of a row with numpy; no torch import.
+Solving the inner rows one by one repeats work: every row prices the same appended stages and
+gathers them anew. ``solve_row`` (one row with its choices, for the top level and for walking a
+plan back) prices a level's pairs once (``level_pairs``); the inner levels need only times, so
+``every_row`` solves all rows at once cut by cut, and ``to_last`` solves the segments that end the
+model for every row in one pass from the end (all a top level of two workers can use). All three
+take minima and maxima of the same per-stage floats as ``solve_row``, so their times are the same
+bits. The arithmetic is vectorised with numpy; no torch import.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ layers in ``configure_model()``, ``init_module`` under ``trainer.init_module(emp
 ``whole`` in ``__init__`` as usual, ``alone`` only builds the whole model in this process (no
 Trainer) and reports whether that fits. Each rank writes ``rank{r}.json`` (peak RSS, its data
 size, its stage, the balance) and with ``--save`` ``weights-rank{r}.pt`` (its stage's parameters
-after training).
+after training). ``--tie`` ties the last layer's weight to the first's (a tie across stages).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--sync", default="flush")
     parser.add_argument("--cap-mb", type=int, default=0)
     parser.add_argument("--save", action="store_true", help="write each rank's weights")
+    parser.add_argument("--tie", action="store_true", help="tie the last weight to the first")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.cap_mb:
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> None:
             self.built_on_meta = self.layers[0].weight.is_meta
             for index, layer in enumerate(self.layers):
                 layer.requires_grad_(index % args.trainable == 0)
+            if args.tie:  # the last layer's weight is the first's (stages 0 and last)
+                self.layers[-1].weight = self.layers[0].weight
 
         def configure_model(self) -> None:
             if self.layers is None:

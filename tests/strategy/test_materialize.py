@@ -214,7 +214,7 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
     weights = {}
     for build in ("whole", "configure", "init_module"):
         out = tmp_path / build
-        done = run(out, "--build", build, "--balance", "4", "4", "--steps", "3", "--save")
+        done = run(out, "--build", build, "--balance", "4", "4", "--steps", "3", "--save", "--tie")
         assert done.returncode == 0, done.stderr[-3000:]
         assert [r["built_on_meta"] for r in reports(out, 2)] == [build != "whole"] * 2
         weights[build] = [torch.load(out / f"weights-rank{r}.pt") for r in range(2)]
@@ -227,6 +227,10 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
             for name in whole:
                 assert torch.equal(whole[name], empty_built[name]), (build, rank, name)
     assert not torch.equal(weights["whole"][0]["layers.0.weight"], first.weight)  # it trained
+    for build in weights:  # the tie (layer 7's weight is layer 0's) holds the same on both stages
+        assert torch.equal(
+            weights[build][0]["layers.0.weight"], weights[build][1]["layers.0.weight"]
+        )
 
 
 @pytest.mark.slow

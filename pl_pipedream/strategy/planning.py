@@ -201,7 +201,7 @@ def plan_at_setup(
             if empty:
                 planned.meta["note"] = (
                     "the model was built empty (strategy.materialize): planned a straight "
-                    "pipeline, since every replica of a stage would hold the whole stage"
+                    "pipeline, since each replica of a stage holds a whole copy of that stage"
                 )
             if any(microbatches % stage.replicas for stage in planned.stages):
                 best = planned.shape

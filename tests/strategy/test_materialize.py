@@ -171,6 +171,18 @@ def test_what_cannot_be_replayed_is_refused_with_the_fix(build_model, message: s
     assert message in str(info.value)
 
 
+def test_two_empty_builds_with_draws_between_them_are_refused() -> None:
+    build = EmptyBuild()
+    with build.record():
+        first = nn.Linear(4, 4)
+    torch.rand(1)  # the whole build's second part would start from another state
+    with build.record():
+        second = nn.Linear(4, 4)
+    layers = nn.Sequential(first, second)
+    with pytest.raises(PipelineSetupError, match="a second empty build after draws"):
+        materialize(layers, layers, [1], torch.device("cpu"), build)
+
+
 def test_a_model_put_on_meta_by_the_user_is_refused() -> None:
     with torch.device("meta"):
         layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from pl_pipedream.strategy.divergence import (
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
+from pl_pipedream.strategy.materialize import EmptyBuild, materialize
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
@@ -176,6 +178,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._data_seed: int | None = None  # the same on every rank (strategy.data)
         self._loaders_seeded = 0
         self.preemption = Preemption(parse_signals(preempt_signals))
+        self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -234,6 +237,12 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self._unbound_cpus, self.cpu_binding = bound or (None, None)
         super().setup_environment()
 
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+        """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
+        setup creates this rank's stage only (``strategy.materialize``)."""
+        return self.empty_build.context(self, empty_init, super().tensor_init_context)
+
     # ----- setup ------------------------------------------------------------------------------
 
     @override
@@ -259,6 +268,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
+        local = [int(node) for node in self.local_stage.stage.nodes]
+        materialize(module, layers, local, self.root_device, self.empty_build)
         replicas = [s.replicas for s in self.plan.stages]
         ties = [tie.describe() for tie in self.local_stage.ties]
         check_ties(self.sync, ties, replicas)

@@ -217,6 +217,8 @@ class Config:
         if not name.startswith(("ours-", "torch-")):
             return Config(name, name)
         owner, schedule, m, *rest = name.split("-")
+        if not set(rest) <= {"unbound", MINIBATCH} or len(set(rest)) < len(rest):
+            raise ValueError(f"unknown suffix (config: {name})")
         return Config(name, owner, schedule, int(m), "unbound" in rest, MINIBATCH in rest)
 
     @property
@@ -758,8 +760,8 @@ def print_tables(
         "ms/mb: ms per microbatch; cores: CPU seconds of all ranks per wall second; kflt:\n"
         "thousands of page faults per batch (all ranks); work: one process's CPU time per sample\n"
         "over this one's; effic.: samples/s over twice single's; /x2: efficiency over\n"
-        "single-x2's; sim: predicted ms per batch from stage costs measured alone; sim(run): from the action\n"
-        "times of this run; ratio: measured / predicted"
+        "single-x2's; sim: predicted ms per batch from stage costs measured alone; sim(run):\n"
+        "from the action times of this run; ratio: measured / predicted"
     )
 
 
@@ -904,11 +906,39 @@ def print_profile(configs: list[Config], runs: dict[str, list[Result]]) -> None:
 # ----- entry point -----------------------------------------------------------------------------
 
 
+def config_name(name: str) -> str:
+    """``name`` if it names a configuration (see ``--configs``), else argparse's error."""
+    try:
+        config = Config.parse(name)
+    except ValueError:
+        config = None
+    owners = ("single", "single-x2", "lightning-1", "ours", "torch")
+    known = config is not None and config.owner in owners and config.microbatches >= 1
+    if known and config.owner == "ours":
+        known = config.schedule in ("async", "vertical_sync", "2bw", "flush", "gpipe")
+    if known and config.owner == "torch":
+        known = config.schedule in TORCH_AS_OURS and not config.unbound
+    if not known:
+        raise argparse.ArgumentTypeError(
+            f"a configuration is single, single-x2, lightning-1, "
+            f"ours-<sync>-<m>[-unbound][-minibatch] or torch-<1F1B|GPipe>-<m>[-minibatch] "
+            f"(config: {name}); e.g. ours-flush-8 or torch-1F1B-8-minibatch"
+        )
+    return name
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=work.WORKLOADS, default="mlp")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="default: the workload's")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=config_name,
+        help="default: the workload's; any of single, single-x2, lightning-1, "
+        "ours-<sync>-<m>[-unbound][-minibatch], torch-<1F1B|GPipe>-<m>[-minibatch], e.g. "
+        + " ".join(CONFIGS),
+    )
     parser.add_argument("--width", type=int, help="default: the workload's")
     parser.add_argument("--depth", type=int, help="blocks (default: the workload's)")
     parser.add_argument("--microbatch", type=int, help="rows per microbatch (see the views)")

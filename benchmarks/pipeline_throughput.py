@@ -117,10 +117,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput_workloads as work  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from torch import nn  # noqa: E402
 
-from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus  # noqa: E402
 from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
@@ -270,27 +268,10 @@ def run_single(args: argparse.Namespace) -> Result:
     return clock.result()
 
 
-class LightningPipeline(LightningModule):
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__()
-        self.net = work.make_layers(args)
-
-    def configure_pipeline(self) -> nn.Sequential:
-        return self.net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        return work.loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.parameters())
-
-
-class BatchClock(Callback):
-    """Wall clock and this process's CPU time at every batch end; the executor's timeline."""
+class BatchClock:
+    """Wall clock and this process's CPU time at every batch end; the executor's timeline. Its
+    methods are Lightning callback hooks; the loops without Lightning call them by hand (Lightning
+    is imported only by the workers that run it: 4 s less per process)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -306,7 +287,7 @@ class BatchClock(Callback):
             "timeline": self.timeline,
         }
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
         if runner is not None:
             runner.executor.record_timeline = True
@@ -316,7 +297,7 @@ class BatchClock(Callback):
         self.cpu.append(time.process_time())
         self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
         if runner is not None:
             self.timeline = [(e.kind, e.start, e.end) for e in runner.executor.timeline]
@@ -324,7 +305,13 @@ class BatchClock(Callback):
 
 def run_lightning(args: argparse.Namespace) -> Result:
     """A one-process Trainer, or our pipeline on 2 ranks when ``--sync`` is given."""
+    from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader
+
+    from pl_pipedream import PipeDreamStrategy
+
+    class LightningClock(BatchClock, Callback):
+        """The batch clock as a Lightning callback."""
 
     torch.set_num_threads(1)
     devices: dict[str, Any] = {"devices": 1}
@@ -337,7 +324,7 @@ def run_lightning(args: argparse.Namespace) -> Result:
             bind_cpus=not args.unbound,
         )
         devices = {"devices": NUM_STAGES, "strategy": strategy}
-    clock = BatchClock()
+    clock = LightningClock()
     trainer = Trainer(
         accelerator="cpu",
         **devices,
@@ -350,8 +337,34 @@ def run_lightning(args: argparse.Namespace) -> Result:
         enable_checkpointing=False,
     )
     loader = DataLoader(work.make_batches(args, args.batch), batch_size=None, shuffle=False)
-    trainer.fit(LightningPipeline(args), loader)
+    trainer.fit(lightning_module(args), loader)
     return clock.result()
+
+
+def lightning_module(args: argparse.Namespace) -> Any:
+    """The workload's layers and loss as a LightningModule (the pipeline's layers are the
+    workload's, in order)."""
+    from lightning.pytorch import LightningModule
+
+    class LightningPipeline(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = work.make_layers(args)
+
+        def configure_pipeline(self) -> nn.Sequential:
+            return self.net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return work.loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.parameters())
+
+    return LightningPipeline()
 
 
 def run_torch(args: argparse.Namespace) -> Result:

@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pl_pipedream.models.gpt import Block, Embedding, Head
-
 WORKLOADS = ("mlp", "gpt", "overhead")
 DISTINCT_BATCHES = 4  # batches are cycled: the figures do not depend on the values
 
@@ -57,7 +55,9 @@ def fill_defaults(args: argparse.Namespace) -> None:
 def make_layers(args: argparse.Namespace) -> nn.Sequential:
     """The whole model as the pipeline's layers; the same seed in every process."""
     torch.manual_seed(0)
-    if args.workload == "gpt":
+    if args.workload == "gpt":  # imported here: the module imports Lightning (4 s)
+        from pl_pipedream.models.gpt import Block, Embedding, Head
+
         blocks = [Block(args.width, args.heads) for _ in range(args.depth)]
         return nn.Sequential(
             Embedding(args.vocab, args.sequence, args.width), *blocks, Head(args.vocab, args.width)

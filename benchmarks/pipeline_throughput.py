@@ -183,7 +183,11 @@ DEFAULT_CONFIGS = {
         "torch-1F1B-8",
     ],
 }
-QUICK_CONFIGS = ["single", "ours-async-1", "torch-1F1B-2", "torch-1F1B-2-minibatch"]
+QUICK_CONFIGS = {  # a few seconds each on an idle machine; both views where they apply
+    "mlp": ["single", "ours-flush-2", "torch-1F1B-2", "torch-1F1B-2-minibatch"],
+    "gpt": ["ours-async-1", "torch-1F1B-2"],
+    "overhead": ["ours-flush-1", "torch-1F1B-2"],
+}
 OVERHEAD_TARGET_MS = 1.5  # per step with one microbatch, per microbatch with 8
 TORCH_AS_OURS = {"1F1B": "flush", "GPipe": "gpipe"}  # the schedule the simulator builds for it
 KINDS = (
@@ -762,10 +766,10 @@ def print_tables(
         if not chosen:
             continue
         print(f"\n{title}; medians over repeats, per sample:")
+        sim = f" {'sim ms':>6} {'ratio':>5} {'sim(run)':>8} {'ratio':>5}" if costs else ""
         print(
             f"{'config':<24} {'samples/s':>9} {'ms/batch':>8} {'ms/mb':>6} {'cores':>5} "
-            f"{'kflt':>5} {'work':>5} {'effic.':>6} {'/x2':>5} {'sim ms':>6} {'ratio':>5} "
-            f"{'sim(run)':>8} {'ratio':>5}  every repeat"
+            f"{'kflt':>5} {'work':>5} {'effic.':>6} {'/x2':>5}{sim}  every repeat"
         )
         for config in chosen:
             print_row(args, config, runs, median, costs, bandwidth)
@@ -996,7 +1000,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     work.fill_defaults(args)
     if args.configs is None:
-        args.configs = QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS[args.workload]
+        args.configs = (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)[args.workload]
     if args.quick:
         args.repeats = 1
     configs = [Config.parse(name) for name in args.configs]

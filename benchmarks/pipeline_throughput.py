@@ -184,7 +184,7 @@ DEFAULT_CONFIGS = {
     ],
 }
 QUICK_CONFIGS = {  # a few seconds each on an idle machine; both views where they apply
-    "mlp": ["single", "ours-flush-2", "torch-1F1B-2", "torch-1F1B-2-minibatch"],
+    "mlp": ["single", "ours-flush-2", "torch-1F1B-2-minibatch"],
     "gpt": ["ours-async-1", "torch-1F1B-2"],
     "overhead": ["ours-flush-1", "torch-1F1B-2"],
 }

@@ -89,7 +89,7 @@ def quick(workload: str, *extra: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "pipeline_throughput.py"), "--quick"]
     command += ["--workload", workload, *extra]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -111,22 +111,18 @@ def test_quick_mlp_prints_both_views_and_the_simulator() -> None:
     out = quick("mlp")
     micro = table_rows(out, "EQUAL MICROBATCH")
     mini = table_rows(out, "EQUAL MINIBATCH")
-    assert set(micro) == {"single", "ours-flush-2", "torch-1F1B-2"}
+    assert set(micro) == {"single", "ours-flush-2"}
     assert set(mini) == {"torch-1F1B-2-minibatch"}
     for cells in (*micro.values(), *mini.values()):
         rate, ms_batch = float(cells[0]), float(cells[1])
         assert rate > 0 and ms_batch > 0
-    # ms per batch over ms per microbatch is m; per sample, batches of 2 x 16 rows at equal
-    # microbatch, 16 rows at equal minibatch
-    assert float(micro["torch-1F1B-2"][1]) / float(micro["torch-1F1B-2"][2]) == pytest.approx(
-        2, rel=0.02
-    )
-    assert float(micro["torch-1F1B-2"][1]) == pytest.approx(
-        1e3 * 32 / float(micro["torch-1F1B-2"][0]), rel=0.01
-    )
-    assert float(mini["torch-1F1B-2-minibatch"][1]) == pytest.approx(
-        1e3 * 16 / float(mini["torch-1F1B-2-minibatch"][0]), rel=0.01
-    )
+    # ms per batch from samples/s: batches of 2 x 16 rows at equal microbatch, of 16 rows split
+    # in 2 at equal minibatch; ms per batch over ms per microbatch is m
+    flush, torch_mini = micro["ours-flush-2"], mini["torch-1F1B-2-minibatch"]
+    # (ms per batch printed to 0.1 ms, per microbatch to 0.01 ms)
+    assert float(flush[1]) == pytest.approx(1e3 * 32 / float(flush[0]), abs=0.06)
+    assert float(torch_mini[1]) == pytest.approx(1e3 * 16 / float(torch_mini[0]), abs=0.06)
+    assert 2 * float(flush[2]) == pytest.approx(float(flush[1]), abs=0.07)
     assert "16 rows (a 0.00 MB message" in out and "8 rows (a 0.00 MB message" in out  # costs
     assert "flush-8 / torch-1F1B-8" not in out  # a check whose configurations did not run
     assert "  ours-flush-2                0 " in out and "  ours-flush-2                1 " in out

@@ -50,6 +50,10 @@ def test_equal_microbatch_multiplies_the_batch_and_equal_minibatch_splits_it() -
 
 def test_a_configuration_name_is_checked() -> None:
     assert bench.config_name("ours-2bw-4-minibatch") == "ours-2bw-4-minibatch"
+    listed = {*bench.CONFIGS}
+    for names in (*bench.DEFAULT_CONFIGS.values(), *bench.QUICK_CONFIGS.values()):
+        listed.update(names)
+    assert all(bench.config_name(name) == name for name in listed)
     for wrong in ("ours-flush", "torch-Interleaved-8", "ours-flush-8-fast", "torch-1F1B-8-unbound"):
         with pytest.raises(argparse.ArgumentTypeError, match="a configuration is"):
             bench.config_name(wrong)

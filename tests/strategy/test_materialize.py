@@ -224,7 +224,10 @@ def reports(tmp_path: Path, ranks: int) -> list[dict]:  # type: ignore[type-arg]
 @pytest.mark.slow
 def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None:
     weights = {}
-    for build in ("whole", "configure", "init_module"):
+    # init_module(empty_init=True) builds through the same recorder (the fast tests check both the
+    # recorder's values and that the strategy uses it there), and it trains in the 4-rank
+    # memory-cap test below.
+    for build in ("whole", "configure"):
         out = tmp_path / build
         done = run(out, "--build", build, "--balance", "4", "4", "--steps", "3", "--save", "--tie")
         assert done.returncode == 0, done.stderr[-3000:]
@@ -232,7 +235,7 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
         weights[build] = [torch.load(out / f"weights-rank{r}.pt") for r in range(2)]
     torch.manual_seed(0)
     first = nn.Linear(64, 64)  # the script's layer 0, as built whole with seed 0
-    for build in ("configure", "init_module"):
+    for build in ("configure",):
         for rank in range(2):
             whole, empty_built = weights["whole"][rank], weights[build][rank]
             assert whole.keys() == empty_built.keys() and len(whole) == 8

@@ -30,6 +30,7 @@ from pl_pipedream.profile.measure import profile_layers
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
+from pl_pipedream.strategy.memory_report import gather_memory, plan_within
 from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
@@ -84,6 +85,7 @@ def plan_automatically(
     microbatches: int,
     to_device: Callable[[Any], Any],
     sample: Any = None,
+    memory: float | None = None,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
@@ -91,7 +93,9 @@ def plan_automatically(
     if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
-    plan, seconds = plan_at_setup(pipeline_layers(module), sample, topology, device, microbatches)
+    limit = gather_memory(device, memory)  # strategy.memory_report
+    layers = pipeline_layers(module)
+    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit)
     announce(trainer, plan, seconds)
     return plan, seconds
 
@@ -171,12 +175,14 @@ def plan_at_setup(
     topology: Topology | None,
     device: torch.device,
     microbatches: int = 1,
+    memory: float | None = None,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
     Replicas of a stage share each batch's microbatches round robin, so every replica count
     must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
-    planned instead and the plan says why (``meta["note"]``).
+    planned instead and the plan says why (``meta["note"]``). ``memory`` (bytes per worker)
+    rules out plans whose stages do not fit (``strategy.memory_report``).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -192,10 +198,16 @@ def plan_at_setup(
     if dist.get_rank() == 0:
         try:
             profile = profile_layers(layers, sample, device=device)
-            planned = make_plan(profile, topology)
+            total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
+
+            def fitting(straight: bool) -> Plan:
+                make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
+                return plan_within(make, memory, total)
+
+            planned = fitting(False)
             if any(microbatches % stage.replicas for stage in planned.stages):
                 best = planned.shape
-                planned = make_plan(profile, topology, straight=True)
+                planned = fitting(True)
                 planned.meta["note"] = (
                     f"the best plan ({best}) replicates stages, but replicas must divide the "
                     f"microbatches per batch ({microbatches}); planned a straight pipeline. "
@@ -245,6 +257,7 @@ class SetupPlanner:
     microbatches: int
     world_size: int
     to_device: Callable[[Any], Any]
+    memory: float | None = None  # bytes per rank on CPU (strategy.memory_report)
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
@@ -260,7 +273,13 @@ class SetupPlanner:
 
         def automatically() -> Plan:
             plan, self.seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.to_device, sample
+                trainer,
+                module,
+                self.topology,
+                self.microbatches,
+                self.to_device,
+                sample,
+                self.memory,
             )
             return plan
 

@@ -2,12 +2,12 @@
 
 At setup, automatic planning takes each rank's memory from its device: the free memory of a GPU
 (``torch.cuda.mem_get_info``), or ``PipeDreamStrategy(memory=...)`` (bytes, or a string such as
-``"8GiB"``) on CPU, where the process has no budget of its own to ask for. The smallest over the ranks
-bounds every stage by the paper's rule (``stage_bytes``: weights x versions in flight plus
-activations x minibatches in flight). The planner's own limit (``planner.dp``, PipeDream's:
-ceil(workers after the stage / replicas) x (weights + activations), the stash beyond the live
-weights and one minibatch) is lowered until its plan fits by that rule. If no plan fits, setup stops naming the smallest memory with which one would, found by bisection
-over the same planner.
+``"8GiB"``) on CPU, where the process has no budget of its own to ask for. The smallest over
+the ranks bounds every stage by the paper's rule (``stage_bytes``: weights x versions in flight
+plus activations x minibatches in flight). The planner's own limit (``planner.dp``,
+PipeDream's: ceil(workers after the stage / replicas) x (weights + activations), the stash
+beyond the live weights and one minibatch) is lowered until its plan fits by that rule. If no
+plan fits, setup stops naming the smallest memory with which one would, found by bisection.
 
 At the end of a fit every rank measures its stage: the weights it holds, the peak of the stashed
 weight versions beyond the live ones (``runtime.stash``), the peak of the activations its

@@ -165,3 +165,24 @@ def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
     for stage in report["plan"]["stages"]:
         assert stage["activation_bytes"] > 0  # a profiled plan: the estimate is filled in
     assert all(row["estimate_weights"] is not None for row in report["rows"])
+
+
+@pytest.mark.slow
+def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -> None:
+    """The tied parameter's version of a minibatch is kept with its weights for the replay."""
+    script = Path(__file__).with_name("tied_script.py")
+    configs = ["async:sgd", "flush:sgd"]
+    for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
+        command = [sys.executable, str(script), "--balance", "1", "3", "--configs", *configs]
+        command += ["--out", str(tmp_path / folder), *flag]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    for config in ("async-sgd", "flush-sgd"):
+        plain = torch.load(tmp_path / "plain" / config / "weights.pt")
+        recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")
+        assert sorted(plain) == sorted(recomputed)
+        for key, tensor in plain.items():
+            assert (tensor - recomputed[key]).abs().max().item() <= 1e-6, (config, key)

@@ -4,7 +4,7 @@ only their inputs.
 Every forward pass of a stage leaves tensors for its backward pass: the ones autograd saves (a
 Linear's input, an activation function's output, a dropout mask), the tensors received and the
 outputs sent on. ``Activations`` counts them per minibatch in flight through autograd's
-saved-tensor hooks (each storage once; the weights are counted elsewhere, so a storage that a
+saved-tensor hooks (each tensor once; the weights are counted elsewhere, so a tensor whose storage a
 parameter or a stashed weight version owns is left out), and keeps the peak of their sum over the
 minibatches in flight: the "activations in flight" of the memory report.
 
@@ -58,14 +58,17 @@ class Replay:
     rng: tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """Bytes by storage address, each storage once."""
-    out: dict[int, int] = {}
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
+def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The addresses of the tensors' storages (the weights': left out of the count)."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+
+
+def _count(seen: dict[int, int], tensor: torch.Tensor) -> None:
+    """Add ``tensor``'s bytes under its address, each address once (its largest view): a
+    microbatch is a view of its batch, and only its own rows count."""
+    if tensor.device.type != "meta":
+        size = tensor.numel() * tensor.element_size()
+        seen[tensor.data_ptr()] = max(seen.get(tensor.data_ptr(), 0), size)
 
 
 class Activations:
@@ -91,14 +94,12 @@ class Activations:
     def forward(self, i: int, weights: Iterable[torch.Tensor], drop: bool) -> Iterator[None]:
         """Count the storages autograd saves during minibatch ``i``'s forward (the weights'
         excepted); with ``drop``, keep none of them."""
-        skip = set(_storages(weights))
+        skip = _storages(weights)
         seen = self._saved.setdefault(i, {})
 
         def pack(tensor: torch.Tensor) -> Any:
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
-            if address not in skip and tensor.device.type != "meta":
-                seen[address] = storage.nbytes()
+            if tensor.untyped_storage().data_ptr() not in skip:
+                _count(seen, tensor)
             return None if drop else tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack if drop else _same):
@@ -109,7 +110,8 @@ class Activations:
     def done(self, i: int, held: Iterable[torch.Tensor], extra: int = 0) -> None:
         """Minibatch ``i``'s forward is over: it keeps what autograd saved and ``held``."""
         saved = self._saved.pop(i, {})
-        saved.update(_storages(held))
+        for tensor in held:
+            _count(saved, tensor)
         self.in_flight[i] = sum(saved.values())
         self._track(extra)
 

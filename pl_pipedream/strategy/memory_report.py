@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
+from pl_pipedream.runtime.recompute import Activations
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.stage import PipelineSetupError
 
@@ -228,28 +229,29 @@ def measure(
     rank: int,
     plan: Plan,
     module: torch.nn.Module,
-    executor: Any,
+    stashed: int,
+    activations: Activations,
     optimizers: Iterable[torch.optim.Optimizer],
     device: torch.device,
     sync: SyncMode,
     microbatches: int,
 ) -> StageMemory:
-    """This rank's row: its stage's peaks from the executor, its tensors' bytes now."""
+    """This rank's row: its stage's peaks (``stashed``: the weight stash's, ``activations``:
+    the executor's meter), its weights' and optimizer state's bytes now."""
     stage = plan.stage_of_rank(rank)
     weights = _bytes(p for p in module.parameters() if p.device.type != "meta")
     state = (t for o in optimizers for s in o.state.values() for t in s.values())
     optimizer = _bytes(t for t in state if isinstance(t, torch.Tensor))
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    recompute = executor.activations.recompute
     return StageMemory(
         rank,
         stage.index,
         weights,
-        int(executor.stash.peak_bytes),
-        int(executor.activations.peak_bytes),
+        int(stashed),
+        int(activations.peak_bytes),
         optimizer,
         peak,
-        *estimate(plan, stage, sync, microbatches, recompute),
+        *estimate(plan, stage, sync, microbatches, activations.recompute),
     )
 
 
@@ -273,7 +275,9 @@ def of_fit(strategy: Any) -> list[StageMemory]:
     runner, local, plan = strategy.runner, strategy.local_stage, strategy.plan
     if runner is None or local is None or plan is None:
         return []
-    measured = (local.module, runner.executor, strategy.optimizers, strategy.root_device)
+    executor = runner.executor
+    measured = (local.module, executor.stash.peak_bytes, executor.activations, strategy.optimizers)
+    measured += (strategy.root_device,)
     return report(strategy.global_rank, plan, *measured, strategy.sync, strategy.microbatches)
 
 

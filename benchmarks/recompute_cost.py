@@ -1,7 +1,7 @@
 """What activation recomputation saves and costs: time per step and memory per stage.
 
-Fits the same pipelined MLP (2 stages of ``--layers`` x (Linear(width) + GELU), their bytes
-profiled for the estimate) with ``PipeDreamStrategy(recompute=False)`` and ``recompute=True``
+Fits the same pipelined MLP (``--stages`` stages of ``--layers`` x (Linear(width) + GELU),
+their bytes profiled for the estimate) with ``PipeDreamStrategy(recompute=False)`` and ``recompute=True``
 in turn, in the same processes, ``--repeats`` times each, alternating, and prints the median time
 per Lightning step of each (timed on rank 0 after ``--warmup`` steps) and each stage's memory
 report: the activations its minibatches in flight kept at their peak, and the measured total.
@@ -91,11 +91,11 @@ def fit(args: argparse.Namespace, recompute: bool) -> tuple[float, list[dict], i
     count = rows * (args.steps + args.warmup)
     x = torch.randn(count, args.width, generator=generator)
     data = TensorDataset(x, torch.randn(count, args.width, generator=generator))
-    module = Mlp(args.width, 2 * args.layers)
+    module = Mlp(args.width, args.stages * args.layers)
     strategy = PipeDreamStrategy(
         sync=args.sync,
         microbatches=args.microbatches,
-        plan=sized_plan(module.net, x[: args.rows], [2 * args.layers, 2 * args.layers]),
+        plan=sized_plan(module.net, x[: args.rows], [2 * args.layers] * args.stages),
         recompute=recompute,
         timeout=120,
     )
@@ -103,7 +103,7 @@ def fit(args: argparse.Namespace, recompute: bool) -> tuple[float, list[dict], i
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=args.stages,
         max_epochs=1,
         use_distributed_sampler=False,
         enable_progress_bar=False,
@@ -123,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sync", default="async")
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4, help="blocks per stage")
     parser.add_argument("--rows", type=int, default=64, help="rows per microbatch")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -142,11 +143,11 @@ def main() -> None:
         return
     mib = 2**20
     lines = [
-        f"recompute_cost: {args.sync}, 2 stages x {args.layers} x (Linear({args.width}) + GELU), "
+        f"recompute_cost: {args.sync}, {args.stages} stages x {args.layers} x "
+        f"(Linear({args.width}) + GELU), "
         f"{args.microbatches} microbatches of {args.rows} rows, {args.steps} timed steps, "
         f"{args.repeats} repeats (median)",
-        f"{'recompute':>9} {'ms/step':>9} {'stage 0 act. MiB':>17} {'stage 1 act. MiB':>17} "
-        f"{'stage 0 total':>14} {'stage 1 total':>14}",
+        f"{'recompute':>9} {'ms/step':>9}  activations per stage (MiB)  total per stage (MiB)",
     ]
     summary = {}
     for recompute in (False, True):
@@ -156,10 +157,9 @@ def main() -> None:
         total = [
             (r["weights"] + r["stashed"] + r["activations"] + r["optimizer"]) / mib for r in rows
         ]
-        lines.append(
-            f"{recompute!s:>9} {ms:>9.2f} {act[0]:>17.2f} {act[1]:>17.2f} "
-            f"{total[0]:>14.2f} {total[1]:>14.2f}"
-        )
+        acts = " ".join(f"{a:.2f}" for a in act)
+        totals = " ".join(f"{t:.2f}" for t in total)
+        lines.append(f"{recompute!s:>9} {ms:>9.2f}  {acts:<28} {totals}")
         summary[str(recompute)] = {"ms_per_step": ms, "per_step": results[recompute], "rows": rows}
     ratio = statistics.median(results[True]) / statistics.median(results[False])
     lines.append(f"time with recompute / without: {ratio:.3f}")

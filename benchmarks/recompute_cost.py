@@ -1,10 +1,11 @@
 """What activation recomputation saves and costs: time per step and memory per stage.
 
 Fits the same pipelined MLP (``--stages`` stages of ``--layers`` x (Linear(width) + GELU),
-their bytes profiled for the estimate) with ``PipeDreamStrategy(recompute=False)`` and ``recompute=True``
-in turn, in the same processes, ``--repeats`` times each, alternating, and prints the median time
-per Lightning step of each (timed on rank 0 after ``--warmup`` steps) and each stage's memory
-report: the activations its minibatches in flight kept at their peak, and the measured total.
+their bytes profiled for the estimate) with ``PipeDreamStrategy(recompute=False)`` and
+``recompute=True`` in turn, in the same processes, ``--repeats`` times each, alternating, and
+prints the median time per Lightning step of each (timed on rank 0 after ``--warmup`` steps) and
+each stage's memory report: the activations its minibatches in flight kept at their peak, and
+the measured total.
 
     python benchmarks/recompute_cost.py --sync async --out outputs/recompute
 """

@@ -41,6 +41,7 @@ __all__ = [
     "measure",
     "parse_memory",
     "plan_within",
+    "planner_bytes",
     "of_fit",
     "render",
     "report",
@@ -118,37 +119,55 @@ def smallest_fitting(make: Callable[[float | None], Plan], low: float, high: flo
     return high
 
 
-def stage_bytes(stage: Stage) -> float:
+def stage_bytes(plan: Plan, stage: Stage, recompute: bool = False) -> float:
     """The paper's rule for a stage of async PipeDream: the weights of every version in flight
-    and the activations of every minibatch in flight, (warm-up + 1) x (weights + activations)."""
-    return (stage.warmup + 1) * (stage.parameter_bytes + stage.activation_bytes)
+    and the activations of every minibatch in flight, (warm-up + 1) x (weights + activations).
+    With ``recompute`` a stage but the last keeps its inputs instead, plus one minibatch's
+    activations for the replay."""
+    flight = stage.warmup + 1
+    kept = flight * stage.activation_bytes
+    if recompute and stage.index < plan.num_stages - 1:
+        kept = flight * stage.input_bytes + stage.activation_bytes
+    return flight * stage.parameter_bytes + kept
 
 
-def fitting(make: Callable[[float | None], Plan], memory: float) -> Plan:
+def planner_bytes(plan: Plan, stage: Stage) -> float:
+    """The figure the planner's DP holds under its limit (``planner.dp``, PipeDream's):
+    ceil(workers after the stage / replicas) x (weights + activations)."""
+    after = sum(s.replicas for s in plan.stages[stage.index + 1 :])
+    return math.ceil(after / stage.replicas) * (stage.activation_bytes + stage.parameter_bytes)
+
+
+def fitting(make: Callable[[float | None], Plan], memory: float, recompute: bool = False) -> Plan:
     """A plan whose every stage fits ``memory`` by ``stage_bytes``. The planner's own limit
-    counts only what a stage stashes beyond its live weights and one minibatch
-    (``planner.dp``), so it is lowered by the overshoot until the plan it gives fits."""
-    limit = memory
+    holds ``planner_bytes``, which leaves out the live weights and one minibatch and keeps every
+    activation, so it is lowered by the overshoot until the plan it gives fits (with
+    ``recompute``, from no limit at all: the planner's figure is not a bound then)."""
+    limit: float | None = None if recompute else memory
     for _ in range(64):
         plan = make(limit)
-        over = max(stage_bytes(stage) for stage in plan.stages) - memory
+        over = max(stage_bytes(plan, stage, recompute) for stage in plan.stages) - memory
         if over <= 0:
             return plan
-        limit -= over
+        figure = max(planner_bytes(plan, stage) for stage in plan.stages)
+        limit = min(figure, limit if limit is not None else figure) - over
         if limit <= 0:
             break
     raise PlanError(f"no plan fits {memory} bytes per worker")
 
 
 def plan_within(
-    make: Callable[[float | None], Plan], memory: float | None, total_bytes: float
+    make: Callable[[float | None], Plan],
+    memory: float | None,
+    total_bytes: float,
+    recompute: bool = False,
 ) -> Plan:
     """``make(None)`` without a limit; else a plan whose stages fit ``memory`` (``fitting``),
     or an error naming the smallest memory with which one would (``total_bytes``, the whole
     model's weights and activations, bounds the search)."""
     if memory is None:
         return make(None)
-    limited = lambda m: fitting(make, m)  # noqa: E731
+    limited = lambda m: fitting(make, m, recompute)  # noqa: E731
     try:
         return limited(memory)
     except PlanError:
@@ -160,10 +179,14 @@ def plan_within(
             except PlanError:
                 high *= 2
         need = smallest_fitting(limited, memory, high)
+        fixes = (
+            "more devices or a smaller batch"
+            if recompute
+            else ("more devices, PipeDreamStrategy(recompute=True) or a smaller batch")
+        )
         raise PipelineSetupError(
             f"no pipeline fits the memory per device (memory: {_size(memory)}, the smallest that "
-            f"fits: {_size(need)}); use more devices, PipeDreamStrategy(recompute=True) or a "
-            "smaller batch, or allow memory= of at least that"
+            f"fits: {_size(need)}); use {fixes}, or allow memory= of at least that"
         ) from None
 
 
@@ -220,9 +243,7 @@ def estimate(
     activations = flight * stage.activation_bytes
     if recompute and stage.index < plan.num_stages - 1:
         activations = flight * stage.input_bytes + stage.activation_bytes
-    after = sum(s.replicas for s in plan.stages[stage.index + 1 :])
-    planner = math.ceil(after / stage.replicas) * (stage.activation_bytes + weights)
-    return weights, (versions - 1) * weights, activations, planner
+    return weights, (versions - 1) * weights, activations, planner_bytes(plan, stage)
 
 
 def measure(

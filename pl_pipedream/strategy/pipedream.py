@@ -264,6 +264,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.world_size,
             self.batch_to_device,
             self.memory,
+            self.recompute,
         )
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds

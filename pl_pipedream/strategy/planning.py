@@ -86,6 +86,7 @@ def plan_automatically(
     to_device: Callable[[Any], Any],
     sample: Any = None,
     memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
@@ -95,7 +96,7 @@ def plan_automatically(
     device = trainer.strategy.root_device
     limit = gather_memory(device, memory)  # strategy.memory_report
     layers = pipeline_layers(module)
-    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit)
+    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit, recompute)
     announce(trainer, plan, seconds)
     return plan, seconds
 
@@ -176,13 +177,15 @@ def plan_at_setup(
     device: torch.device,
     microbatches: int = 1,
     memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
     Replicas of a stage share each batch's microbatches round robin, so every replica count
     must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
     planned instead and the plan says why (``meta["note"]``). ``memory`` (bytes per worker)
-    rules out plans whose stages do not fit (``strategy.memory_report``).
+    rules out plans whose stages do not fit (``strategy.memory_report``; with ``recompute``
+    stages keep inputs instead of activations).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -202,7 +205,7 @@ def plan_at_setup(
 
             def fitting(straight: bool) -> Plan:
                 make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
-                return plan_within(make, memory, total)
+                return plan_within(make, memory, total, recompute)
 
             planned = fitting(False)
             if any(microbatches % stage.replicas for stage in planned.stages):
@@ -258,6 +261,7 @@ class SetupPlanner:
     world_size: int
     to_device: Callable[[Any], Any]
     memory: float | None = None  # bytes per rank on CPU (strategy.memory_report)
+    recompute: bool = False  # stages keep inputs only: the memory the plan must fit
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
@@ -280,6 +284,7 @@ class SetupPlanner:
                 self.to_device,
                 sample,
                 self.memory,
+                self.recompute,
             )
             return plan
 

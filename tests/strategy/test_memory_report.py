@@ -61,10 +61,10 @@ def test_a_memory_limit_makes_the_planner_pick_another_plan() -> None:
     first = free.stages[0]
     assert first.nodes == ("layer0", "layer1") and first.activation_bytes == 2 * MiB
     assert estimate(free, first, SyncMode.ASYNC, 4, False)[3] == 43 * MiB  # the planner's figure
-    assert stage_bytes(first) == 2 * 43 * MiB  # two versions, two minibatches in flight
+    assert stage_bytes(free, first) == 2 * 43 * MiB  # two versions, two minibatches in flight
     limited = plan_within(make, 50 * MiB, 47 * MiB)
     assert [s.nodes for s in limited.stages] == [("layer0",), ("layer1", "layer2", "layer3")]
-    assert [stage_bytes(s) for s in limited.stages] == [4 * MiB, 45 * MiB]
+    assert [stage_bytes(limited, s) for s in limited.stages] == [4 * MiB, 45 * MiB]
 
 
 def test_no_plan_fits_names_the_smallest_memory_that_does() -> None:
@@ -80,6 +80,24 @@ def test_no_plan_fits_names_the_smallest_memory_that_does() -> None:
         plan_within(make, need * 0.995, 47 * MiB)  # and a little less does not fit
     with pytest.raises(PlanError):  # no limit, no search: the planner's own error
         plan_within(lambda m: make_plan(profile(), Topology.flat(9, 1e12), True, m), None, 1)
+
+
+def test_with_recompute_a_plan_fits_where_none_did() -> None:
+    """Activations dominate: without recomputation the best any split does is 63 MiB (layer 0,
+    then layers 1-3); with it the first stage of the 2-2 split keeps its two minibatches'
+    inputs and one replay's activations, 44 MiB."""
+
+    def make_wide(memory: float | None) -> Plan:
+        wide = Profile.chain([1.0] * 4, [2.0] * 4, [20 * MiB] * 4, [MiB] * 4)
+        return make_plan(wide, Topology.flat(2, 1e12), straight=True, memory=memory)
+
+    with pytest.raises(PipelineSetupError, match="recompute=True") as caught:
+        plan_within(make_wide, 50 * MiB, 84 * MiB)
+    need = float(str(caught.value).split("the smallest that fits: ")[1].split(" bytes")[0])
+    assert 63 * MiB <= need <= 63 * MiB * 1.002
+    recomputed = plan_within(make_wide, 50 * MiB, 84 * MiB, recompute=True)
+    assert [len(s.nodes) for s in recomputed.stages] == [2, 2]
+    assert [stage_bytes(recomputed, s, True) for s in recomputed.stages] == [44 * MiB, 42 * MiB]
 
 
 def test_the_estimate_follows_the_paper_rule_per_mode() -> None:

@@ -333,4 +333,10 @@ def _mib(value: float | None) -> str:
 
 
 def _size(value: float) -> str:
-    return f"{value:.0f} bytes ({value / 2**30:.3f} GiB)"
+    """``value`` bytes, and in the largest binary unit it reaches: "1536 bytes (1.5 KiB)"."""
+    unit, scale = "bytes", 1
+    for name, size in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        if value >= size:
+            unit, scale = name, size
+    shown = f"{value:.0f} bytes"
+    return shown if scale == 1 else f"{shown} ({value / scale:.3g} {unit})"

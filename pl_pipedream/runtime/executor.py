@@ -284,7 +284,7 @@ class StageExecutor:
         state = {**params, **dict(self.module.named_buffers())}
         drop = self.activations.recompute and self.stage < self.num_stages - 1
         replay = Replay(value, rng_state(self.device)) if drop else None
-        with self._capture(params), self.activations.forward(i, params.values(), drop):
+        with self._capture(params), self.activations.forward(i, value, params.values(), drop):
             output = functional_call(self.module, state, (value,))  # one argument, as Sequential
         flight = _InFlight(
             action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
@@ -303,8 +303,7 @@ class StageExecutor:
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight
-        kept = flatten(value)[0] if replay else [*inputs, *flight.outputs]
-        self.activations.done(i, kept)
+        self.activations.done(i, (value,) if replay else (*inputs, *flight.outputs))
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Where several backward passes make one update, Linear layers sum their weight
@@ -354,7 +353,6 @@ class StageExecutor:
         flight.outputs = []
         flight.params = {}
         flight.loss = None
-        flight.replay = None
         self.activations.release(i)
         if self.stage == 0:
             self._flight.pop(i)

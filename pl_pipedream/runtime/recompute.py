@@ -63,10 +63,17 @@ def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
 
-def _count(seen: dict[int, int], tensor: torch.Tensor) -> None:
+def _count(seen: dict[int, int], tensor: Any) -> None:
     """Add ``tensor``'s bytes under its address, each address once (its largest view): a
-    microbatch is a view of its batch, and only its own rows count."""
-    if tensor.device.type != "meta":
+    microbatch is a view of its batch, and only its own rows count. A structure (tuple, list,
+    dict) counts its tensors."""
+    if isinstance(tensor, (tuple, list)):
+        for item in tensor:
+            _count(seen, item)
+    elif isinstance(tensor, dict):
+        for item in tensor.values():
+            _count(seen, item)
+    elif isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
         size = tensor.numel() * tensor.element_size()
         seen[tensor.data_ptr()] = max(seen.get(tensor.data_ptr(), 0), size)
 
@@ -74,16 +81,22 @@ def _count(seen: dict[int, int], tensor: torch.Tensor) -> None:
 class Activations:
     """The bytes each minibatch in flight keeps for its backward pass, and their peak sum.
 
-    ``forward(i, weights)`` is the context of minibatch ``i``'s forward pass; ``done(i, tensors)``
-    adds what the executor itself holds for it (received inputs, outputs); ``release(i)`` forgets
-    it after its backward pass. With ``recompute``, ``forward`` keeps nothing autograd saves and
-    ``replay`` runs the forward again for the backward pass.
+    ``forward(i, value, weights, drop)`` is the context of minibatch ``i``'s forward pass on
+    ``value``; ``done(i, tensors)`` adds what the executor itself holds for it (received inputs,
+    outputs); ``release(i)`` forgets it after its backward pass. With ``drop`` (``recompute``,
+    every stage but the last), ``forward`` keeps nothing autograd saves and ``replay`` runs the
+    forward again for the backward pass.
+
+    Counting costs a Python call per saved tensor, so it runs once per shape of the input: the
+    bytes a forward keeps follow from its input's shapes (a model whose saved tensors depend on
+    its values, not only their shapes, is counted by its first minibatch of each shape).
     """
 
     def __init__(self, recompute: bool, device: torch.device) -> None:
         self.recompute = recompute
         self.device = device
-        self._saved: dict[int, dict[int, int]] = {}  # minibatch -> storage -> bytes
+        self._sizes: dict[Any, int] = {}  # bytes kept, by the input's shapes
+        self._pending: dict[int, tuple[Any, dict[int, int] | None]] = {}
         self.in_flight: dict[int, int] = {}
         self.peak_bytes = 0  # what the minibatches in flight keep, plus a replay's graph
         self.peak_kept_bytes = 0  # what the minibatches in flight keep
@@ -91,29 +104,47 @@ class Activations:
         self.replays = 0
 
     @contextmanager
-    def forward(self, i: int, weights: Iterable[torch.Tensor], drop: bool) -> Iterator[None]:
-        """Count the storages autograd saves during minibatch ``i``'s forward (the weights'
-        excepted); with ``drop``, keep none of them."""
+    def forward(
+        self, i: int, value: Any, weights: Iterable[torch.Tensor], drop: bool
+    ) -> Iterator[None]:
+        """Count the tensors autograd saves during minibatch ``i``'s forward on ``value`` (the
+        weights' excepted), the first time its shapes are seen; with ``drop``, keep none."""
+        key = (drop, _shapes(value))
+        if drop:
+            with torch.autograd.graph.saved_tensors_hooks(_drop, _unpack):
+                yield
+            self._pending[i] = (key, None)
+            return
+        if key in self._sizes:
+            yield
+            self._pending[i] = (key, None)
+            return
         skip = _storages(weights)
-        seen = self._saved.setdefault(i, {})
+        seen: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
             if tensor.untyped_storage().data_ptr() not in skip:
                 _count(seen, tensor)
-            return None if drop else tensor
+            return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack if drop else _same):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _same):
             yield
-        if drop:
-            seen.clear()  # none of it was kept
+        self._pending[i] = (key, seen)
 
-    def done(self, i: int, held: Iterable[torch.Tensor], extra: int = 0) -> None:
+    def done(self, i: int, held: Iterable[torch.Tensor]) -> None:
         """Minibatch ``i``'s forward is over: it keeps what autograd saved and ``held``."""
-        saved = self._saved.pop(i, {})
+        self.in_flight[i] = self._size(i, held)
+        self._track(0)
+
+    def _size(self, i: int, held: Iterable[torch.Tensor]) -> int:
+        key, seen = self._pending.pop(i)
+        if seen is None and key in self._sizes:
+            return self._sizes[key]
+        seen = seen if seen is not None else {}
         for tensor in held:
-            _count(saved, tensor)
-        self.in_flight[i] = sum(saved.values())
-        self._track(extra)
+            _count(seen, tensor)
+        self._sizes[key] = sum(seen.values())
+        return self._sizes[key]
 
     def release(self, i: int) -> None:
         self.in_flight.pop(i, None)
@@ -126,12 +157,11 @@ class Activations:
         now = rng_state(self.device)
         set_rng_state(replay.rng, self.device)
         try:
-            with torch.enable_grad(), self.forward(-1 - i, params.values(), drop=False):
+            with torch.enable_grad(), self.forward(-1 - i, replay.value, params.values(), False):
                 output = functional_call(module, state, (replay.value,))
         finally:
             set_rng_state(now, self.device)
-        transient = sum(self._saved.pop(-1 - i, {}).values())
-        self._track(transient)  # the replayed graph lives until this backward is done
+        self._track(self._size(-1 - i, ()))  # the replayed graph lives until this backward ends
         self.replays += 1
         return output
 
@@ -142,12 +172,28 @@ class Activations:
         self.peak_minibatches = max(self.peak_minibatches, len(self.in_flight))
 
 
+def _shapes(value: Any) -> Any:
+    """What determines the bytes a forward keeps: the shapes and dtypes of its input's tensors,
+    in their structure."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _shapes(v)) for k, v in value.items())
+    return type(value).__name__
+
+
 def detached(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outputs without their graph, each still saying whether it requires a gradient."""
     return [
         t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t.detach()
         for t in outputs
     ]
+
+
+def _drop(_: torch.Tensor) -> None:
+    return None
 
 
 def _same(tensor: Any) -> Any:

@@ -140,7 +140,7 @@ def test_a_dropped_forward_keeps_nothing_and_the_replay_draws_the_same_numbers()
     x = torch.randn(32, 64)
     meter = Activations(True, torch.device("cpu"))
     state = rng_state(torch.device("cpu"))
-    with meter.forward(0, params.values(), drop=True):
+    with meter.forward(0, x, params.values(), drop=True):
         first = torch.func.functional_call(module, params, (x,))
     assert first.requires_grad  # the flag the next stage reads
     (kept,) = detached([first])
@@ -158,7 +158,7 @@ def test_a_dropped_forward_keeps_nothing_and_the_replay_draws_the_same_numbers()
     assert torch.equal(torch.get_rng_state(), after_forward)  # the generator as it was
     assert torch.equal(torch.rand(3), after)
     plain = Activations(False, torch.device("cpu"))
-    with plain.forward(1, params.values(), drop=False):
+    with plain.forward(1, x, params.values(), drop=False):
         torch.func.functional_call(module, params, (x,))
     plain.done(1, [x])
     # x, the dropout mask and its output, the tanh output: the weights are not counted

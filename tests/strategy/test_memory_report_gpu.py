@@ -35,7 +35,7 @@ def test_the_report_takes_the_allocators_peak_and_a_replay_the_gpus_draws() -> N
     meter = Activations(True, device)
     state = rng_state(device)
     assert state[1] is not None  # the GPU's generator is saved too
-    with meter.forward(0, params.values(), drop=True):
+    with meter.forward(0, x, params.values(), drop=True):
         first = torch.func.functional_call(module, params, (x,))
     again = meter.replay(0, Replay(x, state), module, params)
     assert torch.equal(again, first.detach())

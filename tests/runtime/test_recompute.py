@@ -164,3 +164,19 @@ def test_a_dropped_forward_keeps_nothing_and_the_replay_draws_the_same_numbers()
     # x, the dropout mask and its output, the tanh output: the weights are not counted
     assert plain.in_flight[1] >= 3 * 32 * 64 * 4
     assert meter.peak_bytes > meter.in_flight[0]  # the replay's graph counted while it lived
+
+
+def test_activations_are_counted_once_per_input_shape() -> None:
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    params = dict(module.named_parameters())
+    meter = Activations(False, torch.device("cpu"))
+    for i, rows in enumerate((4, 4, 2)):
+        x = torch.randn(rows, 8)
+        with meter.forward(i, x, params.values(), drop=False):
+            hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            out = torch.func.functional_call(module, params, (x,))
+        assert hooked == (i != 1)  # the second minibatch of 4 rows is not counted again
+        meter.done(i, (x, out))
+    # x (Linear's input) and Tanh's output: each 4 x 8 floats, then 2 x 8
+    assert meter.in_flight == {0: 2 * 4 * 8 * 4, 1: 2 * 4 * 8 * 4, 2: 2 * 2 * 8 * 4}
+    assert meter.peak_bytes == 2 * 256 + 128  # all three in flight

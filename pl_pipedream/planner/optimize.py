@@ -270,6 +270,7 @@ def _stages(
                 _segment(prefix.params, start, end),
                 float(prefix.outputs[start - 1]) if start > 0 else 0.0,
                 float(prefix.outputs[end]) if end < last else 0.0,
+                activation_bytes=_segment(prefix.activations, start, end),
             )
         )
     for node_id, producer in graph.dropped:

@@ -42,7 +42,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.arguments import check_arguments
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
@@ -108,6 +108,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             "Statistical efficiency").
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved and
             exit status 128 + signal (``strategy.preemption``); ``()`` leaves them to Lightning.
+        recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
+        memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
+            memory by default. A fit's memory per stage: ``memory_report``, printed at its end.
     """
 
     strategy_name = "pipedream"
@@ -131,6 +134,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         divergence_patience: int = 3,
         divergence_window: int = 5,
         preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        recompute: bool = False,
+        memory: int | float | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -179,6 +184,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._loaders_seeded = 0
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
+        self.recompute = bool(recompute)
+        self.memory = memory_report.parse_memory(memory)
+        self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -264,6 +272,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.microbatches,
             self.world_size,
             self.batch_to_device,
+            self.memory,
+            self.recompute,
         )
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds
@@ -326,6 +336,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             record_timeline=self.timeline is not None,
             ties=self.local_stage.tied_groups(),
             weight_prediction=self.weight_prediction,
+            recompute=self.recompute,
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
@@ -412,6 +423,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     @override
     def on_train_end(self) -> None:
         self.drain()
+        self.memory_report = memory_report.of_fit(self)  # printed by rank 0
         if self.timeline is not None and self.runner is not None:
             self.bubbles = gather_trace(self.runner.executor.timeline, self.timeline) or {}
             if self.bubbles:

@@ -33,6 +33,7 @@ from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
 from pl_pipedream.strategy.materialize import loaded, model_tensors
+from pl_pipedream.strategy.memory_report import gather_memory, plan_within
 from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
@@ -87,6 +88,8 @@ def plan_automatically(
     microbatches: int,
     to_device: Callable[[Any], Any],
     sample: Any = None,
+    memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
@@ -94,7 +97,9 @@ def plan_automatically(
     if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
-    plan, seconds = plan_at_setup(pipeline_layers(module), sample, topology, device, microbatches)
+    limit = gather_memory(device, memory)  # strategy.memory_report
+    layers = pipeline_layers(module)
+    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit, recompute)
     announce(trainer, plan, seconds)
     return plan, seconds
 
@@ -174,6 +179,8 @@ def plan_at_setup(
     topology: Topology | None,
     device: torch.device,
     microbatches: int = 1,
+    memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
@@ -181,6 +188,8 @@ def plan_at_setup(
     must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
     planned instead and the plan says why (``meta["note"]``). A model built empty is profiled
     one layer at a time and planned straight: a replica would hold its stage whole again.
+    ``memory`` (bytes per worker) rules out plans whose stages do not fit
+    (``strategy.memory_report``; with ``recompute`` stages keep inputs instead of activations).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -197,7 +206,13 @@ def plan_at_setup(
         try:
             empty = any(t.is_meta for t in model_tensors(layers))
             profile = _profile(layers, sample, device, empty)
-            planned = make_plan(profile, topology, straight=empty)
+            total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
+
+            def fitting(straight: bool) -> Plan:
+                make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
+                return plan_within(make, memory, total, recompute)
+
+            planned = fitting(empty)
             if empty:
                 planned.meta["note"] = (
                     "the model was built empty (strategy.materialize): planned a straight "
@@ -205,7 +220,7 @@ def plan_at_setup(
                 )
             if any(microbatches % stage.replicas for stage in planned.stages):
                 best = planned.shape
-                planned = make_plan(profile, topology, straight=True)
+                planned = fitting(True)
                 planned.meta["note"] = (
                     f"the best plan ({best}) replicates stages, but replicas must divide the "
                     f"microbatches per batch ({microbatches}); planned a straight pipeline. "
@@ -264,6 +279,8 @@ class SetupPlanner:
     microbatches: int
     world_size: int
     to_device: Callable[[Any], Any]
+    memory: float | None = None  # bytes per rank on CPU (strategy.memory_report)
+    recompute: bool = False  # stages keep inputs only: the memory the plan must fit
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
@@ -279,7 +296,14 @@ class SetupPlanner:
 
         def automatically() -> Plan:
             plan, self.seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.to_device, sample
+                trainer,
+                module,
+                self.topology,
+                self.microbatches,
+                self.to_device,
+                sample,
+                self.memory,
+                self.recompute,
             )
             return plan
 

@@ -127,6 +127,7 @@ class Activations:
                 _count(seen, tensor)
             return tensor
 
+        pack.passes_through = True  # type: ignore[attr-defined] # linear_sums still fuses
         with torch.autograd.graph.saved_tensors_hooks(pack, _same):
             yield
         self._pending[i] = (key, seen)

@@ -1,19 +1,30 @@
 """Throughput of PipeDreamStrategy on 2 CPU ranks, against torch's pipelining and one process.
 
-Run: python benchmarks/pipeline_throughput.py --repeats 3
+Run: python benchmarks/pipeline_throughput.py --workload mlp|gpt|overhead --repeats 3
 
-One MLP (``--depth`` Linear layers of ``--width`` with ReLU between them, half the layers per
-stage), one fixed set of samples, plain SGD, every process on one thread. Configurations,
-interleaved, each run ``--repeats`` times in fresh processes:
+Workloads (benchmarks/throughput_workloads.py): ``mlp`` (8 x Linear(1024), 128 rows per
+microbatch), ``gpt`` (a GPT-style decoder: embedding, 4 pre-LayerNorm blocks of width 256 over
+windows of 128 tokens, head; 8 windows per microbatch) and ``overhead`` (Linear(16)-ReLU-Linear(16),
+8 rows, 600 steps: the fixed cost of a step and of a microbatch). Half the blocks per stage, plain
+SGD, every process on one thread. Configurations, interleaved, each run ``--repeats`` times in
+fresh processes:
 
 * ``single``: a plain PyTorch loop in one process, the reference for efficiency;
   ``lightning-1``: the same model and samples through a one-process Lightning ``Trainer``;
   ``single-x2``: two independent copies of ``single`` at once (what sharing the 2 cores costs).
-* ``ours-<sync>-<m>``: ``Trainer(strategy=PipeDreamStrategy(sync=..., balance=[4, 4],
+* ``ours-<sync>-<m>``: ``Trainer(strategy=PipeDreamStrategy(sync=..., balance=[...],
   microbatches=m), accelerator="cpu", devices=2)``; Lightning's script launcher re-runs this file
   for rank 1.
-* ``torch-<schedule>-8``: ``torch.distributed.pipelining`` (``PipelineStage`` over gloo,
-  ``Schedule1F1B`` or ``ScheduleGPipe`` with 8 microbatches), one optimizer step per batch.
+* ``torch-<schedule>-<m>``: ``torch.distributed.pipelining`` (``PipelineStage`` over gloo,
+  ``Schedule1F1B`` or ``ScheduleGPipe`` with m microbatches), one optimizer step per batch.
+
+Two views. The headline is at EQUAL MICROBATCH: every configuration's matrix products run on
+``--microbatch`` rows, so a configuration with m microbatches trains batches of m x
+``--microbatch`` rows (``single``, ``lightning-1`` and ``ours-async-1`` batches of
+``--microbatch``). The second view, EQUAL MINIBATCH (configurations ending in ``-minibatch``),
+gives every configuration batches of ``--microbatch`` rows, which those with m microbatches split
+into m microbatches of ``--microbatch / m`` rows (smaller, less efficient matrix products).
+Throughput is compared per sample.
 
 Time is rank 0's wall clock from the end of batch ``--warmup - 1`` to the end of the
 second-to-last batch (the last one also drains an async pipeline). Efficiency is the one-process
@@ -21,9 +32,16 @@ time per sample over twice the pipeline's. The simulator predicts each pipeline'
 from per-stage forward, backward, step, stash-copy and gradient-sum times, each stage measured
 alone in its own process while the other stage is measured in another (both cores busy, as in
 the pipeline), and from the bandwidth of gloo on loopback measured at each message size. For our
-configurations the executor's timeline splits each rank's time per batch by action kind.
+configurations the executor's timeline splits each rank's time per batch by action kind. All of
+this runs for every workload (``--no-simulate`` leaves out the stage costs and the simulator).
 """
 
+# The figures below were taken before issue 15, at EQUAL MINIBATCH with the MLP at width 2048
+# (the equivalent command now: --workload mlp --width 2048 --configs single single-x2 lightning-1
+# ours-async-1 ours-async-1-unbound ours-async-4-minibatch ours-flush-8-minibatch
+# ours-gpipe-8-minibatch torch-1F1B-8-minibatch torch-GPipe-8-minibatch; the table's names are
+# the old ones, "torch best" is torch's best schedule at equal minibatch).
+#
 # Measured on the project machine, an AMD EPYC VM (2 shared cores; torch 2.13 CPU, lightning
 # 2.6), at commit 87f95b5 (ranks bound to cores of their own):
 #
@@ -89,19 +107,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import throughput_workloads as work  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from torch import nn  # noqa: E402
 
-from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus  # noqa: E402
 from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
@@ -110,7 +127,7 @@ from pl_pipedream.schedule import build, simulate  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 NUM_STAGES = 2
-MICROBATCH_COUNTS = (1, 4, 8)
+MINIBATCH = "minibatch"  # the suffix of the equal-minibatch view's configurations
 CONFIGS = (
     "single",
     "single-x2",
@@ -118,11 +135,60 @@ CONFIGS = (
     "ours-async-1",
     "ours-async-1-unbound",
     "ours-async-4",
+    "ours-flush-1",
     "ours-flush-8",
     "ours-gpipe-8",
+    "torch-1F1B-2",
     "torch-1F1B-8",
     "torch-GPipe-8",
+    "ours-async-4-minibatch",
+    "ours-flush-8-minibatch",
+    "ours-gpipe-8-minibatch",
+    "torch-1F1B-8-minibatch",
+    "torch-GPipe-8-minibatch",
 )
+DEFAULT_CONFIGS = {
+    "mlp": [
+        "single",
+        "single-x2",
+        "lightning-1",
+        "ours-async-1",
+        "ours-async-1-unbound",
+        "ours-async-4",
+        "ours-flush-8",
+        "ours-gpipe-8",
+        "torch-1F1B-8",
+        "torch-GPipe-8",
+        "ours-flush-8-minibatch",
+        "torch-1F1B-8-minibatch",
+        "torch-GPipe-8-minibatch",
+    ],
+    "gpt": [
+        "single",
+        "single-x2",
+        "lightning-1",
+        "ours-async-1",
+        "ours-flush-8",
+        "torch-1F1B-8",
+        "ours-flush-8-minibatch",
+        "torch-1F1B-8-minibatch",
+    ],
+    "overhead": [
+        "single",
+        "lightning-1",
+        "ours-async-1",
+        "ours-flush-1",
+        "ours-flush-8",
+        "torch-1F1B-2",
+        "torch-1F1B-8",
+    ],
+}
+QUICK_CONFIGS = {  # a few seconds each on an idle machine; both views where they apply
+    "mlp": ["single", "ours-flush-2", "torch-1F1B-2-minibatch"],
+    "gpt": ["ours-async-1", "torch-1F1B-2"],
+    "overhead": ["ours-flush-1", "torch-1F1B-2"],
+}
+OVERHEAD_TARGET_MS = 1.5  # per step with one microbatch, per microbatch with 8
 TORCH_AS_OURS = {"1F1B": "flush", "GPipe": "gpipe"}  # the schedule the simulator builds for it
 KINDS = (
     "FORWARD",
@@ -137,33 +203,44 @@ KINDS = (
 Result = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Config:
+    """One configuration's name parsed: who runs it, how, and on how many rows."""
+
+    name: str
+    owner: str  # single, single-x2, lightning-1, ours or torch
+    schedule: str = ""  # our sync mode, or torch's schedule
+    microbatches: int = 1
+    unbound: bool = False
+    equal_minibatch: bool = False
+
+    @staticmethod
+    def parse(name: str) -> Config:
+        if not name.startswith(("ours-", "torch-")):
+            return Config(name, name)
+        owner, schedule, m, *rest = name.split("-")
+        if not set(rest) <= {"unbound", MINIBATCH} or len(set(rest)) < len(rest):
+            raise ValueError(f"unknown suffix (config: {name})")
+        return Config(name, owner, schedule, int(m), "unbound" in rest, MINIBATCH in rest)
+
+    @property
+    def piped(self) -> bool:
+        return self.owner in ("ours", "torch")
+
+    def rows(self, args: argparse.Namespace) -> int:
+        """Rows per batch: m microbatches of ``--microbatch`` rows at equal microbatch,
+        ``--microbatch`` rows (split m ways) at equal minibatch."""
+        return args.microbatch if self.equal_minibatch else self.microbatches * args.microbatch
+
+    def microbatch_rows(self, args: argparse.Namespace) -> int:
+        return self.rows(args) // self.microbatches
+
+
 # ----- the workload, identical in every process -----------------------------------------------
-
-
-def make_layers(width: int, depth: int) -> nn.Sequential:
-    """``depth`` blocks, Linear + ReLU except the last (plain Linear); the same seed everywhere."""
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)]
-    return nn.Sequential(*blocks, nn.Sequential(nn.Linear(width, width)))
-
-
-def make_batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    shape = (args.steps, args.batch, args.width)
-    inputs, targets = (
-        torch.randn(shape, generator=generator),
-        torch.randn(shape, generator=generator),
-    )
-    return list(zip(inputs.unbind(), targets.unbind(), strict=True))
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-3)
-
-
-def stage_layers(layers: nn.Sequential, stage: int) -> nn.Sequential:
-    size = len(layers) // NUM_STAGES
-    return layers[stage * size : (stage + 1) * size]
 
 
 def bind_rank(rank: int) -> None:
@@ -183,11 +260,11 @@ def worker_rank() -> int:
 
 
 def run_single(args: argparse.Namespace) -> Result:
-    layers = make_layers(args.width, args.depth)
+    layers = work.make_layers(args)
     optimizer = make_optimizer(layers.parameters())
     clock = BatchClock()
-    for x, y in make_batches(args):
-        loss = F.mse_loss(layers(x), y)
+    for x, y in work.make_batches(args, args.batch):
+        loss = work.loss(layers(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -195,27 +272,10 @@ def run_single(args: argparse.Namespace) -> Result:
     return clock.result()
 
 
-class LightningMLP(LightningModule):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.net = make_layers(width, depth)
-
-    def configure_pipeline(self) -> nn.Sequential:
-        return self.net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.parameters())
-
-
-class BatchClock(Callback):
-    """Wall clock and this process's CPU time at every batch end; the executor's timeline."""
+class BatchClock:
+    """Wall clock and this process's CPU time at every batch end; the executor's timeline. Its
+    methods are Lightning callback hooks; the loops without Lightning call them by hand (Lightning
+    is imported only by the workers that run it: 4 s less per process)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -231,7 +291,7 @@ class BatchClock(Callback):
             "timeline": self.timeline,
         }
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
         if runner is not None:
             runner.executor.record_timeline = True
@@ -241,7 +301,7 @@ class BatchClock(Callback):
         self.cpu.append(time.process_time())
         self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
         if runner is not None:
             self.timeline = [(e.kind, e.start, e.end) for e in runner.executor.timeline]
@@ -249,21 +309,26 @@ class BatchClock(Callback):
 
 def run_lightning(args: argparse.Namespace) -> Result:
     """A one-process Trainer, or our pipeline on 2 ranks when ``--sync`` is given."""
+    from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader
+
+    from pl_pipedream import PipeDreamStrategy
+
+    class LightningClock(BatchClock, Callback):
+        """The batch clock as a Lightning callback."""
 
     torch.set_num_threads(1)
     devices: dict[str, Any] = {"devices": 1}
     if args.sync:
-        balance = [args.depth // NUM_STAGES] * NUM_STAGES
         strategy = PipeDreamStrategy(
             sync=args.sync,
-            balance=balance,
+            balance=work.balance(args),
             microbatches=args.m,
             retain_freed_memory=not args.default_allocator,
             bind_cpus=not args.unbound,
         )
         devices = {"devices": NUM_STAGES, "strategy": strategy}
-    clock = BatchClock()
+    clock = LightningClock()
     trainer = Trainer(
         accelerator="cpu",
         **devices,
@@ -275,9 +340,35 @@ def run_lightning(args: argparse.Namespace) -> Result:
         logger=False,
         enable_checkpointing=False,
     )
-    loader = DataLoader(make_batches(args), batch_size=None, shuffle=False)
-    trainer.fit(LightningMLP(args.width, args.depth), loader)
+    loader = DataLoader(work.make_batches(args, args.batch), batch_size=None, shuffle=False)
+    trainer.fit(lightning_module(args), loader)
     return clock.result()
+
+
+def lightning_module(args: argparse.Namespace) -> Any:
+    """The workload's layers and loss as a LightningModule (the pipeline's layers are the
+    workload's, in order)."""
+    from lightning.pytorch import LightningModule
+
+    class LightningPipeline(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = work.make_layers(args)
+
+        def configure_pipeline(self) -> nn.Sequential:
+            return self.net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return work.loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.parameters())
+
+    return LightningPipeline()
 
 
 def run_torch(args: argparse.Namespace) -> Result:
@@ -286,13 +377,13 @@ def run_torch(args: argparse.Namespace) -> Result:
 
     rank = worker_rank()
     dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
-    module = stage_layers(make_layers(args.width, args.depth), rank)
+    module = work.stage_layers(work.make_layers(args), args, rank)
     stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
     kind = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[args.schedule]
-    schedule = kind(stage, n_microbatches=args.m, loss_fn=F.mse_loss)
+    schedule = kind(stage, n_microbatches=args.m, loss_fn=work.loss)
     optimizer = make_optimizer(module.parameters())
     clock = BatchClock()
-    for x, y in make_batches(args):
+    for x, y in work.make_batches(args, args.batch):
         if rank == 0:
             schedule.step(x)
         else:
@@ -305,12 +396,13 @@ def run_torch(args: argparse.Namespace) -> Result:
 
 
 def run_bandwidth(args: argparse.Namespace) -> Result:
-    """Ping-pong over gloo on loopback: bytes/s for one activation message per microbatch count."""
+    """Ping-pong over gloo on loopback: bytes/s for one activation message of each microbatch
+    size (``--cost-rows``)."""
     rank = worker_rank()
     dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
     out = {}
-    for m in MICROBATCH_COUNTS:
-        buffer = torch.zeros(args.batch // m, args.width)
+    for rows in args.cost_rows:
+        buffer = torch.zeros(work.activation_shape(args, rows))
         for _ in range(3):
             ping(buffer, rank)
         count = 20
@@ -318,7 +410,7 @@ def run_bandwidth(args: argparse.Namespace) -> Result:
         for _ in range(count):
             ping(buffer, rank)
         one_way = (time.perf_counter() - start) / (2 * count)
-        out[str(m)] = buffer.numel() * buffer.element_size() / one_way
+        out[str(rows)] = buffer.numel() * buffer.element_size() / one_way
     dist.destroy_process_group()
     return out
 
@@ -334,24 +426,25 @@ def ping(buffer: torch.Tensor, rank: int) -> None:
 
 
 def run_stage_costs(args: argparse.Namespace) -> Result:
-    """Per microbatch count, this rank's stage alone in its process (ms of forward, backward,
-    step, copy, gradient sum) while the other rank measures the other stage: both cores busy,
-    as in a pipeline, where small matrix products on both cores share the memory bandwidth."""
+    """Per microbatch size (``--cost-rows``), this rank's stage alone in its process (ms of
+    forward, backward, step, copy, gradient sum) while the other rank measures the other stage:
+    both cores busy, as in a pipeline, where small matrix products on both cores share the
+    memory bandwidth."""
     rank = worker_rank()
     dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
-    module = stage_layers(make_layers(args.width, args.depth), rank)
+    module = work.stage_layers(work.make_layers(args), args, rank)
     out = {}
-    for m in MICROBATCH_COUNTS:
-        x, y = torch.randn(2, args.batch // m, args.width)
+    for rows in args.cost_rows:
+        x, y = work.stage_sample(args, rank, rows)
         dist.barrier()
-        out[str(m)] = stage_cost(module, x, y, last=rank == NUM_STAGES - 1)
+        out[str(rows)] = stage_cost(module, x, y, last=rank == NUM_STAGES - 1)
     dist.destroy_process_group()
     return out
 
 
 def stage_costs_of(results: list[Result]) -> Result:
-    """{m: [stage 0's costs, stage 1's, ...]} from the ranks' results."""
-    return {m: [result[m] for result in results] for m in results[0]}
+    """{rows: [stage 0's costs, stage 1's, ...]} from the ranks' results."""
+    return {rows: [result[rows] for result in results] for rows in results[0]}
 
 
 def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) -> dict[str, float]:
@@ -378,7 +471,7 @@ def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) 
         marks = [time.perf_counter()]
         inputs = x.clone().requires_grad_(True) if last else x
         output = module(inputs)
-        root, seed = (F.mse_loss(output, y), None) if last else (output, torch.ones_like(output))
+        root, seed = (work.loss(output, y), None) if last else (output, torch.ones_like(output))
         marks.append(time.perf_counter())
         grads = torch.autograd.grad(root, params + ([inputs] if last else []), seed)
         marks.append(time.perf_counter())
@@ -397,7 +490,7 @@ def stage_cost(module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool) 
             samples[name].append(1e3 * (end - begin))
         with sums.capture(named):
             output = module(inputs)
-        root = F.mse_loss(output, y) if last else output
+        root = work.loss(output, y) if last else output
         begin = time.perf_counter()
         torch.autograd.grad(root, params + ([inputs] if last else []), seed, allow_unused=True)
         samples["summed backward"].append(1e3 * (time.perf_counter() - begin))
@@ -449,6 +542,7 @@ def launch(
 
 
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+SIZE_ARGUMENTS = ("width", "depth", "microbatch", "steps", "warmup", "sequence", "heads", "vocab")
 
 
 def free_port() -> int:
@@ -458,23 +552,26 @@ def free_port() -> int:
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:
-    given = [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "batch", "steps")]
+    given = [f"--workload={args.workload}"]
+    given += [f"--{name}={getattr(args, name)}" for name in SIZE_ARGUMENTS]
+    given.append("--cost-rows=" + ",".join(map(str, args.cost_rows)))
     flags = {"--default-allocator": args.default_allocator, "--unbound": args.unbound}
     return given + [flag for flag, on in flags.items() if on]
 
 
-def run_config(args: argparse.Namespace, config: str) -> list[Result]:
-    if config == "single":
-        return launch(args, "single", [], 1)
-    if config == "single-x2":  # two independent copies at once: what sharing the machine costs
-        return launch(args, "single", [], 2)
-    if config == "lightning-1":
-        return launch(args, "lightning", [], 1)
-    owner, name, m, *unbound = config.split("-")
-    if owner == "ours":
-        extra = [f"--sync={name}", f"--m={m}"] + (["--unbound"] if unbound else [])
+def run_config(args: argparse.Namespace, config: Config) -> list[Result]:
+    rows = [f"--batch={config.rows(args)}"]
+    if config.owner == "single":
+        return launch(args, "single", rows, 1)
+    if config.owner == "single-x2":  # two independent copies at once: what sharing costs
+        return launch(args, "single", rows, 2)
+    if config.owner == "lightning-1":
+        return launch(args, "lightning", rows, 1)
+    extra = [*rows, f"--m={config.microbatches}"]
+    if config.owner == "ours":
+        extra += [f"--sync={config.schedule}"] + (["--unbound"] if config.unbound else [])
         return launch(args, "lightning", extra, 1, NUM_STAGES)
-    return launch(args, "torch", [f"--schedule={name}", f"--m={m}"], NUM_STAGES)
+    return launch(args, "torch", [*extra, f"--schedule={config.schedule}"], NUM_STAGES)
 
 
 def steady_window(args: argparse.Namespace, times: list[float]) -> tuple[float, float, int]:
@@ -504,8 +601,7 @@ def time_by_kind(results: list[Result], window: tuple[float, float, int]) -> lis
 
 def predict_ms_per_batch(
     args: argparse.Namespace,
-    sync: str,
-    m: int,
+    config: Config,
     costs: list[dict[str, float]],
     bandwidth: float,
     ours: bool = True,
@@ -516,8 +612,9 @@ def predict_ms_per_batch(
     ``.grad``, so for them every backward pass but one in m also pays one gradient sum (costs
     without ``copy``/``accumulate`` were measured in the run, where those are inside the action
     times already)."""
-    plan = Plan.from_balance([args.depth // NUM_STAGES] * NUM_STAGES)
-    message = args.batch // m * args.width * 4
+    sync, m = sync_of(config), config.microbatches
+    plan = Plan.from_balance(work.balance(args))
+    message = work.message_bytes(args, config.microbatch_rows(args))
     stages = tuple(replace(s, output_bytes=message if s.index == 0 else 0.0) for s in plan.stages)
     schedule = build(replace(plan, stages=stages), sync, 16, m)
     forward = [c["forward"] for c in costs]
@@ -539,10 +636,16 @@ def predict_ms_per_batch(
     return result.time_per_minibatch_ms * m
 
 
-def run_costs(results: list[Result], m: int, sync: str) -> list[dict[str, float]]:
-    """Per stage, ms per minibatch of forward, backward and step as the pipeline ran them
-    (median over repeats): the simulator fed these checks the schedule model by itself."""
-    updates = m if sync in ("async", "vertical_sync") else 1
+def sync_of(config: Config) -> str:
+    return config.schedule if config.owner == "ours" else TORCH_AS_OURS[config.schedule]
+
+
+def run_costs(results: list[Result], config: Config) -> list[dict[str, float]]:
+    """Per stage, ms per microbatch of forward and backward and per update of step as the
+    pipeline ran them (median over repeats): the simulator fed these checks the schedule model
+    by itself."""
+    m = config.microbatches
+    updates = m if sync_of(config) in ("async", "vertical_sync") else 1
     costs = []
     for rank in range(NUM_STAGES):
         spent = {k: statistics.median(r["kinds"][rank][k] for r in results) for k in KINDS}
@@ -569,33 +672,39 @@ def median_costs(runs: list[Result]) -> Result:
 def drive(args: argparse.Namespace) -> None:
     print(f"$ {shlex.join(['OMP_NUM_THREADS=1', 'python', *sys.argv])}")
     print(
-        f"{os.cpu_count()} cores, torch {torch.__version__}; MLP {args.depth} x "
-        f"Linear({args.width}), batch {args.batch}, {args.steps} batches of which the first "
+        f"{os.cpu_count()} cores, torch {torch.__version__}; {work.describe(args)}, "
+        f"{args.microbatch} rows per microbatch, {args.steps} batches of which the first "
         f"{args.warmup} are not timed, SGD, 1 thread per process; allocator: "
         + ("glibc's defaults" if args.default_allocator else "freed memory kept, every process")
     )
-    runs: dict[str, list[Result]] = {c: [] for c in args.configs}
+    configs = [Config.parse(name) for name in args.configs]
+    runs: dict[str, list[Result]] = {c.name: [] for c in configs}
     cost_runs, bandwidth_runs = [], []
     for repeat in range(args.repeats):
-        cost_runs.append(stage_costs_of(launch(args, "stage-costs", [], NUM_STAGES)))
-        bandwidth_runs.append(launch(args, "bandwidth", [], NUM_STAGES)[0])
-        for config in args.configs:
+        if args.simulate:
+            cost_runs.append(stage_costs_of(launch(args, "stage-costs", [], NUM_STAGES)))
+            bandwidth_runs.append(launch(args, "bandwidth", [], NUM_STAGES)[0])
+        for config in configs:
             results = run_config(args, config)
-            runs[config].append(measure(args, results, independent=config == "single-x2"))
+            runs[config.name].append(measure(args, config, results))
             print(
-                f"  repeat {repeat}: {config:<20} {runs[config][-1]['samples']:8.1f} samples/s, "
-                f"{runs[config][-1]['cores']:.2f} cores busy, load {os.getloadavg()[0]:.1f}",
+                f"  repeat {repeat}: {config.name:<24} {runs[config.name][-1]['samples']:8.1f} "
+                f"samples/s, {runs[config.name][-1]['cores']:.2f} cores busy, "
+                f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-    costs, bandwidth = median_costs(cost_runs), median_costs(bandwidth_runs)
-    print_costs(args, costs, bandwidth)
-    print_table(args, runs, costs, bandwidth)
-    print_profile(runs)
+    costs, bandwidth = None, None
+    if args.simulate:
+        costs, bandwidth = median_costs(cost_runs), median_costs(bandwidth_runs)
+        print_costs(args, costs, bandwidth)
+    print_tables(args, configs, runs, costs, bandwidth)
+    print_targets(args, runs)
+    print_profile(configs, runs)
 
 
-def measure(args: argparse.Namespace, results: list[Result], independent: bool) -> Result:
-    """Samples/s in rank 0's steady window (summed over the ranks of ``independent`` copies),
-    CPU cores the ranks kept busy, page faults per batch and rank, time by action kind."""
+def measure(args: argparse.Namespace, config: Config, results: list[Result]) -> Result:
+    """Samples/s in rank 0's steady window (summed over the ranks of single-x2's independent
+    copies), CPU cores the ranks kept busy, page faults per batch and rank, time by action kind."""
     first, last = args.warmup - 1, args.steps - 2
     window = steady_window(args, results[0]["times"])
     cores, faults, rates = 0.0, [], []
@@ -603,9 +712,9 @@ def measure(args: argparse.Namespace, results: list[Result], independent: bool) 
         wall = result["times"][last] - result["times"][first]
         cores += (result["cpu"][last] - result["cpu"][first]) / wall
         faults.append((result["faults"][last] - result["faults"][first]) / (last - first))
-        rates.append((last - first) * args.batch / wall)
+        rates.append((last - first) * config.rows(args) / wall)
     return {
-        "samples": sum(rates) if independent else rates[0],
+        "samples": sum(rates) if config.owner == "single-x2" else rates[0],
         "cores": cores,
         "faults": faults,
         "kinds": time_by_kind(results, window),
@@ -614,137 +723,263 @@ def measure(args: argparse.Namespace, results: list[Result], independent: bool) 
 
 def print_costs(args: argparse.Namespace, costs: Result, bandwidth: Result) -> None:
     print(
-        "\neach stage alone in its process, both at once; ms per minibatch (forward / backward / "
+        "\neach stage alone in its process, both at once; ms per microbatch (forward / backward / "
         "step / stash copy / gradient sum / backward summing Linear gradients in the GEMM):"
     )
-    for m in MICROBATCH_COUNTS:
+    for rows in args.cost_rows:
         parts = [
             f"stage {s}: "
             + " / ".join(
                 f"{c[k]:.1f}"
                 for k in ("forward", "backward", "step", "copy", "accumulate", "summed backward")
             )
-            for s, c in enumerate(costs[str(m)])
+            for s, c in enumerate(costs[str(rows)])
         ]
-        megabytes = args.batch // m * args.width * 4 / 1e6
+        megabytes = work.message_bytes(args, rows) / 1e6
         print(
-            f"  m={m} ({args.batch // m} rows; a {megabytes:.2f} MB message over gloo loopback at "
-            f"{bandwidth[str(m)] / 1e9:.2f} GB/s): " + "; ".join(parts)
+            f"  {rows} rows (a {megabytes:.2f} MB message over gloo loopback at "
+            f"{bandwidth[str(rows)] / 1e9:.2f} GB/s): " + "; ".join(parts)
         )
 
 
-def print_table(
-    args: argparse.Namespace, runs: dict[str, list[Result]], costs: Result, bandwidth: Result
+def print_tables(
+    args: argparse.Namespace,
+    configs: list[Config],
+    runs: dict[str, list[Result]],
+    costs: Result | None,
+    bandwidth: Result | None,
 ) -> None:
     median = {c: statistics.median(r["samples"] for r in rs) for c, rs in runs.items()}
-    single = median.get("single")
-    cores = {c: statistics.median(r["cores"] for r in rs) for c, rs in runs.items()}
-    print(
-        f"\n{'config':<20} {'samples/s':>9} {'ms/batch':>8} {'cores':>5} {'kflt':>5} {'work':>5} "
-        f"{'effic.':>6} {'sim ms':>6} {'ratio':>5} {'sim(run)':>8} {'ratio':>5}  every repeat"
+    views = (
+        (
+            f"EQUAL MICROBATCH (headline): every matrix product on {args.microbatch} rows, a "
+            f"configuration with m microbatches trains batches of m x {args.microbatch} rows",
+            [c for c in configs if not c.equal_minibatch],
+        ),
+        (
+            f"EQUAL MINIBATCH (second view): batches of {args.microbatch} rows, split into m "
+            f"microbatches of {args.microbatch} / m rows",
+            [c for c in configs if c.equal_minibatch],
+        ),
     )
-    for config, results in runs.items():
-        ms = 1e3 * args.batch / median[config]
-        faults = statistics.median(sum(r["faults"]) for r in results) / 1e3
-        cells = [f"{config:<20} {median[config]:9.1f} {ms:8.1f} {cores[config]:5.2f} {faults:5.1f}"]
-        if single:  # CPU time per sample of one process over this configuration's
-            cells.append(f"{cores['single'] / single / (cores[config] / median[config]):5.2f}")
-        piped = config.startswith(("ours", "torch")) or config == "single-x2"
-        cells.append(f"{median[config] / (2 * single):6.3f}" if single and piped else " " * 6)
-        for predicted in simulated(args, config, results, costs, bandwidth):
-            cells.append(f"{predicted:6.1f} {ms / predicted:5.2f}" if predicted else " " * 12)
-        values = ", ".join(f"{r['samples']:.1f}" for r in results)
-        print(" ".join(cells) + f"  {values}")
+    for title, chosen in views:
+        if not chosen:
+            continue
+        print(f"\n{title}; medians over repeats, per sample:")
+        sim = f" {'sim ms':>6} {'ratio':>5} {'sim(run)':>8} {'ratio':>5}" if costs else ""
+        print(
+            f"{'config':<24} {'samples/s':>9} {'ms/batch':>8} {'ms/mb':>6} {'cores':>5} "
+            f"{'kflt':>5} {'work':>5} {'effic.':>6} {'/x2':>5}{sim}  every repeat"
+        )
+        for config in chosen:
+            print_row(args, config, runs, median, costs, bandwidth)
     print(
-        "cores: CPU seconds of all ranks per wall second; kflt: thousands of page faults per\n"
-        "batch (all ranks); work: one process's CPU time per sample over this one's; sim:\n"
-        "predicted ms per batch from stage costs measured alone; sim(run):\n"
+        "ms/mb: ms per microbatch; cores: CPU seconds of all ranks per wall second; kflt:\n"
+        "thousands of page faults per batch (all ranks); work: one process's CPU time per sample\n"
+        "over this one's; effic.: samples/s over twice single's; /x2: efficiency over\n"
+        "single-x2's; sim: predicted ms per batch from stage costs measured alone; sim(run):\n"
         "from the action times of this run; ratio: measured / predicted"
     )
-    if set(CONFIGS) <= set(runs):
-        print_targets(runs)
+
+
+def print_row(
+    args: argparse.Namespace,
+    config: Config,
+    runs: dict[str, list[Result]],
+    median: dict[str, float],
+    costs: Result | None,
+    bandwidth: Result | None,
+) -> None:
+    results, rate = runs[config.name], median[config.name]
+    single, pair = median.get("single"), median.get("single-x2")
+    cores = {c: statistics.median(r["cores"] for r in rs) for c, rs in runs.items()}
+    ms = 1e3 * config.rows(args) / rate
+    faults = statistics.median(sum(r["faults"]) for r in results) / 1e3
+    cells = [
+        f"{config.name:<24} {rate:9.1f} {ms:8.1f} {ms / config.microbatches:6.2f} "
+        f"{cores[config.name]:5.2f} {faults:5.1f}"
+    ]
+    if single:  # CPU time per sample of one process over this configuration's
+        cells.append(f"{cores['single'] / single / (cores[config.name] / rate):5.2f}")
+    else:
+        cells.append(" " * 5)
+    both = config.piped or config.owner == "single-x2"
+    cells.append(f"{rate / (2 * single):6.3f}" if single and both else " " * 6)
+    cells.append(f"{rate / pair:5.3f}" if pair and both else " " * 5)
+    if costs is not None and bandwidth is not None:
+        for predicted in simulated(args, config, results, costs, bandwidth):
+            cells.append(f"{predicted:6.1f} {ms / predicted:5.2f}" if predicted else " " * 12)
+    values = ", ".join(f"{r['samples']:.1f}" for r in results)
+    print(" ".join(cells) + f"  {values}")
 
 
 def simulated(
-    args: argparse.Namespace, config: str, results: list[Result], costs: Result, bandwidth: Result
+    args: argparse.Namespace,
+    config: Config,
+    results: list[Result],
+    costs: Result,
+    bandwidth: Result,
 ) -> tuple[float | None, float | None]:
     """Predicted ms per batch from stage costs measured alone, and from this run's action
     times."""
-    if not config.startswith(("ours", "torch")):
+    if not config.piped:
         return None, None
-    owner, name, m, *_ = config.split("-")
-    sync = name if owner == "ours" else TORCH_AS_OURS[name]
-    alone = predict_ms_per_batch(args, sync, int(m), costs[m], bandwidth[m], owner == "ours")
-    if owner != "ours":
+    rows = str(config.microbatch_rows(args))
+    ours = config.owner == "ours"
+    alone = predict_ms_per_batch(args, config, costs[rows], bandwidth[rows], ours)
+    if not ours:
         return alone, None
-    in_run = run_costs(results, int(m), sync)
-    return alone, predict_ms_per_batch(args, sync, int(m), in_run, bandwidth[m])
+    return alone, predict_ms_per_batch(args, config, run_costs(results, config), bandwidth[rows])
 
 
-def print_targets(runs: dict[str, list[Result]]) -> None:
+def print_targets(args: argparse.Namespace, runs: dict[str, list[Result]]) -> None:
     """Each target's ratio within every repeat (configurations of one repeat ran back to back),
-    and the median of those."""
+    and the median of those; a check whose configurations were not run is left out. The
+    overhead workload has targets of its own (ms per step and microbatch): the throughput
+    targets are for workloads whose compute dominates."""
+    if args.workload == "overhead":
+        print_overhead(args, runs)
+        return
 
-    def rate(config: str) -> list[float]:
-        return [r["samples"] for r in runs[config]]
+    def rate(*names: str) -> list[float] | None:
+        if not all(name in runs for name in names):
+            return None
+        return [
+            max(r["samples"] for r in group)
+            for group in zip(*(runs[n] for n in names), strict=True)
+        ]
 
-    def ratios(top: list[float], bottom: list[float], factor: float = 1.0) -> list[float]:
+    def ratio(
+        top: list[float] | None, bottom: list[float] | None, factor: float = 1.0
+    ) -> list[float] | None:
+        if top is None or bottom is None:
+            return None
         return [a / (factor * b) for a, b in zip(top, bottom, strict=True)]
 
-    single = rate("single")
-    torch_best = [
-        max(pair) for pair in zip(rate("torch-1F1B-8"), rate("torch-GPipe-8"), strict=True)
+    torch_schedules = [
+        n for n in ("torch-1F1B-8-minibatch", "torch-GPipe-8-minibatch") if n in runs
     ]
+    torch_best = rate(*torch_schedules) if torch_schedules else None  # best of the two per repeat
+    async1 = rate("ours-async-1")
     checks = [
-        ("async-1 efficiency >= 0.9", ratios(rate("ours-async-1"), single, 2.0), 0.9),
-        ("async-4 efficiency", ratios(rate("ours-async-4"), single, 2.0), None),
-        ("async-1 / torch best >= 1.1", ratios(rate("ours-async-1"), torch_best), 1.1),
-        ("async-4 / torch best", ratios(rate("ours-async-4"), torch_best), None),
-        ("flush-8 / torch-1F1B-8 >= 1.0", ratios(rate("ours-flush-8"), rate("torch-1F1B-8")), 1.0),
+        ("async-1 / torch-1F1B-8 >= 1.10 (ideal 1.125)", ratio(async1, rate("torch-1F1B-8")), 1.10),
+        ("flush-8 / torch-1F1B-8 >= 1.0", ratio(rate("ours-flush-8"), rate("torch-1F1B-8")), 1.0),
+        ("async-1 efficiency / single-x2's >= 0.92", ratio(async1, rate("single-x2")), 0.92),
+        ("async-1 efficiency", ratio(async1, rate("single"), 2.0), None),
+        ("async-4 / torch-1F1B-8", ratio(rate("ours-async-4"), rate("torch-1F1B-8")), None),
+        ("gpipe-8 / torch-GPipe-8", ratio(rate("ours-gpipe-8"), rate("torch-GPipe-8")), None),
+        ("single-x2 efficiency", ratio(rate("single-x2"), rate("single"), 2.0), None),
+        ("lightning-1 / single", ratio(rate("lightning-1"), rate("single")), None),
+        ("async-1 bound / unbound", ratio(async1, rate("ours-async-1-unbound")), None),
+        ("async-1 / torch best (equal minibatch)", ratio(async1, torch_best), None),
+        (
+            "flush-8 / torch-1F1B-8 (equal minibatch)",
+            ratio(rate("ours-flush-8-minibatch"), rate("torch-1F1B-8-minibatch")),
+            None,
+        ),
     ]
-    lightning = statistics.median(ratios(rate("lightning-1"), single))
-    bound = ratios(rate("ours-async-1"), rate("ours-async-1-unbound"))
     print(
-        f"\nlightning-1 / single: {lightning:.3f}; ours-async-1 / ours-async-1-unbound (ranks "
-        f"bound to cores of their own or not): {statistics.median(bound):.3f} "
-        f"({', '.join(f'{v:.3f}' for v in bound)})"
+        "\ntargets (no verdict: for information), median of per-repeat ratios, at equal "
+        "microbatch unless labelled:"
     )
-    print("targets (async-4: for information), median of per-repeat ratios:")
     for label, values, goal in checks:
-        value = statistics.median(values)
-        each = ", ".join(f"{v:.3f}" for v in values)
-        verdict = "" if goal is None else "met" if value >= goal else "MISSED"
-        print(f"  {label:<30} {value:6.3f}  {verdict:<6}  ({each})")
+        if values is not None:
+            print_check(label, values, goal, higher=True)
 
 
-def print_profile(runs: dict[str, list[Result]]) -> None:
+def print_check(label: str, values: list[float], goal: float | None, higher: bool) -> None:
+    value = statistics.median(values)
+    met = goal is not None and (value >= goal if higher else value <= goal)
+    verdict = "" if goal is None else "met" if met else "MISSED"
+    each = ", ".join(f"{v:.3f}" for v in values)
+    print(f"  {label:<44} {value:7.3f}  {verdict:<6}  ({each})")
+
+
+def print_overhead(args: argparse.Namespace, runs: dict[str, list[Result]]) -> None:
+    """ms per step (one microbatch) or per microbatch, per configuration; targets for ours."""
+    print("\nfixed cost, ms per microbatch (per step where m = 1), median over repeats:")
+    goals = {"ours-async-1": OVERHEAD_TARGET_MS, "ours-flush-1": OVERHEAD_TARGET_MS}
+    goals["ours-flush-8"] = OVERHEAD_TARGET_MS
+    for name, results in runs.items():
+        config = Config.parse(name)
+        ms = [1e3 * config.microbatch_rows(args) / r["samples"] for r in results]
+        goal = goals.get(name)
+        label = f"{name} <= {goal}" if goal else name
+        print_check(label, ms, goal, higher=False)
+
+
+def print_profile(configs: list[Config], runs: dict[str, list[Result]]) -> None:
     print("\nour pipeline, ms per batch and rank in the steady window (median over repeats):")
     short = ("fwd", "bwd", "step", "recv-act", "recv-grad", "send-act", "send-grad", "outside")
-    print(f"  {'config':<20} rank " + " ".join(f"{s:>9}" for s in short))
-    for config, results in runs.items():
-        if not config.startswith("ours"):
+    print(f"  {'config':<24} rank " + " ".join(f"{s:>9}" for s in short))
+    for config in configs:
+        if config.owner != "ours":
             continue
         for rank in range(NUM_STAGES):
             values = [
-                statistics.median(r["kinds"][rank][kind] for r in results)
+                statistics.median(r["kinds"][rank][kind] for r in runs[config.name])
                 for kind in (*KINDS, "outside")
             ]
-            print(f"  {config:<20} {rank:>4} " + " ".join(f"{v:9.1f}" for v in values))
+            print(f"  {config.name:<24} {rank:>4} " + " ".join(f"{v:9.1f}" for v in values))
 
 
 # ----- entry point -----------------------------------------------------------------------------
 
 
+def config_name(name: str) -> str:
+    """``name`` if it names a configuration (see ``--configs``), else argparse's error."""
+    try:
+        config = Config.parse(name)
+    except ValueError:
+        config = None
+    owners = ("single", "single-x2", "lightning-1", "ours", "torch")
+    known = config is not None and config.owner in owners and config.microbatches >= 1
+    if known and config.owner == "ours":
+        known = config.schedule in ("async", "vertical_sync", "2bw", "flush", "gpipe")
+    if known and config.owner == "torch":
+        known = config.schedule in TORCH_AS_OURS and not config.unbound
+    if not known:
+        raise argparse.ArgumentTypeError(
+            f"a configuration is single, single-x2, lightning-1, "
+            f"ours-<sync>-<m>[-unbound][-minibatch] or torch-<1F1B|GPipe>-<m>[-minibatch] "
+            f"(config: {name}); e.g. ours-flush-8 or torch-1F1B-8-minibatch"
+        )
+    return name
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=work.WORKLOADS, default="mlp")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=64, help="batches per run")
-    parser.add_argument("--warmup", type=int, default=5, help="batches not timed")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=config_name,
+        help="default: the workload's; any of single, single-x2, lightning-1, "
+        "ours-<sync>-<m>[-unbound][-minibatch], torch-<1F1B|GPipe>-<m>[-minibatch], e.g. "
+        + " ".join(CONFIGS),
+    )
+    parser.add_argument("--width", type=int, help="default: the workload's")
+    parser.add_argument("--depth", type=int, help="blocks (default: the workload's)")
+    parser.add_argument("--microbatch", type=int, help="rows per microbatch (see the views)")
+    parser.add_argument("--steps", type=int, help="batches per run")
+    parser.add_argument("--warmup", type=int, help="batches not timed")
+    parser.add_argument("--sequence", type=int, help="gpt: tokens per row")
+    parser.add_argument("--heads", type=int, help="gpt: attention heads")
+    parser.add_argument("--vocab", type=int, help="gpt: vocabulary size")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--simulate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the stage costs and gloo's bandwidth every repeat and print the simulator's "
+        "predictions (default: yes)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, a few configurations, 1 repeat: checks that everything runs (the tests)",
+    )
     parser.add_argument(
         "--default-allocator",
         action="store_true",
@@ -760,10 +995,30 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cost-rows", help=argparse.SUPPRESS)
     parser.add_argument("--sync", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    work.fill_defaults(args)
+    if args.configs is None:
+        args.configs = (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)[args.workload]
+    if args.quick:
+        args.repeats = 1
+    configs = [Config.parse(name) for name in args.configs]
+    for config in configs:
+        if config.rows(args) % config.microbatches:
+            raise SystemExit(
+                f"an equal-minibatch configuration splits --microbatch rows m ways "
+                f"(microbatch: {args.microbatch}, {config.name}); give a --microbatch that "
+                f"{config.microbatches} divides"
+            )
+    if args.cost_rows is None:
+        args.cost_rows = sorted({c.microbatch_rows(args) for c in configs if c.piped})
+    else:
+        args.cost_rows = [int(rows) for rows in args.cost_rows.split(",") if rows]
+    return args
 
 
 def main() -> None:

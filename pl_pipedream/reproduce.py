@@ -447,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
         args.microbatches,
     )
     rates = sorted({o.own_meta.get("gemm_gflops", "") for o in outcomes if o.own_meta} - {""})
-    notes = assumptions(rates, args.speed_factor, args.microbatches)
+    notes = assumptions(rates, args.speed_factor, args.microbatches, not args.no_own_profile)
     if args.markdown:
         args.markdown.write_text(render_markdown(outcomes, notes))
     if args.png:

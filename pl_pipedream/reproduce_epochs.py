@@ -168,8 +168,11 @@ def scale_profile(profile: Profile, batch: int, speed_factor: float) -> Profile:
     return Profile(tuple(nodes), profile.edges, batch, dict(profile.meta))
 
 
-def assumptions(rates: list[str], speed_factor: float, microbatches: int | None) -> str:
-    """What the predictions assume, printed under the table."""
+def assumptions(
+    rates: list[str], speed_factor: float, microbatches: int | None, own_profile: bool = True
+) -> str:
+    """What the predictions assume, printed under the table (the line on our own profile only
+    when the table has its columns)."""
     gpipe = "4 per stage" if microbatches is None else str(microbatches)
     lines = [
         "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1, the paper's figures; "
@@ -178,12 +181,16 @@ def assumptions(rates: list[str], speed_factor: float, microbatches: int | None)
         "state plus one fill), both from the planner's cost model (DP all-reduce "
         "4 (n-1)/n x bytes / bandwidth per level, not overlapped with compute).",
         f"GPipe: the same stages, {gpipe} microbatches per flush, fill and drain every flush.",
-        "Our profile: our model profiled here on one sample, one CPU thread, scaled to the "
-        f"per-GPU minibatch ({_listing(PER_GPU_BATCH)}) and divided by the speed factor "
-        f"{speed_factor:g} (a V100 over one thread of this CPU; x{DEVICE_TFLOPS['C']:g}/"
-        f"{DEVICE_TFLOPS['A']:g} for cluster C's Titan X).",
         f"Epoch: {_listing(EPOCH_SAMPLES)} samples.",
     ]
+    if own_profile:
+        lines.insert(
+            3,
+            "Our profile: our model profiled here on one sample, one CPU thread, scaled to the "
+            f"per-GPU minibatch ({_listing(PER_GPU_BATCH)}) and divided by the speed factor "
+            f"{speed_factor:g} (a V100 over one thread of this CPU; x{DEVICE_TFLOPS['C']:g}/"
+            f"{DEVICE_TFLOPS['A']:g} for cluster C's Titan X).",
+        )
     if rates:
         lines.append(
             f"This CPU's one-thread fp32 GEMM rate when profiled: {', '.join(rates)} GFLOP/s."

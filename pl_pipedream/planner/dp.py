@@ -24,17 +24,34 @@ after state ``a`` may only be split at states that follow ``a``; PipeDream's opt
 states unrelated to ``a`` and can then under-price an inner segment (never seen to change a final
 answer). The README records how the DP's answers compare with PipeDream's own optimizer.
 
-The arithmetic is vectorised over all (cut, cut) pairs of a row with numpy; no torch import.
+Solving the inner rows one by one repeats work: every row prices the same appended stages and
+gathers them anew. ``solve_row`` (one row with its choices, for the top level and for walking a
+plan back) prices a level's pairs once (``level_pairs``); the inner levels need only times, so
+``every_row`` solves all rows at once cut by cut, and ``to_last`` solves the segments that end the
+model for every row in one pass from the end (all a top level of two workers can use). All three
+take minima and maxima of the same per-stage floats as ``solve_row``, so their times are the same
+bits. The arithmetic is vectorised with numpy; no torch import.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LevelCosts", "RowSolution", "all_pairs", "ancestor_matrix", "solve_row"]
+__all__ = [
+    "LevelCosts",
+    "RowSolution",
+    "all_pairs",
+    "ancestor_matrix",
+    "LevelPairs",
+    "level_pairs",
+    "row_times",
+    "solve_row",
+    "to_last",
+]
 
 INF = math.inf
 
@@ -112,74 +129,273 @@ def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ks.astype(np.int64), js.astype(np.int64)
 
 
-def solve_row(costs: LevelCosts, row: int) -> RowSolution:
-    """Fill the DP table of one row for every end state and every worker count of the level."""
+@dataclass(frozen=True)
+class LevelPairs:
+    """A level's pairs ``(k, j)`` (state ``k`` preceding state ``j``) grouped by ``k``, ``j``
+    ascending, with what every row prices the same way: ``stage[r' - 1, p]``, the time of pair
+    ``p`` as a stage appended after another on ``r'`` replicas, transfers included, and
+    ``stash[p]``, its stashed bytes. ``starts[k]:starts[k + 1]`` are the pairs of ``k``.
+
+    Built once per level (``level_pairs``) instead of once per row: a row's pairs are those whose
+    ``k`` lies inside its segment (``j`` then does too), read off by slicing.
+    """
+
+    ks: np.ndarray
+    js: np.ndarray
+    starts: np.ndarray
+    stage: np.ndarray
+    stash: np.ndarray
+
+
+def level_pairs(costs: LevelCosts) -> LevelPairs:
+    """The pairs of ``costs.pairs`` regrouped by their first state, priced once."""
+    count = costs.params.shape[0]
+    by_k = np.argsort(costs.pairs[0], kind="stable")
+    ks, js = costs.pairs[0][by_k], costs.pairs[1][by_k]
+    starts = np.r_[0, np.cumsum(np.bincount(ks, minlength=count))].astype(np.int64)
+    max_prime = 1 if costs.straight else max(costs.workers - 1, 1)
+    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+    stage, stash = _appended(costs, ks, js, primes)
+    # Sorting a row's pairs by j is a radix sort on 16-bit keys.
+    narrow = js.astype(np.int16) if count < 2**15 else js
+    return LevelPairs(ks, narrow, starts, stage, stash)
+
+
+def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> RowSolution:
+    """Fill the DP table of one row for every end state and every worker count of the level.
+
+    ``pairs`` is ``level_pairs(costs)``, built here when not given (pass it when solving many
+    rows of one level).
+    """
     count = costs.params.shape[0]
     workers = costs.workers
-    bandwidth = costs.bandwidth
     allowed = np.ones(count, dtype=bool) if row == 0 else costs.precedes[row - 1]
-    time = np.full((count, workers), INF)
     split = np.full((count, workers), -1, dtype=np.int64)
     replicas = np.zeros((count, workers), dtype=np.int64)
+    single = 1 if costs.straight else workers
+    replicas[:, :single] = np.arange(1, single + 1)
+    by_workers = _first_stage(costs, row, allowed)  # by_workers[m, k]
+    if workers == 1:
+        return RowSolution(by_workers.T.copy(), split, replicas)
+    if pairs is None:
+        pairs = level_pairs(costs)
+    index = _inside(pairs, allowed)
+    if index.size == 0:
+        return RowSolution(by_workers.T.copy(), split, replicas)
+    # Grouped by j with k ascending: a stable sort of pairs listed by k.
+    index = index[np.argsort(pairs.js[index], kind="stable")]
+    ks = pairs.ks[index]
+    js = pairs.js[index].astype(np.int64)
+    stage = pairs.stage[:, index]
+    heads = np.flatnonzero(np.r_[True, js[1:] != js[:-1]])
+    targets_all = js[heads]
+    sizes = np.diff(np.r_[heads, ks.size])
 
+    max_prime = stage.shape[0]
+    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+    positions = np.arange(ks.size)
+    # prefix[m, p]: by_workers[m, ks[p]], gathered once per worker count when it is final.
+    prefix = np.empty((workers, ks.size))
+    prefix[0] = by_workers[0, ks]
+    for m in range(1, workers):
+        width = min(m, max_prime)
+        # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
+        # against the appended stage on r' replicas.
+        candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
+        if costs.memory is not None:
+            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
+            candidate = np.where(stash > costs.memory, INF, candidate)
+        best = candidate[0] if width == 1 else candidate.min(axis=0)
+        group_best = np.minimum.reduceat(best, heads)
+        hits = np.where(best == np.repeat(group_best, sizes), positions, ks.size)
+        chosen = np.minimum.reduceat(hits, heads)
+        better = group_best < by_workers[m, targets_all]
+        targets, chosen, values = targets_all[better], chosen[better], group_best[better]
+        by_workers[m, targets] = values
+        split[targets, m] = ks[chosen]
+        # The lowest replica count among equal times, as argmin's first minimum.
+        replicas[targets, m] = np.argmin(candidate[:, chosen], axis=0) + 1
+        prefix[m] = by_workers[m, ks]
+    return RowSolution(by_workers.T.copy(), split, replicas)
+
+
+def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray:
+    """``first[m, j]``: one stage from ``row`` to ``j`` on ``m + 1`` replicas (``inf`` where that
+    is no segment, does not fit, or is replicated in a straight pipeline)."""
+    count = costs.params.shape[0]
+    workers = costs.workers
+    first = np.full((workers, count), INF)
     base_params = costs.params - (costs.params[row - 1] if row > 0 else 0.0)
     base_acts = costs.activations - (costs.activations[row - 1] if row > 0 else 0.0)
     base_compute = costs.compute[row]
     for m in range(1 if costs.straight else workers):
         r = m + 1
-        allreduce = 4 * m * base_params / (bandwidth * r) / costs.within
+        allreduce = 4 * m * base_params / (costs.bandwidth * r) / costs.within
         value = (base_compute + allreduce) / r
         if costs.memory is not None:
             stashed = math.ceil((workers - r) / r) * (base_acts + base_params)
             value = np.where(stashed > costs.memory, INF, value)
-        value = np.where(allowed, value, INF)
-        time[:, m] = value
-        replicas[:, m] = r
+        first[m] = np.where(allowed, value, INF)
+    return first
 
-    # k inside the row's segment and k preceding j put j inside it too.
-    inside = allowed[costs.pairs[0]]
-    ks, js = costs.pairs[0][inside], costs.pairs[1][inside]
-    if ks.size == 0 or workers == 1:
-        return RowSolution(time, split, replicas)
-    order_j = js
-    starts = np.flatnonzero(np.r_[True, order_j[1:] != order_j[:-1]])
-    group_j = order_j[starts]
-    seg_compute = costs.compute[ks + 1, js]
-    seg_params = costs.params[js] - costs.params[ks]
-    seg_acts = costs.activations[js] - costs.activations[ks]
-    last = count - 1
-    in_bytes = costs.outputs[ks]
-    out_bytes = np.where(js < last, costs.outputs[js], 0.0)
 
-    max_prime = 1 if costs.straight else workers - 1
+def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
+    """Positions in ``pairs`` of the pairs whose ``k`` is inside a row's segment (``allowed``);
+    ``j`` then is too, since ``k`` precedes it."""
+    inside = np.flatnonzero(allowed)
+    lengths = pairs.starts[inside + 1] - pairs.starts[inside]
+    total = int(lengths.sum())
+    index = np.repeat(pairs.starts[inside] - np.cumsum(lengths) + lengths, lengths)
+    return index + np.arange(total)
+
+
+def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
+    """``solve_row(costs, row).time[:, -1]`` without the choices: each end state's best time on
+    all workers, for a level whose rows only feed the level above.
+
+    The same candidates as ``solve_row`` (the first stage alone, or the best pipeline up to a
+    cut ``k`` against a stage appended after it), and a minimum of floats does not depend on
+    the order it is taken in, so the values are identical; without ties to break, the
+    candidates are folded into their end states in any order (``minimum.at``) instead of sorted.
+    """
+    workers = costs.workers
+    allowed = np.ones(costs.params.shape[0], dtype=bool) if row == 0 else costs.precedes[row - 1]
+    by_workers = _first_stage(costs, row, allowed)
+    index = _inside(pairs, allowed) if workers > 1 else np.zeros(0, dtype=np.int64)
+    if index.size == 0:
+        return by_workers[-1]
+    ks, js = pairs.ks[index], pairs.js[index]
+    stage = pairs.stage[:, index]
+    max_prime = stage.shape[0]
     primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
-    # stage[r' - 1, p]: time of the appended stage of pair p on r' replicas, transfers included.
-    stage = (seg_compute + 4 * (primes - 1) * seg_params / (bandwidth * primes)) / primes
-    if costs.transfers:
-        stage = np.maximum(stage, 2.0 * np.maximum(in_bytes, out_bytes) / (bandwidth * primes))
-    stash_bytes = seg_acts + seg_params
-    group_of_pair = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, ks.size]))
-    by_workers = np.ascontiguousarray(time.T)  # by_workers[m, k]
-    pair_index = np.arange(ks.size)
     for m in range(1, workers):
         width = min(m, max_prime)
-        # prefix[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers.
-        prefix = by_workers[m - 1 :: -1][:width][:, ks]
-        candidate = np.maximum(prefix, stage[:width])
+        candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
         if costs.memory is not None:
-            stash = stash_bytes * np.ceil((workers - (m + 1)) / primes[:width])
+            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
             candidate = np.where(stash > costs.memory, INF, candidate)
-        best_prime = np.argmin(candidate, axis=0)
-        best = candidate[best_prime, pair_index]
-        group_best = np.minimum.reduceat(best, starts)
-        hits = np.flatnonzero(best == group_best[group_of_pair])
-        first_groups, first_index = np.unique(group_of_pair[hits], return_index=True)
-        chosen = hits[first_index]
-        targets = group_j[first_groups]
-        values = best[chosen]
-        better = values < by_workers[m, targets]
-        targets, chosen, values = targets[better], chosen[better], values[better]
-        by_workers[m, targets] = values
-        split[targets, m] = ks[chosen]
-        replicas[targets, m] = best_prime[chosen] + 1
-    return RowSolution(by_workers.T.copy(), split, replicas)
+        np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
+    return by_workers[-1]
+
+
+def _appended(
+    costs: LevelCosts, ks: np.ndarray, js: np.ndarray, primes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``stage[r' - 1, p]``: time of a stage from state ``ks[p]`` to ``js[p]`` appended after
+    another, on ``r'`` replicas (``primes``), transfers included; and its stashed bytes."""
+    seg_params = costs.params[js] - costs.params[ks]
+    stage = costs.compute[ks + 1, js] + 4 * (primes - 1) * seg_params / (costs.bandwidth * primes)
+    stage = stage / primes
+    if costs.transfers:
+        in_bytes = costs.outputs[ks]
+        out_bytes = np.where(js < costs.params.shape[0] - 1, costs.outputs[js], 0.0)
+        stage = np.maximum(
+            stage, 2.0 * np.maximum(in_bytes, out_bytes) / (costs.bandwidth * primes)
+        )
+    return stage, costs.activations[js] - costs.activations[ks] + seg_params
+
+
+def to_last(costs: LevelCosts) -> np.ndarray:
+    """``best[row]``: the best time from every row to the last state on all workers of the level.
+
+    Equal to ``solve_row(costs, row).time[-1, -1]`` for every row, but for all rows at once: the
+    pipelines that end the model are solved from the end. ``after[m, k]`` is the best time of
+    stages covering everything after state ``k`` on exactly ``m`` workers, each priced as an
+    appended stage (its memory counting the ``m - r`` workers after it); a row's answer is its
+    first stage, priced as ``solve_row`` prices a row's first stage, against ``after`` for the
+    rest. Both are minima over the same pipelines of the same per-stage times as ``solve_row``,
+    and a maximum or minimum of floats is exact, so the values are identical. Only values: the
+    choices (and ties) come from ``solve_row`` when a segment is walked back.
+    """
+    count = costs.params.shape[0]
+    workers = costs.workers
+    last = count - 1
+    after = np.full((workers, count), INF)
+    after[0, last] = 0.0
+    max_prime = 1 if costs.straight else workers - 1
+    by_k = np.argsort(costs.pairs[0], kind="stable")
+    ks, js = costs.pairs[0][by_k], costs.pairs[1][by_k]
+    if ks.size and workers > 1:
+        primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
+        stage, stash_bytes = _appended(costs, ks, js, primes)
+        heads = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        rest = np.empty((workers, js.size))  # rest[m, p]: after[m, js[p]]
+        rest[0] = after[0, js]
+        for m in range(1, workers):
+            width = min(m, max_prime)
+            candidate = np.maximum(stage[:width], rest[m - 1 :: -1][:width])
+            if costs.memory is not None:
+                stash = stash_bytes * np.ceil((m - primes[:width]) / primes[:width])
+                candidate = np.where(stash > costs.memory, INF, candidate)
+            after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
+            rest[m] = after[m, js]
+    best = np.full(count + 1, INF)
+    for m, first in _first_stage_tables(costs):
+        best = np.minimum(best, np.maximum(first, after[workers - (m + 1)]).min(axis=1))
+    return best
+
+
+def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
+    """``table[row] == row_times(costs, row, pairs)`` for every row, computed cut by cut.
+
+    The rows' DPs share their appended stages: the pairs ``(k, j)`` of cut ``k`` serve every
+    row whose segment contains ``k``. Taking the cuts in the states' topological order, a cut's
+    best times on every worker count are final for every row when it is reached, so its
+    candidates are pushed to all those rows and all its successors at once as one dense block,
+    instead of being gathered anew by each row. Same candidates, same minima, same values.
+    """
+    count = costs.params.shape[0]
+    workers = costs.workers
+    times = _first_stages(costs)
+    if workers == 1:
+        return times[0]
+    max_prime = pairs.stage.shape[0]
+    for k in range(count):
+        low, high = int(pairs.starts[k]), int(pairs.starts[k + 1])
+        if low == high:
+            continue
+        rows = np.r_[0, np.flatnonzero(costs.precedes[:, k]) + 1]
+        # Flat positions of (row, j) in one worker count's table: 1-D take and put are the
+        # fastest gather and scatter numpy has.
+        flat = (rows * count)[:, None] + pairs.js[low:high][None, :]
+        column = times[:, rows, k]
+        for m in range(1, workers):
+            best = None
+            for prime in range(1, min(m, max_prime) + 1):
+                stage = pairs.stage[prime - 1, low:high]
+                if costs.memory is not None:
+                    stash = pairs.stash[low:high] * math.ceil((workers - (m + 1)) / prime)
+                    stage = np.where(stash > costs.memory, INF, stage)
+                candidate = np.maximum(column[m - prime][:, None], stage[None, :])
+                best = candidate if best is None else np.minimum(best, candidate)
+            table = times[m]
+            table.put(flat, np.minimum(table.take(flat), best))
+    return times[-1]
+
+
+def _first_stages(costs: LevelCosts) -> np.ndarray:
+    """``first[m, row, j]``: ``_first_stage(costs, row, ...)[m, j]`` for every row at once."""
+    count = costs.params.shape[0]
+    first = np.full((costs.workers, count + 1, count), INF)
+    for m, table in _first_stage_tables(costs):
+        first[m] = table
+    return first
+
+
+def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
+    """``(m, table)`` with ``table[row, j]`` as ``_first_stage(costs, row, ...)[m, j]``, for
+    every worker count a first stage may have, one table at a time."""
+    count = costs.params.shape[0]
+    workers = costs.workers
+    params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
+    allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])
+    if costs.memory is not None:
+        stash = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None] + params
+    for m in range(1 if costs.straight else workers):
+        r = m + 1
+        allreduce = 4 * m * params / (costs.bandwidth * r) / costs.within
+        value = (costs.compute + allreduce) / r
+        if costs.memory is not None:
+            stashed = math.ceil((workers - r) / r) * stash
+            value = np.where(stashed > costs.memory, INF, value)
+        yield m, np.where(allowed, value, INF)

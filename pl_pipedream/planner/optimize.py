@@ -10,16 +10,21 @@ component.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pl_pipedream.planner.dp import (
     LevelCosts,
+    LevelPairs,
     RowSolution,
     all_pairs,
     ancestor_matrix,
+    every_row,
+    level_pairs,
+    row_times,
     solve_row,
+    to_last,
 )
 from pl_pipedream.planner.plan import Plan, PlanError, Stage, with_warmup
 from pl_pipedream.planner.states import MAX_STATES, PlanningGraph, StateSpaceError, planning_graph
@@ -27,6 +32,8 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
 __all__ = ["plan", "data_parallel_time"]
+
+_DENSE_LIMIT = 40_000_000  # floats (320 MB): gnmt_large (1,495 states) on 8 workers is 18 M
 
 
 @dataclass(frozen=True)
@@ -42,17 +49,23 @@ class _Prefix:
 
 
 def _prefix(graph: PlanningGraph) -> _Prefix:
+    """Each state's sums over its member layers (``math.fsum``: exact, in any order)."""
+    compute = [n.compute_ms for n in graph.nodes]
+    forward = [n.forward_ms for n in graph.nodes]
+    backward = [n.backward_ms for n in graph.nodes]
+    params = [n.parameter_bytes for n in graph.nodes]
+    outputs = [n.output_bytes for n in graph.nodes]
     rows = []
     for state in graph.states:
-        members = [graph.nodes[i] for i in _indices(state.members)]
+        members = _indices(state.members)
         rows.append(
             (
-                math.fsum(n.compute_ms for n in members) / 1000.0,
-                math.fsum(n.forward_ms for n in members),
-                math.fsum(n.backward_ms for n in members),
-                math.fsum(n.parameter_bytes for n in members),
-                math.fsum(n.output_bytes for n in members),
-                math.fsum(graph.nodes[i].output_bytes for i in state.augmented),
+                math.fsum(map(compute.__getitem__, members)) / 1000.0,
+                math.fsum(map(forward.__getitem__, members)),
+                math.fsum(map(backward.__getitem__, members)),
+                math.fsum(map(params.__getitem__, members)),
+                math.fsum(map(outputs.__getitem__, members)),
+                math.fsum(map(outputs.__getitem__, state.augmented)),
             )
         )
     columns = np.array(rows, dtype=np.float64).T
@@ -60,7 +73,8 @@ def _prefix(graph: PlanningGraph) -> _Prefix:
 
 
 def _indices(mask: int) -> list[int]:
-    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+    """The positions of a bit set's ones, lowest first (the binary digits read backwards)."""
+    return [i for i, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
 
 
 def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
@@ -71,6 +85,29 @@ def _base_compute(prefix: _Prefix, precedes: np.ndarray) -> np.ndarray:
     differences = prefix.compute[None, :] - prefix.compute[:, None]
     table[1:] = np.where(precedes, differences, math.inf)
     return table
+
+
+def _inner(costs: LevelCosts, pairs: LevelPairs, top_workers: float) -> np.ndarray:
+    """The level above's compute table: every row's best time on all of this level's workers.
+
+    ``top_workers`` is the workers of the level above when that level is the top one (``inf``
+    otherwise). With at most two workers on top, a pipeline of the top level has at most two
+    stages: one from the model's input and one that ends the model. Only row 0 and the segments
+    ending the model are then needed, and ``to_last`` gives the latter for every row in one pass
+    (the rest of the table stays ``inf``, which the top level never reads on its way to the
+    answer). Otherwise every row is needed, and only its times, not its choices: ``every_row``
+    solves all rows at once in a table of ``workers x rows x states`` floats, or ``row_times``
+    one row after another when that table would exceed ``_DENSE_LIMIT`` floats.
+    """
+    count = costs.params.shape[0]
+    if top_workers <= 2:
+        table = np.full((count + 1, count), math.inf)
+        table[0] = solve_row(costs, 0, pairs).time[:, -1]
+        table[1:, -1] = to_last(costs)[1:]
+        return table
+    if costs.workers * (count + 1) * count <= _DENSE_LIMIT:
+        return every_row(costs, pairs)
+    return np.array([row_times(costs, row, pairs) for row in range(count + 1)])
 
 
 def data_parallel_time(total_compute: float, total_params: float, topology: Topology) -> float:
@@ -125,28 +162,32 @@ def plan(
     count = len(graph.states)
     levels: list[LevelCosts] = []
     within = 1
-    for number, level in enumerate(topology.levels):
-        costs = LevelCosts(
-            compute,
-            prefix.params,
-            prefix.activations,
-            prefix.outputs,
-            precedes,
-            pairs,
-            level.workers,
-            level.bandwidth,
-            within,
-            straight,
-            memory,
-            transfers,
+    for level in topology.levels:
+        levels.append(
+            LevelCosts(
+                compute,
+                prefix.params,
+                prefix.activations,
+                prefix.outputs,
+                precedes,
+                pairs,
+                level.workers,
+                level.bandwidth,
+                within,
+                straight,
+                memory,
+                transfers,
+            )
         )
-        levels.append(costs)
         within = level.workers
-        if number < len(topology.levels) - 1:
-            compute = np.full((count + 1, count), math.inf)
-            for row in range(count + 1):
-                compute[row] = solve_row(costs, row).time[:, -1]
-    top = solve_row(levels[-1], 0)
+    pairs_of = [level_pairs(levels[0])]
+    for number in range(1, len(levels)):
+        # Only the top level's answer is read, so only the level below it may skip rows.
+        above = levels[number].workers if number == len(levels) - 1 else math.inf
+        table = _inner(levels[number - 1], pairs_of[-1], above)
+        levels[number] = replace(levels[number], compute=table)
+        pairs_of.append(level_pairs(levels[number]))
+    top = solve_row(levels[-1], 0, pairs_of[-1])
     best = float(top.time[count - 1, -1])
     if not math.isfinite(best):
         raise PlanError(
@@ -154,7 +195,7 @@ def plan(
             f"worker: {memory}, straight: {straight}); allow more memory, more workers, or "
             "replication"
         )
-    segments = _walk(levels, len(levels) - 1, top, 0, count - 1, 0)
+    segments = _walk(levels, pairs_of, len(levels) - 1, top, 0, count - 1, 0)
     stages = _stages(graph, prefix, segments)
     return Plan(
         stages,
@@ -179,6 +220,7 @@ def _graph(profile: Profile, max_states: int, cuts: str) -> PlanningGraph:
 
 def _walk(
     levels: list[LevelCosts],
+    pairs_of: list[LevelPairs],
     level: int,
     solution: RowSolution,
     row: int,
@@ -195,8 +237,10 @@ def _walk(
         if level == 0:
             out.append((start, stop, components))
             continue
-        below = solve_row(levels[level - 1], start)
-        per_component = [_walk(levels, level - 1, below, start, stop, c) for c in components]
+        below = solve_row(levels[level - 1], start, pairs_of[level - 1])
+        per_component = [
+            _walk(levels, pairs_of, level - 1, below, start, stop, c) for c in components
+        ]
         for parts in zip(*per_component, strict=True):
             ranks = [r for part in parts for r in part[2]]
             out.append((parts[0][0], parts[0][1], ranks))
@@ -226,6 +270,7 @@ def _stages(
                 _segment(prefix.params, start, end),
                 float(prefix.outputs[start - 1]) if start > 0 else 0.0,
                 float(prefix.outputs[end]) if end < last else 0.0,
+                activation_bytes=_segment(prefix.activations, start, end),
             )
         )
     for node_id, producer in graph.dropped:

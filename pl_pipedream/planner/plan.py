@@ -29,7 +29,8 @@ class Stage:
 
     Times are per minibatch on one replica, in milliseconds; bytes are per minibatch.
     ``input_bytes`` is what the stage receives from the stage before it, ``output_bytes`` what it
-    sends on (0 for the last stage).
+    sends on (0 for the last stage); ``activation_bytes`` what its layers output, which the
+    planner's memory model takes as what a minibatch in flight keeps for its backward pass.
     """
 
     index: int
@@ -43,6 +44,7 @@ class Stage:
     output_bytes: float = 0.0
     warmup: int = 0
     weight_versions: int = 1
+    activation_bytes: float = 0.0  # the profile's outputs of the stage's layers, per minibatch
 
     @property
     def compute_ms(self) -> float:

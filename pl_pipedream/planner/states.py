@@ -127,12 +127,8 @@ def _prefixes(
 
 
 def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
+    """The positions of a bit set's ones, lowest first (the binary digits read backwards)."""
+    return [i for i, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
 
 
 def _enumerate(
@@ -143,24 +139,38 @@ def _enumerate(
     index = {node_id: i for i, node_id in enumerate(order)}
     nodes = tuple(kept.node(node_id) for node_id in order)
     succ_lists = kept.successors()
+    pred_lists = kept.predecessors()
     succ = [[index[s] for s in succ_lists[node_id]] for node_id in order]
     succ_mask = [sum(1 << s for s in out) for out in succ]
     anc = [0] * len(order)
     for i, node_id in enumerate(order):
-        for p in kept.predecessors()[node_id]:
+        for p in pred_lists[node_id]:
             anc[i] |= anc[index[p]] | (1 << index[p])
     desc = [0] * len(order)
     for i in reversed(range(len(order))):
         for s in succ[i]:
             desc[i] |= desc[s] | (1 << s)
 
+    augmented_of: dict[tuple[int, ...], tuple[int, ...]] = {}
+
     def augment(antichain: tuple[int, ...]) -> tuple[int, ...]:
+        known = augmented_of.get(antichain)
+        if known is None:
+            known = augmented_of[antichain] = _augment(antichain)
+        return known
+
+    # still_needed[a]: the ancestors of node a whose outputs some node outside a and its
+    # ancestors still reads; they depend on a alone, so they are found once per node.
+    still_needed: dict[int, int] = {}
+
+    def _augment(antichain: tuple[int, ...]) -> tuple[int, ...]:
         extra = 0
         for a in antichain:
-            before = anc[a]
-            for p in _bits(before):
-                if succ_mask[p] & ~(before | (1 << a)):
-                    extra |= 1 << p
+            if a not in still_needed:
+                before = anc[a]
+                closed = before | (1 << a)
+                still_needed[a] = sum(1 << p for p in _bits(before) if succ_mask[p] & ~closed)
+            extra |= still_needed[a]
         return tuple(sorted(set(_bits(extra)) | set(antichain)))
 
     def deaugment(candidates: list[int]) -> tuple[int, ...]:
@@ -169,7 +179,7 @@ def _enumerate(
             present |= 1 << c
         return tuple(sorted({c for c in candidates if not desc[c] & present}))
 
-    sources = [index[n.node_id] for n in kept.nodes if not kept.predecessors()[n.node_id]]
+    sources = [index[n.node_id] for n in kept.nodes if not pred_lists[n.node_id]]
     first = min(sources, key=lambda i: file_order[order[i]])
     start = (first,)
     states: dict[tuple[int, ...], int] = {start: 0}

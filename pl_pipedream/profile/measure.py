@@ -21,6 +21,9 @@ The model is left as it was: parameter values and ``.grad`` tensors, buffers (e.
 running statistics), train/eval flags and the random number generator state are all restored.
 A layer stored on another device than ``device`` is measured on a temporary copy.
 
+A model too large to be whole in one process is profiled by ``profile_layers_one_at_a_time``:
+the caller loads each layer's tensors just before it is timed and frees them right after.
+
 A call costs about ``2 * warmup + repeats`` training steps of the model. Layers that take a
 millisecond or more are reproducible to a few percent between calls; sub-millisecond layers are
 noisier but weigh little in a stage, and a machine whose other cores are busy makes every layer
@@ -43,7 +46,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.profile.graph import Profile, ProfileError
 
-__all__ = ["profile_layers"]
+__all__ = ["profile_layers", "profile_layers_one_at_a_time"]
 
 _DESC_CHARS = 80
 
@@ -67,6 +70,44 @@ def profile_layers(
         if warmup:
             _time_chain(layers, value, target, runs=warmup)  # settles allocator and caches
         timings = _time_chain(layers, value, target, runs=warmup + repeats)
+    return _chain_profile(layers, sample, target, timings, warmup, repeats)
+
+
+def profile_layers_one_at_a_time(
+    layers: nn.Sequential,
+    sample: Tensor | tuple[Any, ...],
+    load: Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]],
+    *,
+    device: torch.device | str,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> Profile:
+    """``profile_layers`` for a model that is never whole in memory: ``load(layer)`` gives the
+    layer with its tensors on ``device`` for one block and frees them after it, so only one
+    layer and its input are alive at a time. Each layer runs ``warmup + repeats`` times while
+    loaded (the first ``warmup`` settle its allocations and are dropped); there is no separate
+    pass over the whole chain first."""
+    _check_arguments(layers, warmup, repeats)
+    target = _resolve_device(device, layers, sample)
+    value = _map_tensors(lambda t: t.to(target), sample)
+    timings = []
+    with torch.random.fork_rng(devices=_rng_devices(target)), torch.enable_grad():
+        for index, layer in enumerate(layers):
+            with load(layer) as module:
+                timing, value = _time_layer(index, module, value, target, warmup + repeats)
+            timings.append(timing)
+    return _chain_profile(layers, sample, target, timings, warmup, repeats)
+
+
+def _chain_profile(
+    layers: nn.Sequential,
+    sample: Any,
+    target: torch.device,
+    timings: list[_Timing],
+    warmup: int,
+    repeats: int,
+) -> Profile:
+    """The chain ``layer0..layerN-1`` from every layer's timings (medians after ``warmup``)."""
     return Profile.chain(
         forward_ms=[statistics.median(t.forward_ms[warmup:]) for t in timings],
         backward_ms=[statistics.median(t.backward_ms[warmup:]) for t in timings],

@@ -42,6 +42,7 @@ from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
+from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.tied_versions import TiedVersions
@@ -95,6 +96,7 @@ class _InFlight:
     loss: torch.Tensor | None = None
     fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
     predicted: bool = False  # ``params`` are a prediction of its own, not a stashed version
+    replay: Replay | None = None  # recompute: the input to run the forward again from
 
 
 class StageExecutor:
@@ -116,6 +118,7 @@ class StageExecutor:
         microbatches: int | None = None,
         tied_versions: TiedVersions | None = None,
         weight_prediction: bool = False,
+        recompute: bool = False,
     ) -> None:
         self.module = module
         self.weight_prediction = weight_prediction  # runtime.staleness.predict, per forward
@@ -149,6 +152,7 @@ class StageExecutor:
         self.position = 0
         self._last_use: dict[int, int] = {}
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
+        self.activations = Activations(recompute, self.device)  # runtime.recompute
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -235,6 +239,8 @@ class StageExecutor:
             TAG_ACTIVATION,
             f"the activations of minibatch {action.minibatch}",
         )
+        if flight.replay is not None:  # recompute: the backward pass makes them again
+            flight.outputs = []
 
     def _recv_grad(self, action: Action) -> None:
         self._gradients[action.minibatch] = self.channel.recv(
@@ -276,11 +282,14 @@ class StageExecutor:
             params = predict(params, self.stash.get(action.version - 1), delay)
         if self.tied_versions is not None:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
-        with self._capture(params):  # one argument, as nn.Sequential passes it on
-            output = self._call(params, value)
+        drop = self.activations.recompute and self.stage < self.num_stages - 1
+        replay = Replay(value, rng_state(self.device)) if drop else None
+        with self._capture(params), self.activations.forward(i, value, params.values(), drop):
+            output = self._call(params, value)  # one argument, as nn.Sequential passes it on
         flight = _InFlight(
             action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )
+        flight.replay = replay
         if self.stage < self.num_stages - 1:
             try:
                 flight.outputs, flight.structure = flatten(output)
@@ -291,7 +300,10 @@ class StageExecutor:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
             flight.loss = self._feed.loss(output, i)
             self.losses.add(action.batch, (MinibatchLoss(i, float(flight.loss.detach())),))
+        if replay is not None:  # keep the input only; the outputs go once sent, graph now
+            flight.outputs = detached(flight.outputs)
         self._flight[i] = flight
+        self.activations.done(i, (value,) if replay else (*inputs, *flight.outputs))
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Where several backward passes make one update, Linear layers sum their weight
@@ -307,6 +319,10 @@ class StageExecutor:
                 f"(forward version: {flight.version}, backward version: {action.version})"
             )
         params = flight.params
+        if flight.replay is not None:  # recompute: the forward again, on the same weights
+            with self._capture(params):
+                again = self.activations.replay(i, flight.replay, self.module, params)
+            flight.outputs = flatten(again)[0]
         if flight.loss is not None:
             seed = None if self.loss_scale == 1.0 else torch.full_like(flight.loss, self.loss_scale)
             roots, grads = [flight.loss], [seed]
@@ -337,6 +353,7 @@ class StageExecutor:
         flight.outputs = []
         flight.params = {}
         flight.loss = None
+        self.activations.release(i)
         if self.stage == 0:
             self._flight.pop(i)
         self._release()

@@ -13,7 +13,7 @@ tensor through ``_SummedLinear``. Its backward returns the input's gradient as u
 for the captured weight and bias, whose gradients go into the sums. A call that cannot be fused
 exactly (autocast, mixed dtypes or devices, grad disabled, tensor subclasses, saved-tensor hooks
 such as activation checkpointing, whose recomputation would not go through the mode) runs
-unchanged.
+unchanged; hooks marked as passing every tensor through (``_hooks_pass_through``) do not stop it.
 """
 
 from __future__ import annotations
@@ -136,13 +136,20 @@ def _fusable(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tensors = (input, weight) if bias is None else (input, weight, bias)
     return (
         torch.is_grad_enabled()
-        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and _hooks_pass_through(torch._C._autograd._top_saved_tensors_default_hooks(False))
         and weight.dim() == 2
         and input.dim() >= 1
         and not torch.is_autocast_enabled(input.device.type)
         and all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
         and all(t.dtype == weight.dtype and t.device == weight.device for t in tensors)
     )
+
+
+def _hooks_pass_through(hooks: Any) -> bool:
+    """No saved-tensor hooks, or hooks that only look: their pack function carries
+    ``passes_through = True`` and returns each tensor as it is (``runtime.recompute``'s counting
+    of activations in flight); fusing under them saves what autograd would."""
+    return hooks is None or getattr(hooks[0], "passes_through", False) is True
 
 
 class _SummedLinear(torch.autograd.Function):

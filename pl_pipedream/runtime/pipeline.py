@@ -83,11 +83,13 @@ class PipelineRunner:
         record_timeline: bool = False,
         ties: Sequence[TiedGroup] = (),
         weight_prediction: bool = False,
+        recompute: bool = False,
     ) -> PipelineRunner:
         """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel, replica
         groups and a group per tied parameter (``ties``, every one of the pipeline, in the same
         order on every rank) of its own (every rank must call this at the same point).
-        ``weight_prediction``: forwards run on predicted weights (``runtime.staleness``)."""
+        ``weight_prediction``: forwards run on predicted weights (``runtime.staleness``);
+        ``recompute``: stages keep only their inputs (``runtime.recompute``)."""
         check_corrections(sync, weight_prediction, 0, [t.label for t in ties])
         replica_groups = [
             dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
@@ -126,6 +128,7 @@ class PipelineRunner:
             microbatches=microbatches,
             tied_versions=versions,
             weight_prediction=weight_prediction,
+            recompute=recompute,
         )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups

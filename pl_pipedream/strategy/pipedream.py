@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.arguments import check_arguments
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
@@ -56,6 +57,7 @@ from pl_pipedream.strategy.divergence import (
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
+from pl_pipedream.strategy.materialize import EmptyBuild, materialize
 from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
@@ -106,6 +108,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             "Statistical efficiency").
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved and
             exit status 128 + signal (``strategy.preemption``); ``()`` leaves them to Lightning.
+        recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
+        memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
+            memory by default. A fit's memory per stage: ``memory_report``, printed at its end.
     """
 
     strategy_name = "pipedream"
@@ -129,6 +134,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         divergence_patience: int = 3,
         divergence_window: int = 5,
         preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        recompute: bool = False,
+        memory: int | float | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -176,6 +183,10 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._data_seed: int | None = None  # the same on every rank (strategy.data)
         self._loaders_seeded = 0
         self.preemption = Preemption(parse_signals(preempt_signals))
+        self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
+        self.recompute = bool(recompute)
+        self.memory = memory_report.parse_memory(memory)
+        self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     # ----- the launch -------------------------------------------------------------------------
 
@@ -234,6 +245,12 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self._unbound_cpus, self.cpu_binding = bound or (None, None)
         super().setup_environment()
 
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+        """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
+        setup creates this rank's stage only (``strategy.materialize``)."""
+        return self.empty_build.context(self, empty_init, super().tensor_init_context)
+
     # ----- setup ------------------------------------------------------------------------------
 
     @override
@@ -255,10 +272,14 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.microbatches,
             self.world_size,
             self.batch_to_device,
+            self.memory,
+            self.recompute,
         )
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
+        local = [int(node) for node in self.local_stage.stage.nodes]
+        materialize(module, layers, local, self.root_device, self.empty_build)
         replicas = [s.replicas for s in self.plan.stages]
         ties = [tie.describe() for tie in self.local_stage.ties]
         check_ties(self.sync, ties, replicas)
@@ -315,6 +336,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             record_timeline=self.timeline is not None,
             ties=self.local_stage.tied_groups(),
             weight_prediction=self.weight_prediction,
+            recompute=self.recompute,
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
@@ -401,6 +423,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     @override
     def on_train_end(self) -> None:
         self.drain()
+        self.memory_report = memory_report.of_fit(self)  # printed by rank 0
         if self.timeline is not None and self.runner is not None:
             self.bubbles = gather_trace(self.runner.executor.timeline, self.timeline) or {}
             if self.bubbles:

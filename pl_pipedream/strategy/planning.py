@@ -6,7 +6,8 @@ The sample is the first stage's input for one microbatch of the first training b
 module's ``example_input_array``), so the profile measures what one minibatch costs. Without a
 topology, the link between ranks 0 and 1 is measured with a few round trips and the cluster is
 taken as one level of that bandwidth. Rank 0 sends the plan (or its error) to the others, so a
-failure on rank 0 stops every rank with the same message instead of a hang.
+failure on rank 0 stops every rank with the same message instead of a hang. A model built empty
+(``strategy.materialize``) is profiled one layer at a time, each created, timed and freed.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.ties import with_tied_traffic
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.profile.measure import profile_layers
+from pl_pipedream.profile.graph import Profile
+from pl_pipedream.profile.measure import profile_layers, profile_layers_one_at_a_time
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
+from pl_pipedream.strategy.materialize import loaded, model_tensors
+from pl_pipedream.strategy.memory_report import gather_memory, plan_within
 from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
@@ -84,6 +88,8 @@ def plan_automatically(
     microbatches: int,
     to_device: Callable[[Any], Any],
     sample: Any = None,
+    memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
@@ -91,7 +97,9 @@ def plan_automatically(
     if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
-    plan, seconds = plan_at_setup(pipeline_layers(module), sample, topology, device, microbatches)
+    limit = gather_memory(device, memory)  # strategy.memory_report
+    layers = pipeline_layers(module)
+    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit, recompute)
     announce(trainer, plan, seconds)
     return plan, seconds
 
@@ -171,12 +179,17 @@ def plan_at_setup(
     topology: Topology | None,
     device: torch.device,
     microbatches: int = 1,
+    memory: float | None = None,
+    recompute: bool = False,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
     Replicas of a stage share each batch's microbatches round robin, so every replica count
     must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
-    planned instead and the plan says why (``meta["note"]``).
+    planned instead and the plan says why (``meta["note"]``). A model built empty is profiled
+    one layer at a time and planned straight: a replica would hold its stage whole again.
+    ``memory`` (bytes per worker) rules out plans whose stages do not fit
+    (``strategy.memory_report``; with ``recompute`` stages keep inputs instead of activations).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -191,11 +204,23 @@ def plan_at_setup(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            profile = profile_layers(layers, sample, device=device)
-            planned = make_plan(profile, topology)
+            empty = any(t.is_meta for t in model_tensors(layers))
+            profile = _profile(layers, sample, device, empty)
+            total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
+
+            def fitting(straight: bool) -> Plan:
+                make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
+                return plan_within(make, memory, total, recompute)
+
+            planned = fitting(empty)
+            if empty:
+                planned.meta["note"] = (
+                    "the model was built empty (strategy.materialize): planned a straight "
+                    "pipeline, since each replica of a stage holds a whole copy of that stage"
+                )
             if any(microbatches % stage.replicas for stage in planned.stages):
                 best = planned.shape
-                planned = make_plan(profile, topology, straight=True)
+                planned = fitting(True)
                 planned.meta["note"] = (
                     f"the best plan ({best}) replicates stages, but replicas must divide the "
                     f"microbatches per batch ({microbatches}); planned a straight pipeline. "
@@ -210,6 +235,15 @@ def plan_at_setup(
     if "error" in result:
         raise RuntimeError(f"automatic planning failed on rank 0: {result['error']}")
     return Plan.from_dict(result), time.perf_counter() - start
+
+
+def _profile(layers: nn.Sequential, sample: Any, device: torch.device, empty: bool) -> Profile:
+    """Every layer's costs; a model built empty (``strategy.materialize``) is never whole on
+    rank 0 either: each layer is created, timed and freed in turn."""
+    if empty:
+        load = lambda layer: loaded(layer, device)  # noqa: E731
+        return profile_layers_one_at_a_time(layers, sample, load, device=device)
+    return profile_layers(layers, sample, device=device)
 
 
 def _count_ties(plan: Plan, layers: nn.Sequential, topology: Topology) -> Plan:
@@ -245,6 +279,8 @@ class SetupPlanner:
     microbatches: int
     world_size: int
     to_device: Callable[[Any], Any]
+    memory: float | None = None  # bytes per rank on CPU (strategy.memory_report)
+    recompute: bool = False  # stages keep inputs only: the memory the plan must fit
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
@@ -260,7 +296,14 @@ class SetupPlanner:
 
         def automatically() -> Plan:
             plan, self.seconds = plan_automatically(
-                trainer, module, self.topology, self.microbatches, self.to_device, sample
+                trainer,
+                module,
+                self.topology,
+                self.microbatches,
+                self.to_device,
+                sample,
+                self.memory,
+                self.recompute,
             )
             return plan
 

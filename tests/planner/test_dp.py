@@ -21,7 +21,19 @@ import math
 import numpy as np
 import pytest
 
-from pl_pipedream.planner.dp import LevelCosts, RowSolution, all_pairs, ancestor_matrix, solve_row
+from pl_pipedream.planner import optimize
+from pl_pipedream.planner.dp import (
+    LevelCosts,
+    RowSolution,
+    all_pairs,
+    ancestor_matrix,
+    every_row,
+    level_pairs,
+    row_times,
+    solve_row,
+    to_last,
+)
+from pl_pipedream.profile.graph import Profile
 
 INF = math.inf
 CHAIN = (0b0, 0b1, 0b11)  # ancestors of states 0, 1, 2 of a chain
@@ -173,3 +185,67 @@ def test_walking_back_the_choices() -> None:
     assert solution.stages(0, 2, 3) == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
     replicas[2, 2] = 2  # the last stage replicated twice leaves one worker: state 1 on it
     assert solution.stages(0, 2, 3) == [(0, 1, 1), (2, 2, 2)]
+
+
+# ----- every row at once: the same times as one row after another ---------------------------
+
+
+def published_costs(profiles_dir, name: str, **changes: object) -> LevelCosts:
+    """Level costs of a published profile's antichain states at 1e9 bytes/s."""
+    graph = optimize._graph(Profile.load(profiles_dir / f"{name}.txt"), 4000, "antichain")
+    prefix = optimize._prefix(graph)
+    precedes = ancestor_matrix(graph.ancestors)
+    costs = LevelCosts(
+        compute=optimize._base_compute(prefix, precedes),
+        params=prefix.params,
+        activations=prefix.activations,
+        outputs=prefix.outputs,
+        precedes=precedes,
+        pairs=all_pairs(precedes),
+        workers=4,
+        bandwidth=1e9,
+        within=1,
+        straight=False,
+        memory=None,
+        transfers=True,
+    )
+    return dataclasses.replace(costs, **changes)
+
+
+VARIANTS = [
+    {},
+    {"workers": 2},
+    {"workers": 3, "within": 2},
+    {"workers": 8},
+    {"straight": True},
+    {"memory": 2e8},
+    {"memory": 1e9, "workers": 8},
+    {"transfers": False},
+]
+
+
+@pytest.mark.parametrize("changes", VARIANTS, ids=lambda c: ",".join(map(str, c.items())) or "-")
+def test_all_rows_at_once_equal_row_by_row(profiles_dir, changes) -> None:
+    """gnmt (99 states, branches): ``every_row`` and ``row_times`` give every row's times on all
+    workers and ``to_last`` the column ending the model, bit for bit those of ``solve_row``."""
+    costs = published_costs(profiles_dir, "gnmt", **changes)
+    pairs = level_pairs(costs)
+    rows = costs.compute.shape[0]
+    reference = np.array([solve_row(costs, row).time[:, -1] for row in range(rows)])
+    assert np.isfinite(reference).sum() > rows  # the comparison is not between infinities
+    assert np.array_equal(every_row(costs, pairs), reference)
+    assert np.array_equal(to_last(costs), reference[:, -1])
+    for row in range(0, rows, 7):
+        assert np.array_equal(row_times(costs, row, pairs), reference[row])
+
+
+def test_all_rows_at_once_on_the_chain_by_hand() -> None:
+    """The chain's rows on two workers: row 0 as worked out above (3 s for the whole model),
+    row 1 (layers 1-2) 2.75 s, row 2 (layer 2) 1.75 s replicated, row 3 nothing."""
+    costs = chain_costs()
+    table = every_row(costs, level_pairs(costs))
+    assert table[0].tolist() == pytest.approx([0.5, 1.5, 3.0], rel=1e-15)
+    assert table[1].tolist() == pytest.approx([INF, 1.0, 2.75], rel=1e-15)
+    assert table[2].tolist() == pytest.approx([INF, INF, (3.0 + 0.5) / 2], rel=1e-15)
+    assert table[3].tolist() == [INF, INF, INF]
+    assert to_last(costs).tolist() == pytest.approx([3.0, 2.75, 1.75, INF], rel=1e-15)

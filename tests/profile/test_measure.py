@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.profile import profile_layers
 from pl_pipedream.profile.graph import Profile, ProfileError
+from pl_pipedream.profile.measure import profile_layers_one_at_a_time
 
 BATCH = 6
 
@@ -270,3 +272,38 @@ def test_every_tensor_crossing_a_cut_is_measured_and_reaches_the_planner() -> No
     chosen = plan(result, Topology.flat(2, 1e6), straight=True)
     by_id = {node.node_id: node for node in result.nodes}
     assert chosen.stages[1].input_bytes == by_id[chosen.stages[0].nodes[-1]].output_bytes
+
+
+# ----- one layer at a time --------------------------------------------------------------------
+
+
+def test_one_layer_at_a_time_measures_what_the_whole_chain_measures() -> None:
+    """A model on ``meta`` is profiled with each layer loaded alone: the same chain, bytes and
+    descriptions as the whole model's profile, times for every layer, and never two layers
+    holding memory at once."""
+    whole = mlp()
+    with torch.device("meta"):
+        empty = mlp()
+    loaded_at_once: list[int] = []
+
+    @contextlib.contextmanager
+    def load(layer: nn.Module):  # type: ignore[no-untyped-def]
+        layer.to_empty(device="cpu")
+        for tensor in (*layer.parameters(), *layer.buffers()):
+            nn.init.uniform_(tensor) if tensor.is_floating_point() else tensor.zero_()
+        loaded_at_once.append(sum(any(not t.is_meta for t in m.parameters()) for m in empty))
+        yield layer
+        layer.to("meta")
+
+    sample = torch.randn(BATCH, 8)
+    alone = profile_layers_one_at_a_time(empty, sample, load, device="cpu", warmup=1, repeats=3)
+    reference = profile(whole, sample)
+    assert [n.node_id for n in alone.nodes] == [n.node_id for n in reference.nodes]
+    assert [n.activation_bytes for n in alone.nodes] == [
+        n.activation_bytes for n in reference.nodes
+    ]
+    assert [n.parameter_bytes for n in alone.nodes] == [n.parameter_bytes for n in reference.nodes]
+    assert [n.desc for n in alone.nodes] == [n.desc for n in reference.nodes]
+    assert alone.nodes[0].forward_ms > 0 and alone.nodes[0].backward_ms > 0
+    assert max(loaded_at_once) <= 1 and len(loaded_at_once) == len(empty)
+    assert all(t.is_meta for t in empty.parameters())

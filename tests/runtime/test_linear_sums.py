@@ -151,6 +151,38 @@ def test_activation_checkpointing_is_not_fused() -> None:
         assert torch.allclose(a, b)
 
 
+def test_hooks_that_pass_tensors_through_keep_the_fused_sums() -> None:
+    """A pack hook marked ``passes_through`` (the memory meter's) sees the tensors autograd saves
+    and the sums are still made in the backward; the same hook unmarked falls back."""
+    torch.manual_seed(11)
+    layer = torch.nn.Linear(4, 4).double()
+    params = dict(layer.named_parameters())
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(layer(x).square().sum(), [*params.values()])
+    for marked in (True, False):
+        seen: list[tuple[int, ...]] = []
+
+        def pack(tensor: torch.Tensor, seen: list = seen) -> torch.Tensor:  # type: ignore[type-arg]
+            seen.append(tuple(tensor.shape))
+            return tensor
+
+        if marked:
+            pack.passes_through = True  # type: ignore[attr-defined]
+        sums = LinearGradientSums()
+        with sums.capture(params), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        assert (3, 4) in seen  # the input, saved through the hook either way
+        grads = torch.autograd.grad(out.square().sum(), [x, *params.values()], allow_unused=True)
+        if marked:
+            assert grads[1] is None and grads[2] is None  # the weight's went into the sums
+            found = sums.take()
+            assert torch.allclose(found["weight"], expected[0])
+            assert torch.allclose(found["bias"], expected[1])
+        else:
+            assert not sums.pending
+            assert torch.allclose(grads[1], expected[0]) and torch.allclose(grads[2], expected[1])
+
+
 SHAPES = {
     "inputs with leading dimensions, flattened to rows": (lambda: _mlp(torch.float64), (2, 4, 5)),
     "layers without bias": (lambda: _mlp(torch.float64, bias=False), (4, 5)),

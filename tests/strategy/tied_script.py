@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=None)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     m = args.microbatches
@@ -65,7 +66,9 @@ def main() -> None:
         sync, optimizer, *clip = config.split(":")  # "flush:sgd:clip" clips the norm at 0.05
         out = Path(args.out) / "-".join([sync, optimizer, *clip])
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
-        strategy = PipeDreamStrategy(sync=sync, plan=plan, microbatches=m, timeout=60)
+        strategy = PipeDreamStrategy(
+            sync=sync, plan=plan, microbatches=m, timeout=60, recompute=args.recompute
+        )
         trainer = Trainer(
             strategy=strategy,
             accelerator="cpu",

@@ -1,0 +1,34 @@
+"""benchmarks/planner_speed.py on one small profile: its table and its verdict line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import planner_speed  # noqa: E402
+
+
+def test_every_topology_of_one_profile_and_the_verdict(profiles_dir, capsys) -> None:
+    assert planner_speed.main(["--profiles", str(profiles_dir), "--profile", "alexnet"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("alexnet ")]
+    assert [" ".join(row[1:4]) for row in rows] == list(planner_speed.TOPOLOGIES)
+    assert all(row[4] == "22" for row in rows)  # alexnet's antichain states
+    assert lines[-1].startswith("every case under 1 s: yes (slowest: alexnet on ")
+
+
+def test_a_case_over_the_limit_says_no(profiles_dir, capsys) -> None:
+    assert not planner_speed.main(
+        ["--profiles", str(profiles_dir), "--profile", "vgg16", "--limit", "0", "--repeats", "1"]
+    )
+    assert capsys.readouterr().out.splitlines()[-1].startswith("every case under 0 s: NO")
+
+
+def test_an_unknown_profile_is_named(profiles_dir) -> None:
+    with pytest.raises(SystemExit, match=r"no such profile .* \(profile: nope\); pick from"):
+        planner_speed.main(["--profiles", str(profiles_dir), "--profile", "nope"])

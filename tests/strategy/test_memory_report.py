@@ -1,0 +1,206 @@
+"""Memory per stage: the limit the planner gets, the plan it then picks, and what a fit reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pl_pipedream.planner.optimize import plan as make_plan
+from pl_pipedream.planner.plan import Plan, PlanError
+from pl_pipedream.planner.topology import Topology
+from pl_pipedream.profile.graph import Profile
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy.memory_report import (
+    StageMemory,
+    estimate,
+    parse_memory,
+    plan_within,
+    render,
+    stage_bytes,
+)
+from pl_pipedream.strategy.stage import PipelineSetupError
+from tests.runtime import oracle
+from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
+
+SCRIPT = Path(__file__).with_name("memory_script.py")
+MiB = 2**20
+
+
+def test_memory_sizes_parse_and_bad_ones_are_refused() -> None:
+    assert parse_memory(None) is None
+    assert parse_memory(1024) == 1024
+    assert parse_memory("8GiB") == 8 * 2**30
+    assert parse_memory("512 MB") == 512e6
+    assert parse_memory("3kib") == 3072
+    for bad in ("lots", "8 parsecs", 0, "-1GiB"):
+        with pytest.raises(ValueError, match="memory must be"):
+            parse_memory(bad)
+
+
+def profile() -> Profile:
+    """Four equal layers, the second with large weights: the best split by time is 2-2, but
+    its first stage stashes ceil(1 / 1) x (weights + activations) = 43 MiB."""
+    return Profile.chain(
+        [1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], [MiB] * 4, [MiB, 40 * MiB, MiB, MiB]
+    )
+
+
+def make(memory: float | None) -> Plan:
+    return make_plan(profile(), Topology.flat(2, 1e12), straight=True, memory=memory)
+
+
+def test_a_memory_limit_makes_the_planner_pick_another_plan() -> None:
+    free = make(None)
+    first = free.stages[0]
+    assert first.nodes == ("layer0", "layer1") and first.activation_bytes == 2 * MiB
+    assert estimate(free, first, SyncMode.ASYNC, 4, False)[3] == 43 * MiB  # the planner's figure
+    assert stage_bytes(free, first) == 2 * 43 * MiB  # two versions, two minibatches in flight
+    limited = plan_within(make, 50 * MiB, 47 * MiB)
+    assert [s.nodes for s in limited.stages] == [("layer0",), ("layer1", "layer2", "layer3")]
+    assert [stage_bytes(limited, s) for s in limited.stages] == [4 * MiB, 45 * MiB]
+
+
+def test_no_plan_fits_names_the_smallest_memory_that_does() -> None:
+    with pytest.raises(PipelineSetupError, match="the smallest that fits") as caught:
+        plan_within(make, 10 * MiB, 47 * MiB)
+    message = str(caught.value)
+    assert "recompute=True" in message and "more devices" in message
+    need = float(message.split("the smallest that fits: ")[1].split(" bytes")[0])
+    # the best split's largest stage: layers 1-3, weights and activations of one minibatch
+    assert 45 * MiB <= need <= 45 * MiB * 1.002
+    assert plan_within(make, need, 47 * MiB).num_stages == 2
+    with pytest.raises(PipelineSetupError):
+        plan_within(make, need * 0.995, 47 * MiB)  # and a little less does not fit
+    with pytest.raises(PlanError):  # no limit, no search: the planner's own error
+        plan_within(lambda m: make_plan(profile(), Topology.flat(9, 1e12), True, m), None, 1)
+
+
+def test_with_recompute_a_plan_fits_where_none_did() -> None:
+    """Activations dominate: without recomputation the best any split does is 63 MiB (layer 0,
+    then layers 1-3); with it the first stage of the 2-2 split keeps its two minibatches'
+    inputs and one replay's activations, 44 MiB."""
+
+    def make_wide(memory: float | None) -> Plan:
+        wide = Profile.chain([1.0] * 4, [2.0] * 4, [20 * MiB] * 4, [MiB] * 4)
+        return make_plan(wide, Topology.flat(2, 1e12), straight=True, memory=memory)
+
+    with pytest.raises(PipelineSetupError, match="recompute=True") as caught:
+        plan_within(make_wide, 50 * MiB, 84 * MiB)
+    need = float(str(caught.value).split("the smallest that fits: ")[1].split(" bytes")[0])
+    assert 63 * MiB <= need <= 63 * MiB * 1.002
+    recomputed = plan_within(make_wide, 50 * MiB, 84 * MiB, recompute=True)
+    assert [len(s.nodes) for s in recomputed.stages] == [2, 2]
+    assert [stage_bytes(recomputed, s, True) for s in recomputed.stages] == [44 * MiB, 42 * MiB]
+
+
+def test_the_estimate_follows_the_paper_rule_per_mode() -> None:
+    plan = make(None)
+    first = plan.stages[0]  # warm-up 1: two versions and two minibatches in flight
+    w, a = first.parameter_bytes, first.activation_bytes
+    assert estimate(plan, first, SyncMode.ASYNC, 4, False)[:3] == (w, w, 2 * a)
+    assert estimate(plan, first, SyncMode.TWO_BW, 4, False)[:3] == (w, w, 2 * a)
+    assert estimate(plan, first, SyncMode.FLUSH, 1, False)[:3] == (w, 0, a)
+    assert estimate(plan, first, SyncMode.GPIPE, 8, False)[:3] == (w, 0, 8 * a)
+    # recompute: inputs in flight (none profiled for the first stage) plus one replay
+    assert estimate(plan, first, SyncMode.ASYNC, 4, True)[2] == a
+    last = plan.stages[1]  # keeps its graph: its loss is the user's training_step
+    assert estimate(plan, last, SyncMode.ASYNC, 4, True) == estimate(
+        plan, last, SyncMode.ASYNC, 4, False
+    )
+    unprofiled = Plan.from_balance([2, 2])
+    assert estimate(unprofiled, unprofiled.stages[0], SyncMode.ASYNC, 4, False) == (None,) * 4
+    row = StageMemory(0, 0, MiB, 2 * MiB, 3 * MiB, 4 * MiB, None, MiB, MiB, MiB, None)
+    table = render([row])
+    assert "10.000" in table and "3.000" in table and "memory per stage" in table
+
+
+def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return {k: v for r in (0, 1) for k, v in torch.load(out / f"rank{r}.pt").items()}
+
+
+@pytest.mark.slow
+def test_a_fit_with_recompute_equals_the_oracle_and_reports_less_activation_memory(
+    tmp_path: Path,
+) -> None:
+    configs = ["async:0:0", "async:1:0", "flush:1:0", "async:0:1", "async:1:1"]
+    result = launch(tmp_path, "--configs", *configs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan, m = Plan.from_balance([3, 3]), 2
+    for sync in ("async", "flush"):
+        expected = oracle.train(
+            make_model(), plan, sync, make_batches(m), m, loss_fn, OPTIMIZERS["sgd"]
+        )
+        got = weights(tmp_path / f"{sync}-1-0")
+        for key, tensor in expected.items():
+            assert (got[f"net.{key}"] - tensor).abs().max().item() <= 1e-6, (sync, key)
+    plain, recomputed = weights(tmp_path / "async-0-1"), weights(tmp_path / "async-1-1")
+    for key, tensor in plain.items():  # dropout: the replay drew the same numbers
+        assert torch.equal(tensor, recomputed[key]), key
+    reports = {}
+    for config in ("async-0-0", "async-1-0"):
+        rows = json.loads((tmp_path / config / "report.json").read_text())["rows"]
+        reports[config] = {row["rank"]: StageMemory(**row) for row in rows}
+    for rank in (0, 1):
+        row = reports["async-0-0"][rank]
+        params = sum(p.numel() * 4 for p in list(make_model().parameters()))
+        assert row.stage == rank and row.weights > 0 and row.activations > 0
+        assert row.optimizer == row.weights  # SGD's momentum: one buffer per weight
+        assert 0 < row.weights < params
+    # stage 0 keeps two minibatches in flight; with recompute only their inputs
+    assert reports["async-1-0"][0].activations < reports["async-0-0"][0].activations
+    assert reports["async-0-0"][0].stashed > 0  # async stashes a second version
+    assert "PipeDream memory per stage" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
+    tmp_path: Path,
+) -> None:
+    result = launch(tmp_path, "--memory", "64", "--devices", "2", "--configs", "async:0:0")
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert "no pipeline fits the memory per device (memory: 64 bytes" in text, text[-3000:]
+    need = float(text.split("the smallest that fits: ")[1].split(" bytes")[0])
+    assert math.isfinite(need) and need > 64
+    ok = launch(tmp_path, "--memory", str(int(need) + 1), "--devices", "2")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    report = json.loads((tmp_path / "async-1-0" / "report.json").read_text())
+    for stage in report["plan"]["stages"]:
+        assert stage["activation_bytes"] > 0  # a profiled plan: the estimate is filled in
+    assert all(row["estimate_weights"] is not None for row in report["rows"])
+
+
+@pytest.mark.slow
+def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -> None:
+    """The tied parameter's version of a minibatch is kept with its weights for the replay."""
+    script = Path(__file__).with_name("tied_script.py")
+    configs = ["async:sgd", "flush:sgd"]
+    for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
+        command = [sys.executable, str(script), "--balance", "1", "3", "--configs", *configs]
+        command += ["--out", str(tmp_path / folder), *flag]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    for config in ("async-sgd", "flush-sgd"):
+        plain = torch.load(tmp_path / "plain" / config / "weights.pt")
+        recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")
+        assert sorted(plain) == sorted(recomputed)
+        for key, tensor in plain.items():
+            assert (tensor - recomputed[key]).abs().max().item() <= 1e-6, (config, key)

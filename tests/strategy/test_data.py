@@ -81,6 +81,41 @@ def test_a_fingerprint_is_the_same_for_equal_data_and_differs_for_other_data() -
     assert fingerprint(nan) == fingerprint(nan.clone())
 
 
+def test_a_fingerprint_costs_two_tensor_operations_per_tensor_and_five_per_microbatch() -> None:
+    """Counted, not timed (the machine is shared): the tensor operations one fingerprint runs,
+    attribute reads (shape, dtype, device) and numel aside. Before the samples were joined into
+    one dot product, each tensor cost nine (18 here)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = getattr(func, "__name__", str(func))
+            if name not in ("__get__", "numel"):
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    data = (torch.randn(8, 16), torch.randn(8, 16))
+    expected = fingerprint(data)  # the first call of a layout also builds its weights
+    with Count() as count:
+        assert fingerprint(data) == expected
+    assert len(count.ops) <= 2 * 2 + 5, count.ops
+
+
+def test_a_fingerprint_weighs_each_tensor_and_reads_large_integers_exactly() -> None:
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    assert fingerprint((x, y)) != fingerprint((y, x))  # the same values in other tensors
+    ids = torch.tensor([2**40, 3])
+    other = torch.tensor([2**40 + 1, 3])  # equal in float32, not in float64
+    assert fingerprint((x, ids)) != fingerprint((x, other))
+    assert fingerprint((x, ids)) == fingerprint((x.clone(), ids.clone()))
+    long = torch.randn(10_000)  # sampled: every 40th element
+    assert fingerprint(long) != fingerprint(long + (torch.arange(10_000) == 0))
+
+
 def test_a_microbatch_that_differs_from_stage_zeros_names_rank_stage_step_and_the_fix() -> None:
     same = SameData([torch.ones(2)], "rank 1, stage 1", step=7, batch_idx=3)
     assert same(0, None) == same(0, fingerprint(torch.ones(2))) == fingerprint(torch.ones(2))

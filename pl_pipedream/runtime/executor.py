@@ -45,6 +45,7 @@ from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
+from pl_pipedream.runtime.streams import Ahead, prefetch_each, settle
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -153,6 +154,7 @@ class StageExecutor:
         self._last_use: dict[int, int] = {}
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
         self.activations = Activations(recompute, self.device)  # runtime.recompute
+        self._ahead: dict[int, Ahead] = {}  # first stage, GPU: inputs being copied
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -190,8 +192,13 @@ class StageExecutor:
         first, following = _receives_ahead(ahead)
         for link in first:
             self.channel.expect(*link)
+        if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
+            forwards = [a.minibatch for a in self.actions if a.kind is ActionKind.FORWARD]
+            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device)
         for position, action in enumerate(self.actions):
             self.position = position
+            if self.record_timeline:  # on a GPU: the action's own time, not its launch's
+                settle(self.device)
             start = time.perf_counter()
             try:
                 self._handlers[action.kind](self, action)
@@ -202,6 +209,7 @@ class StageExecutor:
                     f"{self.describe} failed at action {action}: {error}"
                 ) from error
             if self.record_timeline:
+                settle(self.device)
                 end = time.perf_counter()
                 self.timeline.append(
                     TimelineEvent(self.rank, str(action), action.kind.value, start, end)
@@ -209,6 +217,7 @@ class StageExecutor:
             if position in following:
                 self.channel.expect(*following[position])
         self.position = len(self.actions)
+        self._ahead = {}
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
@@ -267,7 +276,11 @@ class StageExecutor:
         if self.stage == 0:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
-            value = map_tensors(lambda t: t.to(self.device), self._feed.inputs(i))
+            ahead = self._ahead.pop(i, None)
+            if ahead is not None:
+                value = ahead.take()
+            else:
+                value = map_tensors(lambda t: t.to(self.device), self._feed.inputs(i))
             received = None
         else:
             message = self._received.pop(i)

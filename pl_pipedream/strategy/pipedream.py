@@ -58,7 +58,12 @@ from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.materialize import EmptyBuild, materialize
-from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
+from pl_pipedream.strategy.placement import (
+    bind_to_cpu_share,
+    keep_local_parameters,
+    move_to_device,
+    process_group_backend,
+)
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
@@ -230,7 +235,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         on_cpu = self.root_device.type == "cpu"
-        backend = self._process_group_backend or ("gloo" if on_cpu else "nccl")
+        backend = process_group_backend(self.root_device, self._process_group_backend)
         self._process_group_backend = backend
         if self.retain_freed_memory and on_cpu:
             retain_freed_memory()

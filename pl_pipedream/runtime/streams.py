@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-from pl_pipedream.runtime.boundary import map_tensors
-
 __all__ = ["Ahead", "prefetch", "prefetch_each", "read_done", "settle", "side_stream", "upload"]
 
 _SIDE: dict[torch.device, Any] = {}
@@ -80,6 +78,8 @@ def prefetch(value: Any, device: torch.device) -> Ahead:
     """Start copying the tensors of ``value`` (any structure, ``runtime.boundary.map_tensors``) to
     ``device``. On CUDA, host tensors are copied on the device's side stream from pinned memory;
     tensors already on the device are kept. Elsewhere the copy is ``tensor.to(device)``, now."""
+    from pl_pipedream.runtime.boundary import map_tensors  # boundary imports channel, channel this
+
     if device.type != "cuda":
         return Ahead(map_tensors(lambda t: t.to(device), value))
     device = _indexed(device)

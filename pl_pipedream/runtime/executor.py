@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
-from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
+from pl_pipedream.runtime.channel import Channel, Link, Message, PeerError
 from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
@@ -45,7 +45,7 @@ from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
-from pl_pipedream.runtime.streams import Ahead, prefetch_each, settle
+from pl_pipedream.runtime.streams import Ahead, prefetch_each, read_later, settle
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -312,7 +312,7 @@ class StageExecutor:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
             flight.loss = self._feed.loss(output, i)
-            self.losses.add(action.batch, (MinibatchLoss(i, float(flight.loss.detach())),))
+            self.losses.add_later(action.batch, i, read_later(flight.loss))  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight

@@ -23,6 +23,9 @@ Ordering rules (every helper keeps them):
   reports completion) is read to the host on a side stream, so the read waits only for itself,
   not for the compute queued on the current stream. Do not use it on a tensor the current stream
   may still be writing.
+* ``read_later``: a loss the host needs only later (to send it back, to log it) is copied to
+  pinned memory with an event after the forward that computes it; the host waits for that event
+  when it reads the number, not at the end of the forward, so the backward is queued first.
 * ``settle``: wait for the device (only for measuring: a timeline's action times, a profile).
 """
 
@@ -33,7 +36,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ahead", "prefetch", "prefetch_each", "read_done", "settle", "side_stream", "upload"]
+__all__ = [
+    "Ahead",
+    "HostValue",
+    "prefetch",
+    "read_later",
+    "prefetch_each",
+    "read_done",
+    "settle",
+    "side_stream",
+    "upload",
+]
 
 _SIDE: dict[torch.device, Any] = {}
 
@@ -133,6 +146,27 @@ def read_done(tensor: torch.Tensor) -> torch.Tensor:
     with torch.cuda.stream(stream):
         host = tensor.to("cpu")  # a blocking copy: synchronises the side stream only
     return host
+
+
+class HostValue:
+    """The value of a 0-d device tensor on its way to the host: copied to pinned memory after the
+    work that computes it, the host not waiting; ``float()`` waits for that copy alone (work
+    queued after it, a backward pass, keeps the GPU busy meanwhile)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor.detach(), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(tensor.device))
+
+    def __float__(self) -> float:
+        self._event.synchronize()
+        return float(self._host)
+
+
+def read_later(tensor: torch.Tensor) -> float | HostValue:
+    """``float(tensor)``, now on CPU; on a GPU a ``HostValue`` to read when the number is needed."""
+    return HostValue(tensor) if tensor.device.type == "cuda" else float(tensor.detach())
 
 
 def settle(device: torch.device) -> None:

@@ -13,7 +13,16 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import Feed, StageExecutor
-from pl_pipedream.runtime.streams import prefetch, prefetch_each, read_done, settle, upload
+from pl_pipedream.runtime.losses import LossBook
+from pl_pipedream.runtime.streams import (
+    HostValue,
+    prefetch,
+    prefetch_each,
+    read_done,
+    read_later,
+    settle,
+    upload,
+)
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime import oracle
@@ -53,6 +62,15 @@ def test_on_cpu_upload_and_read_done_are_plain_copies() -> None:
     assert target.tolist() == [5, -1, 2**40, 3]
     assert read_done(target[1:3]).tolist() == [-1, 2**40]
     settle(CPU)  # nothing to wait for
+
+
+def test_on_cpu_a_loss_is_read_at_once_and_the_book_has_it() -> None:
+    value = read_later(torch.tensor(0.25, requires_grad=True) * 3)
+    assert type(value) is float and value == 0.75
+    book = LossBook()
+    book.add_later(0, 1, value)
+    book.add_later(0, 0, 0.25)
+    assert book.mean(0, 2) == 0.5 and [x.value for x in book.of(0)] == [0.25, 0.75]
 
 
 # ----- GPU ---------------------------------------------------------------------------------------
@@ -98,6 +116,22 @@ def test_upload_and_read_done_round_trip_on_a_gpu() -> None:
     assert read_done(frame[:8]).tolist() == [0] * 8
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_a_loss_read_later_is_the_gpus_value_and_the_book_reads_it_when_asked() -> None:
+    device = torch.device("cuda", 0)
+    busy = _busy(device)
+    loss = busy.double().pow(2).mean()
+    later = read_later(loss)
+    assert isinstance(later, HostValue)
+    book = LossBook()
+    book.add_later(3, 6, later)
+    book.add_later(3, 7, 1.0)
+    expected = busy.double().cpu().pow(2).mean().item()
+    assert book.of(3)[0].value == pytest.approx(expected, rel=1e-12)
+    assert book.mean(3, 2) == pytest.approx((expected + 1.0) / 2, rel=1e-12)
+
+
 def _train_on(
     rank: int, plan: Plan, sync: str, m: int, device: torch.device, channel: Channel
 ) -> dict[str, torch.Tensor]:
@@ -125,7 +159,10 @@ def _train_on(
         build(plan, sync, NUM_BATCHES, m).actions[rank], feed, optimizer_update(module, optimizer)
     )
     assert len(executor.timeline) == len(build(plan, sync, NUM_BATCHES, m).actions[rank])
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    got = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    # the losses this rank knows (read from the GPU when asked), beside the weights
+    got["losses"] = torch.tensor([[x.value for x in executor.losses.of(b)] for b in range(2)])
+    return got
 
 
 def _expected(plan: Plan, sync: str, m: int) -> dict[str, torch.Tensor]:
@@ -135,6 +172,8 @@ def _expected(plan: Plan, sync: str, m: int) -> dict[str, torch.Tensor]:
 def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert got
     for key, tensor in got.items():
+        if key == "losses":
+            continue
         diff = (tensor - expected[key]).abs().max().item()
         assert diff <= 1e-4, f"{key}: {diff}"
 
@@ -146,7 +185,10 @@ def test_one_stage_on_a_gpu_with_inputs_copied_ahead_equals_the_oracle(sync: str
     plan, device = Plan.from_balance([6]), torch.device("cuda", 0)
     with one_rank_group():
         got = _train_on(0, plan, sync, 2, device, Channel(0, device, timeout=60.0))
+        on_cpu = _train_on(0, plan, sync, 2, CPU, Channel(0, CPU, timeout=60.0))
     _close(got, _expected(plan, sync, 2))
+    assert got["losses"].shape == (2, 2)  # both minibatches of the first two batches
+    assert torch.allclose(got["losses"], on_cpu["losses"], rtol=1e-5, atol=1e-7)
 
 
 def _two_gpu_stage(rank: int, world: int, sync: str) -> dict[str, torch.Tensor]:
@@ -181,3 +223,4 @@ def test_two_gpus_over_nccl_or_gloo_equal_the_oracle(backend: str, sync: str) ->
         assert status == "ok", f"rank {rank}: {value}"
     expected = _expected(Plan.from_balance([3, 3]), sync, 2)
     _close({**results[0][1], **results[1][1]}, expected)
+    assert torch.equal(results[0][1]["losses"], results[1][1]["losses"])  # sent back whole

@@ -43,7 +43,7 @@ from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stag
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
-from pl_pipedream.strategy.arguments import check_arguments
+from pl_pipedream.strategy.arguments import check_arguments, check_memory_layout
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
@@ -191,6 +191,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute = bool(recompute)
         self.memory = memory_report.parse_memory(memory)
+        check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     # ----- the launch -------------------------------------------------------------------------

@@ -878,13 +878,19 @@ def print_targets(args: argparse.Namespace, runs: dict[str, list[Result]]) -> No
             None,
         ),
     ]
+    ran = [(label, values, goal) for label, values, goal in checks if values is not None]
+    if not ran:  # a bare heading would look like a list that lost its rows
+        print(
+            "\ntargets: none printed, no pair of configurations they compare ran (e.g. "
+            "ours-async-1 with torch-1F1B-8, single or single-x2; the default --configs run them)"
+        )
+        return
     print(
-        "\ntargets (no verdict: for information), median of per-repeat ratios, at equal "
-        "microbatch unless labelled:"
+        "\ntargets (met/MISSED against the goal; a row without a goal is for information), "
+        "median of per-repeat ratios, at equal microbatch unless labelled:"
     )
-    for label, values, goal in checks:
-        if values is not None:
-            print_check(label, values, goal, higher=True)
+    for label, values, goal in ran:
+        print_check(label, values, goal, higher=True)
 
 
 def print_check(label: str, values: list[float], goal: float | None, higher: bool) -> None:

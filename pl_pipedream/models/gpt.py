@@ -29,7 +29,15 @@ class Embedding(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(block, width)
-        # small embeddings, as GPT-2 initialises them: the tied head then starts near uniform
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Small embeddings, as GPT-2 initialises them: the tied head then starts near uniform.
+
+        A reset method of the module (not code in ``__init__``), so that the strategy can replay
+        it when the model is built empty (README: "Models larger than one process"); the draws
+        and their order are those of the whole build.
+        """
         nn.init.normal_(self.wte.weight, std=0.02)
         nn.init.normal_(self.wpe.weight, std=0.02)
 

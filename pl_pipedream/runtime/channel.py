@@ -35,7 +35,9 @@ costs the same at the run's ten-thousandth step as at its first.
 
 Sends are non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer
 rank and what was awaited instead of hanging. gloo on CPU, NCCL on GPU (frames on the rank's
-device).
+device; a GPU rank whose group is gloo gets the tensors moved to its device). On a GPU the host
+never waits for the compute stream here: a frame's header and scalars go in through pinned memory
+and come out on a side stream once the receive has completed (``runtime.streams``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from pl_pipedream.runtime.streams import read_done, upload
 
 __all__ = ["SUPPORTED_DTYPES", "Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
 
@@ -159,16 +163,16 @@ def _pack(
     """A frame of ``size`` bytes holding the header, every tensor and the scalars."""
     offsets, end, needed = layout
     frame = torch.empty(size, dtype=torch.uint8, device=device)
-    frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(_header(message)))
+    upload(frame[:HEADER_BYTES].view(torch.int64), torch.tensor(_header(message)))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
     scalars_end = end + 8 * len(message.scalars)
     if message.scalars:
         scalars = torch.tensor(message.scalars, dtype=torch.float64)
-        frame[end:scalars_end].view(torch.float64).copy_(scalars)
+        upload(frame[end:scalars_end].view(torch.float64), scalars)
     if message.structure:
         structure = torch.frombuffer(bytearray(message.structure), dtype=torch.uint8)
-        frame[scalars_end : scalars_end + len(structure)].copy_(structure)
+        upload(frame[scalars_end : scalars_end + len(structure)], structure)
     return frame
 
 
@@ -197,10 +201,10 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     scalars_end = end + 8 * num_scalars
     structure = None
     if structure_bytes >= 0:
-        structure = frame[scalars_end : scalars_end + structure_bytes].cpu().numpy().tobytes()
+        structure = read_done(frame[scalars_end : scalars_end + structure_bytes]).numpy().tobytes()
     if not num_scalars:
         return Message(tensors, structure=structure)
-    scalars = frame[end:scalars_end].view(torch.float64).tolist()
+    scalars = read_done(frame[end:scalars_end].view(torch.float64)).tolist()
     fingerprint = scalars.pop() if num_scalars % 2 else None
     pairs = zip(scalars[::2], scalars[1::2], strict=True)
     losses = tuple(MinibatchLoss(int(i), value) for i, value in pairs)
@@ -233,8 +237,9 @@ class Channel:
         self._send_sizes: dict[Link, int] = {}
         self._recv_sizes: dict[Link, int] = {}
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-        self._wire = device if backend == "nccl" else torch.device("cpu")
-        self._nccl = backend == "nccl"
+        # "nccl", or a backend per device type ("cpu:gloo,cuda:nccl"): frames on the GPU
+        self._nccl = "nccl" in str(backend) and device.type == "cuda"
+        self._wire = device if self._nccl else torch.device("cpu")
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
@@ -278,10 +283,20 @@ class Channel:
                     raise self._error("receive", what, peer, error) from error
             work, frame = posted
             self._wait(work, peer, what)
-            header = frame[:HEADER_BYTES].view(torch.int64).tolist()
+            header = read_done(frame[:HEADER_BYTES].view(torch.int64)).tolist()
             if header[0] != RESIZE:
-                return _unpack(frame, header)
+                return self._on_device(_unpack(frame, header))
             self._recv_sizes[(peer, tag)] = header[1]
+
+    def _on_device(self, message: Message) -> Message:
+        """Frames that travelled on the CPU (gloo) for a rank on a GPU: the tensors move to the
+        device, as leaves (their gradients are what travels back)."""
+        if self._wire == self.device or self.device.type == "cpu":
+            return message
+        message.tensors = [
+            t.detach().to(self.device).requires_grad_(t.requires_grad) for t in message.tensors
+        ]
+        return message
 
     def flush(self) -> None:
         """Wait until every message this rank started sending has left."""

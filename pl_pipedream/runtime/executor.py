@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
-from pl_pipedream.runtime.channel import Channel, Link, Message, MinibatchLoss, PeerError
+from pl_pipedream.runtime.channel import Channel, Link, Message, PeerError
 from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
@@ -45,6 +45,7 @@ from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
+from pl_pipedream.runtime.streams import Ahead, prefetch_each, read_later, settle
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -153,6 +154,7 @@ class StageExecutor:
         self._last_use: dict[int, int] = {}
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
         self.activations = Activations(recompute, self.device)  # runtime.recompute
+        self._ahead: dict[int, Ahead] = {}  # first stage, GPU: inputs being copied
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -190,8 +192,13 @@ class StageExecutor:
         first, following = _receives_ahead(ahead)
         for link in first:
             self.channel.expect(*link)
+        if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
+            forwards = [a.minibatch for a in self.actions if a.kind is ActionKind.FORWARD]
+            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device)
         for position, action in enumerate(self.actions):
             self.position = position
+            if self.record_timeline:  # on a GPU: the action's own time, not its launch's
+                settle(self.device)
             start = time.perf_counter()
             try:
                 self._handlers[action.kind](self, action)
@@ -202,10 +209,12 @@ class StageExecutor:
                     f"{self.describe} failed at action {action}: {error}"
                 ) from error
             if self.record_timeline:
+                settle(self.device)
                 self._timeline.append((action, start, time.perf_counter()))
             if position in following:
                 self.channel.expect(*following[position])
         self.position = len(self.actions)
+        self._ahead = {}
 
     @property
     def timeline(self) -> list[TimelineEvent]:
@@ -270,7 +279,11 @@ class StageExecutor:
         if self.stage == 0:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no input for minibatch {i}")
-            value = map_tensors(lambda t: t.to(self.device), self._feed.inputs(i))
+            ahead = self._ahead.pop(i, None)
+            if ahead is not None:
+                value = ahead.take()
+            else:
+                value = map_tensors(lambda t: t.to(self.device), self._feed.inputs(i))
             received = None
         else:
             message = self._received.pop(i)
@@ -302,7 +315,7 @@ class StageExecutor:
             if self._feed is None:
                 raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
             flight.loss = self._feed.loss(output, i)
-            self.losses.add(action.batch, (MinibatchLoss(i, float(flight.loss.detach())),))
+            self.losses.add_later(action.batch, i, read_later(flight.loss))  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight

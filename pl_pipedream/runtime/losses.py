@@ -8,6 +8,10 @@ backward passes in minibatch order, so by the backward of a batch's last minibat
 whole batch; replicas of a stage together know it, and their ``ALLREDUCE`` after the batch's
 backward passes shares it. Means are summed in minibatch order, so every rank that knows a batch
 computes the identical number.
+
+On a GPU the last stage's own losses arrive as ``runtime.streams.HostValue``s (``add_later``): each
+is read, waiting for its copy to the host alone, the first time the book is asked for what it
+knows, so a forward's end does not hold up the queueing of its backward.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pl_pipedream.runtime.channel import MinibatchLoss
+from pl_pipedream.runtime.streams import HostValue
 
 __all__ = ["LossBook"]
 
@@ -27,6 +32,19 @@ class LossBook:
 
     def __init__(self) -> None:
         self._batches: dict[int, dict[int, float]] = {}
+        self._unread: list[tuple[int, int, HostValue]] = []  # (batch, minibatch, value)
+
+    def add_later(self, batch: int, minibatch: int, value: float | HostValue) -> None:
+        """This rank's loss of ``minibatch``: a number, or one on its way from the GPU."""
+        if isinstance(value, HostValue):
+            self._unread.append((batch, minibatch, value))
+        else:
+            self._batches.setdefault(batch, {})[minibatch] = value
+
+    def _read(self) -> None:
+        for batch, minibatch, value in self._unread:
+            self._batches.setdefault(batch, {})[minibatch] = float(value)
+        self._unread.clear()
 
     def add(self, batch: int, losses: tuple[MinibatchLoss, ...] | list[MinibatchLoss]) -> None:
         known = self._batches.setdefault(batch, {})
@@ -35,11 +53,13 @@ class LossBook:
 
     def of(self, batch: int) -> tuple[MinibatchLoss, ...]:
         """Every loss of ``batch`` this rank knows, in minibatch order (what a message carries)."""
+        self._read()
         known = self._batches.get(batch, {})
         return tuple(MinibatchLoss(i, known[i]) for i in sorted(known))
 
     def mean(self, batch: int, microbatches: int) -> float | None:
         """The mean loss of ``batch`` once all its ``microbatches`` losses are known, else None."""
+        self._read()
         known = self._batches.get(batch, {})
         first = batch * microbatches
         if any(i not in known for i in range(first, first + microbatches)):
@@ -50,6 +70,7 @@ class LossBook:
         """Merge what the replicas in ``group`` know of ``batch`` (a collective over ``group``):
         the maximum over replicas per minibatch, ``-inf`` standing for "not known here" (every
         replica that knows a loss knows the same value, so it arrives unchanged)."""
+        self._read()
         first = batch * microbatches
         known = self._batches.setdefault(batch, {})
         table = torch.full((microbatches,), float("-inf"), dtype=torch.float64)
@@ -67,3 +88,4 @@ class LossBook:
 
     def clear(self) -> None:
         self._batches.clear()
+        self._unread.clear()

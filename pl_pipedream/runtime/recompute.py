@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,10 +52,27 @@ def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
 @dataclass
 class Replay:
     """What a recomputed minibatch keeps: its input and the generators' states before its
-    forward pass."""
+    forward pass, and its input tensors' version counters then (made before the forward: a
+    write in place to the input since, which the replay would compute on, is caught)."""
 
     value: Any
     rng: tuple[torch.Tensor, torch.Tensor | None]
+    versions: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = _versions(self.value)
+
+
+def _versions(value: Any) -> list[int]:
+    """The version counters of ``value``'s tensors (autograd bumps one at every write in place),
+    in the structure's order."""
+    if isinstance(value, torch.Tensor):
+        return [value._version]
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _versions(item)]
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _versions(item)]
+    return []
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -153,7 +170,16 @@ class Activations:
     def replay(self, i: int, replay: Replay, module: nn.Module, params: dict[str, Any]) -> Any:
         """Minibatch ``i``'s forward again, with gradients, on ``params`` and copies of the
         buffers (the first forward updated them already), drawing the random numbers its first
-        forward drew; the generators are left as they were before."""
+        forward drew; the generators are left as they were before. Refused when the kept input
+        was written in place since (the replay would compute on other values)."""
+        if _versions(replay.value) != replay.versions:
+            raise RuntimeError(
+                "recompute=True replays a stage's forward on the input it kept, and that input "
+                f"was changed in place since the first forward began (minibatch: {i}, input "
+                f"versions: {replay.versions} then, {_versions(replay.value)} now); make the "
+                "stage's first layer work out of place (x * 2, not x.mul_(2)), or train without "
+                "recompute=True"
+            )
         state = {**params, **{n: b.clone() for n, b in module.named_buffers()}}
         now = rng_state(self.device)
         set_rng_state(replay.rng, self.device)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pl_pipedream.strategy.divergence import DIVERGENCE_ACTIONS
 
-__all__ = ["check_arguments"]
+__all__ = ["check_arguments", "check_memory_layout"]
 
 
 def check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
@@ -30,3 +30,17 @@ def check_arguments(microbatches: Any, start_method: str, divergence: str, timeo
             f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
             f'{divergence!r}); for example PipeDreamStrategy(divergence="warn")'
         )
+
+
+def check_memory_layout(memory: float | None, balance: Any, plan: Any) -> None:
+    """``memory=`` is the limit automatic planning fits; a layout given by hand (``balance=``,
+    ``plan=``) has no profiled sizes to hold against it, so the two together would leave the
+    limit unchecked without a word: refused."""
+    if memory is None or (balance is None and plan is None):
+        return
+    given = f"balance: {list(balance)}" if balance is not None else "plan: given"
+    raise ValueError(
+        f"memory= is the limit automatic planning fits and is not checked against a layout given "
+        f"by hand (memory: {memory:.0f} bytes, {given}); leave out balance=/plan= so that the "
+        "planner chooses a layout that fits, or leave out memory="
+    )

@@ -55,17 +55,16 @@ def forward_difference(module: nn.Module, layers: nn.Sequential, sample: Any) ->
     """None when ``module.forward(sample)`` equals ``layers(sample)``, else the error text."""
     name = type(module).__name__
     device = next((t.device for t in module.parameters()), torch.device("cpu"))
-    sample = _to(sample, device)
     modes = {sub: sub.training for sub in module.modules()}
     rng = [device.index or 0] if device.type == "cuda" else []
     try:
         module.eval()
         with torch.no_grad():
             with torch.random.fork_rng(devices=rng):
-                expected = layers(sample)
+                expected = layers(_to(sample, device))  # a copy each: a layer may work in place
             with torch.random.fork_rng(devices=rng):
                 try:
-                    got = module.forward(sample)
+                    got = module.forward(_to(sample, device))
                 except Exception as error:  # noqa: BLE001 - reported as the verdict
                     return _explain(name, f"{name}.forward raised {type(error).__name__}: {error}")
     finally:
@@ -130,8 +129,10 @@ def _kind(value: Any) -> str:
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    """A copy of ``value`` on ``device``: a first layer that changes its input in place (``x.mul_``)
+    must see the same input in both runs, and leave the caller's sample (planning's) as it was."""
     if isinstance(value, Tensor):
-        return value.to(device)
+        return value.to(device, copy=True)
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):

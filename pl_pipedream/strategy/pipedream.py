@@ -43,7 +43,7 @@ from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stag
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
-from pl_pipedream.strategy.arguments import check_arguments
+from pl_pipedream.strategy.arguments import check_arguments, check_memory_layout
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
@@ -58,7 +58,12 @@ from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.materialize import EmptyBuild, materialize
-from pl_pipedream.strategy.placement import bind_to_cpu_share, keep_local_parameters, move_to_device
+from pl_pipedream.strategy.placement import (
+    bind_to_cpu_share,
+    keep_local_parameters,
+    move_to_device,
+    process_group_backend,
+)
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
@@ -186,6 +191,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute = bool(recompute)
         self.memory = memory_report.parse_memory(memory)
+        check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     # ----- the launch -------------------------------------------------------------------------
@@ -230,7 +236,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         )
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         on_cpu = self.root_device.type == "cpu"
-        backend = self._process_group_backend or ("gloo" if on_cpu else "nccl")
+        backend = process_group_backend(self.root_device, self._process_group_backend)
         self._process_group_backend = backend
         if self.retain_freed_memory and on_cpu:
             retain_freed_memory()

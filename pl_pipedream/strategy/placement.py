@@ -2,8 +2,9 @@
 
 After ``cut_stage`` the layers of other stages are on the ``meta`` device; everything else of
 the LightningModule (its stage's layers and any state outside the pipeline) moves to the rank's
-device, and the optimizers keep only those parameters. On CPU, each rank is bound to an equal
-share of the cores its node's ranks may all use (``runtime.affinity``): the kernel could
+device, and the optimizers keep only those parameters. On a GPU the process groups run NCCL for
+CUDA tensors and gloo for CPU ones (``process_group_backend``). On CPU, each rank is bound to an
+equal share of the cores its node's ranks may all use (``runtime.affinity``): the kernel could
 otherwise run two busy stages on one core while another idles, and the whole pipeline would run
 at that core's pace.
 """
@@ -20,7 +21,21 @@ from torch.optim import Optimizer
 
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus
 
-__all__ = ["bind_to_cpu_share", "keep_local_parameters", "move_to_device"]
+__all__ = ["bind_to_cpu_share", "keep_local_parameters", "move_to_device", "process_group_backend"]
+
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def process_group_backend(device: torch.device, given: str | None) -> str:
+    """The backend of the default process group: ``given``, else gloo on CPU, else NCCL for
+    CUDA tensors *and* gloo for CPU tensors. Some collectives run on CPU tensors on a GPU too (a
+    checkpoint's file list, the replicas' loss table, the preemption flag), and a group that is
+    NCCL alone refuses them; ``torch.distributed`` picks the backend by the tensor's device, and
+    every group made later inherits the pair. The pipeline's messages and gradient sums travel
+    on the GPU, through NCCL."""
+    if given is not None:
+        return given
+    return "gloo" if device.type == "cpu" else GPU_BACKEND
 
 
 def move_to_device(module: nn.Module, device: torch.device) -> None:

@@ -89,6 +89,19 @@ def test_verdicts_compare_the_median_against_the_goal(capsys: pytest.CaptureFixt
     assert "1.550  MISSED" in lines[2]
 
 
+def test_targets_without_their_configurations_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(workload="mlp")
+    one = [{"samples": 100.0}]
+    bench.print_targets(args, {"single": one, "ours-flush-2": one})  # type: ignore[dict-item]
+    out = capsys.readouterr().out
+    assert "targets (" not in out  # no heading over an empty list
+    assert "targets: none printed" in out
+    bench.print_targets(args, {"single": one, "ours-async-1": [{"samples": 180.0}]})  # type: ignore[dict-item]
+    lines = capsys.readouterr().out.splitlines()
+    assert "met/MISSED against the goal" in lines[1]
+    assert lines[2].split()[:3] == ["async-1", "efficiency", "0.900"]
+
+
 def quick(workload: str, *extra: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "pipeline_throughput.py"), "--quick"]

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream.models.gpt import CharGPT
+from pl_pipedream.models.gpt import Block, CharGPT, Head
+from pl_pipedream.strategy.materialize import EmptyBuild, materialize
 
 
 def make(**kwargs: object) -> CharGPT:
@@ -51,3 +52,46 @@ def test_training_step_is_next_token_cross_entropy() -> None:
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"width: 10, heads: 3\)"):
         CharGPT(input_shape=[12], num_classes=40, width=10, heads=3)
+
+
+def test_the_values_are_those_of_gpt2_style_initialisation_in_construction_order() -> None:
+    # Built independently of CharGPT's code: both embeddings drawn by nn.Embedding, then redrawn
+    # with std 0.02, then the blocks and the head, all from one seeded generator.
+    net = make(blocks=3)
+    torch.manual_seed(0)
+    wte, wpe = nn.Embedding(40, 16), nn.Embedding(12, 16)
+    nn.init.normal_(wte.weight, std=0.02)
+    nn.init.normal_(wpe.weight, std=0.02)
+    blocks = [Block(16, 2) for _ in range(3)]
+    head = Head(40, 16)
+    expected = {"embed.wte.weight": wte.weight, "embed.wpe.weight": wpe.weight}
+    for i, block in enumerate(blocks):
+        expected |= {f"blocks.{i}.{n}": t for n, t in block.state_dict().items()}
+    expected |= {f"head.{n}": t for n, t in head.state_dict().items() if n != "out.weight"}
+    state = net.state_dict()
+    assert set(state) == set(expected) | {"head.out.weight"}
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize("local", [[0], [1, 2], [4], [0, 4]])
+def test_an_empty_build_gives_each_stage_the_values_of_the_whole_build(local: list[int]) -> None:
+    # The strategy's empty build (configure_model / init_module(empty_init=True)) replays only
+    # reset methods: the embeddings' GPT-2 initialisation must be one.
+    whole = make(blocks=3)
+    torch.manual_seed(0)
+    build = EmptyBuild()
+    with build.record():
+        net = CharGPT(input_shape=[12], num_classes=40, width=16, heads=2, blocks=3)
+    layers = net.configure_pipeline()
+    materialize(net, layers, local, torch.device("cpu"), build)
+    kept = {id(t) for i in local for t in layers[i].parameters()}
+    expected = dict(whole.named_parameters())
+    compared = 0
+    for name, tensor in net.named_parameters():
+        assert tensor.is_meta == (id(tensor) not in kept), name
+        if id(tensor) in kept:
+            assert torch.equal(tensor, expected[name]), name
+            compared += 1
+    assert compared == len(kept) > 0
+    assert net.head.out.weight is net.embed.wte.weight

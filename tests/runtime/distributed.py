@@ -1,5 +1,5 @@
-"""Run a function on N gloo ranks in fresh processes and collect what each returns or raises;
-or make this process a one-rank gloo group for the duration of a test."""
+"""Run a function on N gloo (or NCCL) ranks in fresh processes and collect what each returns
+or raises; or make this process a one-rank gloo group for the duration of a test."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:  # type: ignore[type-arg]
+def _worker(  # type: ignore[no-untyped-def]
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue, backend: str
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)  # one GPU per rank
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)  # tensors travel as bytes, not shared memory
@@ -40,14 +44,17 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 
 def run(
-    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
+    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, backend: str = "gloo"
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return {rank: (status, value)}."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return {rank: (status, value)}.
+    With an NCCL ``backend`` (``"cpu:gloo,cuda:nccl"``), rank r uses GPU r."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
     procs = [
-        context.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True)
+        context.Process(
+            target=_worker, args=(r, world, port, fn, args, queue, backend), daemon=True
+        )
         for r in range(world)
     ]
     for proc in procs:

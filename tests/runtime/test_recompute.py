@@ -166,6 +166,32 @@ def test_a_dropped_forward_keeps_nothing_and_the_replay_draws_the_same_numbers()
     assert meter.peak_bytes > meter.in_flight[0]  # the replay's graph counted while it lived
 
 
+def test_a_replay_on_an_input_changed_in_place_is_refused() -> None:
+    # A first layer doubling its input in place: the replay would double it again and compute
+    # other values (before: silently, the gradients of a 4x input).
+    class Doubled(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(2)
+
+    module = nn.Sequential(nn.Identity(), nn.Linear(8, 8))
+    params = {n: p.detach().requires_grad_(True) for n, p in module.named_parameters()}
+    meter = Activations(True, torch.device("cpu"))
+    for changed in (False, True):
+        module[0] = Doubled() if changed else nn.Identity()
+        x = torch.randn(4, 8)
+        replay = Replay(x, rng_state(torch.device("cpu")))
+        with meter.forward(0, x, params.values(), drop=True):
+            torch.func.functional_call(module, params, (x,))
+        if changed:
+            with pytest.raises(RuntimeError, match=r"changed in place .* \(minibatch: 0, input "):
+                meter.replay(0, replay, module, params)
+        else:
+            meter.replay(0, replay, module, params)
+    x = torch.randn(4, 8)
+    structure = Replay((x, {"mask": x[:, 0], "n": 3}, [x.t()]), rng_state(torch.device("cpu")))
+    assert structure.versions == [x._version] * 3  # every tensor, in order; views share one
+
+
 def test_activations_are_counted_once_per_input_shape() -> None:
     module = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     params = dict(module.named_parameters())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pl_pipedream.strategy.arguments import check_arguments
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.strategy.arguments import check_arguments, check_memory_layout
 
 
 def test_good_arguments_pass() -> None:
@@ -29,3 +31,14 @@ def test_good_arguments_pass() -> None:
 def test_each_bad_argument_is_named_with_a_fix(arguments: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(*arguments)
+
+
+def test_memory_with_a_layout_given_by_hand_is_refused() -> None:
+    # memory= only constrains automatic planning: with balance= it was ignored without a word
+    # (a 1 KiB limit trained a stage of 85 KiB).
+    check_memory_layout(None, [3, 3], None)
+    check_memory_layout(1024.0, None, None)
+    with pytest.raises(ValueError, match=r"\(memory: 1024 bytes, balance: \[3, 3\]\); leave out"):
+        PipeDreamStrategy(memory="1KiB", balance=[3, 3])
+    with pytest.raises(ValueError, match=r"\(memory: 2048 bytes, plan: given\)"):
+        PipeDreamStrategy(memory=2048, plan=Plan.from_balance([1, 1]))

@@ -52,7 +52,32 @@ class Pair(Net):
         return self.net(x), x
 
 
+class InPlace(Net):
+    """The first layer doubles its input in place; forward is the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(0, Doubled())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.configure_pipeline()(x)
+
+
+class Doubled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)
+
+
 SAMPLE = torch.randn(4, 6)
+
+
+def test_a_first_layer_working_in_place_gets_a_copy_of_the_sample_each_time() -> None:
+    # Before, forward and the pipeline ran on one tensor: the second saw it doubled twice and
+    # the check reported a forward that "computes something else"; and planning's sample changed.
+    sample = SAMPLE.clone()
+    model = InPlace()
+    assert forward_difference(model, model.configure_pipeline(), sample) is None
+    assert torch.equal(sample, SAMPLE)
 
 
 def verdict(module: nn.Module) -> str | None:

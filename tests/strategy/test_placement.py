@@ -14,6 +14,7 @@ from pl_pipedream.strategy.placement import (
     bind_to_cpu_share,
     keep_local_parameters,
     move_to_device,
+    process_group_backend,
 )
 from tests.runtime.distributed import one_rank_group, run
 
@@ -24,6 +25,13 @@ def cut_module() -> nn.Module:
     module.other = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).to("meta")
     module.mine = nn.BatchNorm1d(2)
     return module
+
+
+def test_the_default_group_is_gloo_on_cpu_and_gloo_beside_nccl_on_a_gpu() -> None:
+    assert process_group_backend(torch.device("cpu"), None) == "gloo"
+    # CPU tensors (a checkpoint's file list, the replicas' loss table) need gloo on a GPU too
+    assert process_group_backend(torch.device("cuda", 1), None) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(torch.device("cuda", 0), "nccl") == "nccl"  # given: kept
 
 
 def test_move_to_device_skips_meta_tensors() -> None:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
@@ -389,20 +388,7 @@ class StageExecutor:
         reduced = [
             (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in tied
         ]
-        flat = (
-            torch.cat(
-                [self._accumulated.get(n, torch.zeros_like(p)).reshape(-1) for n, p in reduced]
-            )
-            if reduced
-            else torch.zeros(0)
-        )
-        if flat.numel():
-            dist.all_reduce(flat, group=self.replica_group)
-            offset = 0
-            for n, p in reduced:
-                size = p.numel()
-                self._accumulated[n] = flat[offset : offset + size].view_as(p)
-                offset += size
+        self._accumulated.all_reduce(reduced, self.replica_group)
         if self.microbatches is not None and action.batch is not None:
             self.losses.share(action.batch, self.microbatches, self.replica_group)
 

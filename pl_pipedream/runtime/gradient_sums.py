@@ -10,8 +10,10 @@ by the update's size, in place where it may, and starts the next update.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["GradientSums"]
 
@@ -65,6 +67,18 @@ class GradientSums:
             if held is not None:  # the same weight also reached autograd elsewhere
                 total += held
             self[name] = total
+
+    def all_reduce(self, params: Sequence[tuple[str, torch.Tensor]], group: Any) -> None:
+        """Sum these parameters' gradients over ``group`` (a stage's replicas) in one message:
+        the sums, zeros for a parameter without one, laid end to end."""
+        if not params:
+            return
+        flat = torch.cat([self.get(n, torch.zeros_like(p)).reshape(-1) for n, p in params])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for name, param in params:
+            self[name] = flat[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
 
     def mean(self, count: int) -> dict[str, torch.Tensor]:
         """Every sum divided by ``count`` (the update's minibatches); the next update starts."""

@@ -42,6 +42,7 @@ from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
+from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.streams import Ahead, prefetch_each, read_later, settle
@@ -148,6 +149,7 @@ class StageExecutor:
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
         self._accumulated = GradientSums()  # of the update under way
+        self.running_stats = RunningStats.of(module, num_replicas, self.describe)  # BatchNorm's
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
@@ -224,6 +226,7 @@ class StageExecutor:
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
         pending = self.linear_sums is not None and self.linear_sums.pending
+        pending |= self.running_stats is not None and self.running_stats.pending
         if self._flight or self._received or self._gradients or self._accumulated or pending:
             raise ExecutorError(
                 f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
@@ -300,7 +303,8 @@ class StageExecutor:
         drop = self.activations.recompute and self.stage < self.num_stages - 1
         replay = Replay(value, rng_state(self.device)) if drop else None
         with self._capture(params), self.activations.forward(i, value, params.values(), drop):
-            output = self._call(params, value)  # one argument, as nn.Sequential passes it on
+            with self._recording(i):
+                output = self._call(params, value)  # one argument, as nn.Sequential passes it on
         flight = _InFlight(
             action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )
@@ -324,6 +328,11 @@ class StageExecutor:
         """Where several backward passes make one update, Linear layers sum their weight
         gradients inside the GEMM (``linear_sums``) instead of returning them to be added."""
         return nullcontext() if self.linear_sums is None else self.linear_sums.capture(params)
+
+    def _recording(self, minibatch: int) -> AbstractContextManager:
+        """A replicated stage records its BatchNorm updates (``runtime.running_stats``)."""
+        stats = self.running_stats
+        return nullcontext() if stats is None else stats.forward(minibatch)
 
     def _backward(self, action: Action) -> None:
         i = action.minibatch
@@ -388,7 +397,11 @@ class StageExecutor:
         reduced = [
             (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in tied
         ]
-        self._accumulated.all_reduce(reduced, self.replica_group)
+        stats = self.running_stats
+        extra = None if stats is None else stats.message(action.replica)
+        extra = self._accumulated.all_reduce(reduced, self.replica_group, extra)
+        if stats is not None and extra is not None:  # the same message, after the gradients
+            stats.combine(extra)
         if self.microbatches is not None and action.batch is not None:
             self.losses.share(action.batch, self.microbatches, self.replica_group)
 

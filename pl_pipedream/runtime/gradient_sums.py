@@ -68,17 +68,33 @@ class GradientSums:
                 total += held
             self[name] = total
 
-    def all_reduce(self, params: Sequence[tuple[str, torch.Tensor]], group: Any) -> None:
+    def all_reduce(
+        self,
+        params: Sequence[tuple[str, torch.Tensor]],
+        group: Any,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Sum these parameters' gradients over ``group`` (a stage's replicas) in one message:
-        the sums, zeros for a parameter without one, laid end to end."""
+        the sums, zeros for a parameter without one, laid end to end, then ``extra`` (the
+        BatchNorm statistics, ``runtime.running_stats``), which comes back summed. ``extra``
+        travels in a message of its own only where its dtype is not the gradients'."""
         if not params:
-            return
-        flat = torch.cat([self.get(n, torch.zeros_like(p)).reshape(-1) for n, p in params])
+            if extra is not None:
+                dist.all_reduce(extra, group=group)
+            return extra
+        parts = [self.get(n, torch.zeros_like(p)).reshape(-1) for n, p in params]
+        joined = extra is not None and extra.dtype == parts[0].dtype
+        flat = torch.cat([*parts, extra] if joined else parts)  # type: ignore[list-item]
         dist.all_reduce(flat, group=group)
         offset = 0
         for name, param in params:
             self[name] = flat[offset : offset + param.numel()].view_as(param)
             offset += param.numel()
+        if joined:
+            return flat[offset:]
+        if extra is not None:
+            dist.all_reduce(extra, group=group)
+        return extra
 
     def mean(self, count: int) -> dict[str, torch.Tensor]:
         """Every sum divided by ``count`` (the update's minibatches); the next update starts."""

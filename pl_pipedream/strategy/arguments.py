@@ -1,5 +1,6 @@
-"""The checks ``PipeDreamStrategy.__init__`` runs on its plain arguments, before anything starts:
-each refusal names the argument, the value given and an example that works."""
+"""The checks ``PipeDreamStrategy`` runs on its plain arguments and on the Trainer flags Lightning
+hands it, before anything starts: each refusal names the argument, the value given and an example
+that works."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from pl_pipedream.strategy.divergence import DIVERGENCE_ACTIONS
 
-__all__ = ["check_arguments", "check_memory_layout"]
+__all__ = ["check_arguments", "check_layer_sync", "check_memory_layout"]
 
 
 def check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
@@ -43,4 +44,21 @@ def check_memory_layout(memory: float | None, balance: Any, plan: Any) -> None:
         f"memory= is the limit automatic planning fits and is not checked against a layout given "
         f"by hand (memory: {memory:.0f} bytes, {given}); leave out balance=/plan= so that the "
         "planner chooses a layout that fits, or leave out memory="
+    )
+
+
+def check_layer_sync(layer_sync: Any) -> None:
+    """``Trainer(sync_batchnorm=True)`` (a ``LayerSync`` plugin) is refused: SyncBatchNorm would
+    take statistics over every rank of the world in each forward, a collective that other stages
+    never join, while a pipeline's BatchNorm normalises each microbatch by its own statistics,
+    as one device accumulating gradients over the same microbatches does. Replicated stages
+    combine their running statistics at every update instead (``runtime.running_stats``)."""
+    if layer_sync is None:
+        return
+    raise ValueError(
+        "synchronised BatchNorm is not supported by the pipedream strategy: each microbatch is "
+        "normalised by its own statistics, as on one device accumulating gradients over the "
+        f"same microbatches (sync_batchnorm: True, layer_sync: {type(layer_sync).__name__}); "
+        "use Trainer(sync_batchnorm=False): the replicas of a stage combine their BatchNorm "
+        "running statistics at every update (docs/batchnorm.md)"
     )

@@ -36,7 +36,8 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   epoch it updates the registered metric directly (``log_step_value``), which skips the
   per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
   per step, measured; README, "Pipeline throughput").
-* Read-only: ``_FitLoop._data_source`` (the first training batch, to plan with) and
+* Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
+  refused at setup, ``strategy.arguments``), ``_FitLoop._data_source`` (the first training batch, to plan with) and
   ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an epoch's last step drains).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
   ``_MultiProcessingLauncher`` and ``_WorkerOutput`` (launchers), ``_init_dist_connection``.
@@ -80,6 +81,7 @@ __all__ = [
     "stop_child_observer",
     "wait_for_child_ranks",
     "keep_user_samplers",
+    "layer_sync",
     "patch_for_pipeline",
     "share_evaluation_metrics",
     "stop_metric_sync",
@@ -129,6 +131,12 @@ def patch_for_pipeline(
     if clip is not None:
         clip_by_global_norm(precision, clip)
     check_sigterm_per_rank(trainer, at_step)
+
+
+def layer_sync(strategy: Any) -> Any | None:
+    """The ``LayerSync`` plugin the Trainer handed the strategy (``ParallelStrategy.
+    _layer_sync``: ``TorchSyncBatchNorm`` for ``Trainer(sync_batchnorm=True)``), or None."""
+    return _require(strategy, "_layer_sync", "ParallelStrategy")
 
 
 def keep_user_samplers(trainer: Any) -> None:

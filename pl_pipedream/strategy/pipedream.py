@@ -43,7 +43,11 @@ from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stag
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
-from pl_pipedream.strategy.arguments import check_arguments, check_memory_layout
+from pl_pipedream.strategy.arguments import (
+    check_arguments,
+    check_layer_sync,
+    check_memory_layout,
+)
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
@@ -219,6 +223,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
 
     @override
     def _configure_launcher(self) -> None:
+        # Lightning has just handed over Trainer(sync_batchnorm=...): refused before any launch
+        check_layer_sync(lightning_patches.layer_sync(self))
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = PipelineScriptLauncher(

@@ -37,8 +37,9 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
   per step, measured; README, "Pipeline throughput").
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused at setup, ``strategy.arguments``), ``_FitLoop._data_source`` (the first training batch, to plan with) and
-  ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an epoch's last step drains).
+  refused before launch, ``strategy.arguments``), ``_FitLoop._data_source`` (the first
+  training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
+  epoch's last step drains).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
   ``_MultiProcessingLauncher`` and ``_WorkerOutput`` (launchers), ``_init_dist_connection``.
 """

@@ -381,3 +381,12 @@ def test_log_step_value_logs_every_step_through_lightning_once_per_epoch(tmp_pat
     assert logged.seen == [0.0, 1.0, 2.0, 3.0, 100.0, 101.0, 102.0, 103.0]
     # LightningModule.log registers the metric at each epoch's first step; the rest update it
     assert model.full_logs == 2
+
+
+def test_layer_sync_reads_what_sync_batchnorm_sets() -> None:
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    synced = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", sync_batchnorm=True)
+    assert isinstance(patches.layer_sync(synced.strategy), TorchSyncBatchNorm)
+    plain = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn")
+    assert patches.layer_sync(plain.strategy) is None

@@ -28,6 +28,7 @@ from tests.runtime.distributed import run
 from tests.runtime.test_executor import optimizer_update
 
 MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe")
+RECOMPUTED = "2bw+recompute"  # a replay runs the forward again, on copies of the buffers
 NUM_BATCHES = 4
 TOLERANCE = 1e-5  # measured: 1.2e-7 (statistics), weights as test_executor's
 
@@ -151,7 +152,8 @@ def _pieces(actions):  # type: ignore[no-untyped-def]
     return [actions[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
-def _train_stage(rank: int, plan: Plan, sync: str, m: int, groups):  # type: ignore[no-untyped-def]
+def _train_stage(rank: int, plan: Plan, mode: str, m: int, groups):  # type: ignore[no-untyped-def]
+    sync = mode.split("+")[0]
     model = make_model()
     stage = plan.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
@@ -168,6 +170,7 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, groups):  # type: ign
         update_settings(SyncMode(sync), m, stage.replicas),
         replica_group=groups[stage.index],
         num_replicas=stage.replicas,
+        recompute=mode == RECOMPUTED,
     )
     feed = Feed(lambda i: xs[i], lambda out, i: loss_fn(out, ys[i]))
     actions = build(plan, sync, NUM_BATCHES, m).actions[rank]
@@ -184,7 +187,7 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, groups):  # type: ign
 def _all_modes(rank: int, world: int, plan_dict: dict, m: int) -> dict:
     plan = Plan.from_dict(plan_dict)
     groups = [dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages]
-    return {sync: _train_stage(rank, plan, sync, m, groups) for sync in MODES}
+    return {mode: _train_stage(rank, plan, mode, m, groups) for mode in (*MODES, RECOMPUTED)}
 
 
 PLANS = {
@@ -202,8 +205,9 @@ def test_replicated_batchnorm_equals_the_oracle_in_every_mode(label: str) -> Non
         assert status == "ok", f"rank {rank}: {value}"
     optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
     worst = 0.0
-    for sync in MODES:
-        expected = oracle.train(make_model(), plan, sync, make_batches(m), m, loss_fn, optimizer)
+    for sync in (*MODES, RECOMPUTED):
+        rule = sync.split("+")[0]
+        expected = oracle.train(make_model(), plan, rule, make_batches(m), m, loss_fn, optimizer)
         for stage in plan.stages:
             first = results[stage.ranks[0]][1][sync][1]
             for rank in stage.ranks:

@@ -30,7 +30,7 @@ from tests.runtime.test_executor import optimizer_update
 MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe")
 RECOMPUTED = "2bw+recompute"  # a replay runs the forward again, on copies of the buffers
 NUM_BATCHES = 4
-TOLERANCE = 1e-5  # measured: 1.2e-7 (statistics), weights as test_executor's
+TOLERANCE = 1e-5  # measured: 6.6e-7 (running statistics), weights as test_executor's
 
 
 def _inputs(count: int, features: int = 5) -> list[torch.Tensor]:
@@ -76,7 +76,7 @@ def test_replicas_hold_one_layers_statistics_after_every_all_reduce(momentum, re
                 assert torch.equal(buffer, copies[0].get_buffer(name)), name  # bit-identical
                 want = alone.get_buffer(name).double()
                 diff = ((buffer.double() - want).abs() / want.abs().clamp(min=1)).max().item()
-                assert diff <= 1e-6, (name, diff)  # relative; measured up to 4e-8
+                assert diff <= 1e-6, (name, diff)  # relative; measured up to 2e-7
         assert int(copies[0].num_batches_tracked) == count
 
 

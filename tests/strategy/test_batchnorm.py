@@ -86,11 +86,16 @@ def test_replicated_batchnorm_equals_one_device_in_weights_evaluation_and_checkp
     run = trainer(devices=3, strategy=strategy, callbacks=[saver])
     run.fit(pipelined, loader(microbatch * MICROBATCHES), loader(microbatch))
     saved = consolidate_checkpoint(tmp_path / "last.ckpt")
+    worst = {"weights": 0.0, "buffers": 0.0}
     for got, source in ((pipelined.state_dict(), "returned"), (saved, "checkpoint")):
         for key, tensor in expected.items():
             diff = (got[key].double() - tensor.double()).abs().max().item()
-            assert diff <= 1e-5, f"{source} {key}: {diff}"  # measured: 6e-8
+            kind = "weights" if key.endswith(("weight", "bias")) else "buffers"
+            worst[kind] = max(worst[kind], diff)
+            assert diff <= 1e-5, f"{source} {key}: {diff}"
+    print(f"largest difference from one device: {worst}")
     assert int(saved["net.1.num_batches_tracked"]) == int(expected["net.1.num_batches_tracked"])
     val_one = float(one.callback_metrics["val_loss"])  # evaluation on the running statistics
     val_pipe = float(run.callback_metrics["val_loss"])
     assert abs(val_one - val_pipe) <= 1e-5, (val_one, val_pipe)
+    print(f"validation loss: one device {val_one:.7f}, pipeline {val_pipe:.7f}")

@@ -52,7 +52,7 @@ class RunningStats:
         self._before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._start: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self._seen: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-        self._handles = []
+        self._handles: list[Any] = []
         for index, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
             self._handles.append(layer.register_forward_hook(self._post_hook(index)))
@@ -87,7 +87,7 @@ class RunningStats:
         """Take the hooks off the layers."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles: list[Any] = []
 
     # ----- recording --------------------------------------------------------------------------
 
@@ -108,11 +108,11 @@ class RunningStats:
             before = self._before.pop(index, None)
             if before is None or self._minibatch is None:
                 return
+            scale: torch.Tensor | float  # 1 / f, on the device (no copy from the host)
             if layer.momentum is None:  # the cumulative average: f = 1 / forwards counted
                 scale = layer.num_batches_tracked.to(before[0].dtype)
             else:  # (momentum 0: the statistics never change, and x weighs nothing)
-                scale = torch.tensor(1.0 / layer.momentum if layer.momentum else 0.0)
-            scale = scale.to(before[0].device, before[0].dtype)
+                scale = 1.0 / layer.momentum if layer.momentum else 0.0
             mean = before[0] + (layer.running_mean.detach() - before[0]) * scale
             var = before[1] + (layer.running_var.detach() - before[1]) * scale
             self._seen.setdefault(index, []).append((self._minibatch, mean, var))
@@ -180,19 +180,21 @@ class RunningStats:
                 "forward, or use a plan without replicas"
             )
         mean, var, count = self._start.get(index) or _current(layer)
-        if layer.momentum is None:
-            start = 0.0 if count is None else float(count)
-            keep, scales = start / (start + total), [1.0 / (start + total)] * self.replicas
+        mean, var = mean.to(slots.dtype), var.to(slots.dtype)
+        keep: torch.Tensor | float
+        if layer.momentum is None:  # (tensor arithmetic: the count stays on the device)
+            start = torch.zeros((), device=slots.device) if count is None else count
+            share = 1.0 / (start.to(slots.dtype) + total)
+            keep, scales = start * share, [share if k else 0.0 for _, k in seen]
         else:
             decay = 1.0 - layer.momentum
             keep = decay**total  # each slot: the other replicas' forwards after its newest
             scales = [decay ** (newest - n) if k else 0.0 for n, k in seen]
-        weights = torch.tensor(scales, dtype=slots.dtype, device=slots.device)
-        combined = (slots * weights.view(-1, 1, 1)).sum(0)
+        combined = sum(scale * slot for scale, slot in zip(scales, slots, strict=True))
         # Through ``.data``, as BatchNorm's own update: a forward whose backward is still to
         # come saved these buffers, and autograd would refuse a write it can see.
-        layer.running_mean.data.copy_(keep * mean.to(slots.dtype) + combined[0])
-        layer.running_var.data.copy_(keep * var.to(slots.dtype) + combined[1])
+        layer.running_mean.data.copy_(keep * mean + combined[0])
+        layer.running_var.data.copy_(keep * var + combined[1])
         if layer.num_batches_tracked is not None and count is not None:
             layer.num_batches_tracked.data.copy_(count + total)
 

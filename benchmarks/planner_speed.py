@@ -1,6 +1,7 @@
 """Time the planner on every published PipeDream profile and every topology, against 1 s each.
 
 Run: python benchmarks/planner_speed.py [--repeats 3] [--profiles DIR] [--profile NAME ...]
+(default: the published profiles that ship with the package, ``pl_pipedream.published``).
 Each figure is the best of ``--repeats`` runs of ``plan`` (profile already loaded), in wall-clock
 seconds and in CPU seconds of this process (on a machine shared with other work, the CPU time
 is what the run would take alone; the verdict is on wall-clock time).
@@ -19,8 +20,8 @@ from pathlib import Path
 from pl_pipedream.planner.optimize import plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.published import load_profile, profile_names
 
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipedream_profiles"
 TOPOLOGIES = {
     "2 @ 1e9": Topology.from_lists([2], [1e9]),
     "4 @ 1e9": Topology.from_lists([4], [1e9]),
@@ -34,24 +35,31 @@ TOPOLOGIES = {
 }
 
 
-def profiles(directory: Path, names: list[str] | None) -> list[Path]:
-    """Every published profile in ``directory`` (or only ``names``), by name."""
-    found = sorted(p for p in directory.glob("*.txt") if p.stem != "LICENSE")
+def profiles(directory: Path | None, names: list[str] | None) -> dict[str, Profile]:
+    """Every profile in ``directory`` (default: the published ones), or only ``names``, by name."""
+    found: dict[str, Path | None]
+    if directory is None:
+        found = {name: None for name in profile_names()}
+    else:
+        found = {p.stem: p for p in sorted(directory.glob("*.txt")) if p.stem != "LICENSE"}
     if names:
-        missing = sorted(set(names) - {p.stem for p in found})
+        missing = sorted(set(names) - set(found))
         if missing:
             raise SystemExit(
-                f"no such profile in {directory} (profile: {', '.join(missing)}); pick from "
-                f"{', '.join(p.stem for p in found)}"
+                f"no such profile in {directory or 'pl_pipedream.published'} (profile: "
+                f"{', '.join(missing)}); pick from {', '.join(found)}"
             )
-        found = [p for p in found if p.stem in names]
-    return found
+        found = {name: path for name, path in found.items() if name in names}
+    return {
+        name: load_profile(name) if path is None else Profile.load(path)
+        for name, path in found.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> bool:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profiles", type=Path, default=DEFAULT)
+    parser.add_argument("--profiles", type=Path, help="a folder of <name>.txt profiles")
     parser.add_argument("--profile", action="append", help="only this profile (repeatable)")
     parser.add_argument("--limit", type=float, default=1.0, help="seconds per case")
     args = parser.parse_args(argv)
@@ -59,8 +67,7 @@ def main(argv: list[str] | None = None) -> bool:
     print(f"{header} {'slowest s':>11} {'seconds':>7} {'cpu s':>6}", flush=True)
     worst = (0.0, "")
     worst_cpu = 0.0
-    for path in profiles(args.profiles, args.profile):
-        profile = Profile.load(path)
+    for name, profile in profiles(args.profiles, args.profile).items():
         for label, topology in TOPOLOGIES.items():
             times, cpu = [], []
             for _ in range(max(args.repeats, 1)):
@@ -70,11 +77,11 @@ def main(argv: list[str] | None = None) -> bool:
                 cpu.append(time.process_time() - start_cpu)
             states = f"{result.meta['states']}{'*' if result.meta['cuts'] == 'topological' else ''}"
             print(
-                f"{path.stem:<14} {label:<22} {states:>6} {result.shape:<28} "
+                f"{name:<14} {label:<22} {states:>6} {result.shape:<28} "
                 f"{result.slowest_stage_time:>11.6g} {min(times):>7.3f} {min(cpu):>6.3f}",
                 flush=True,
             )
-            worst = max(worst, (min(times), f"{path.stem} on {label}"))
+            worst = max(worst, (min(times), f"{name} on {label}"))
             worst_cpu = max(worst_cpu, min(cpu))
     print("* states are prefixes of one topological order (too many antichains)")
     under = worst[0] < args.limit

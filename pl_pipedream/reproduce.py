@@ -3,8 +3,8 @@
 For each row of the paper's Table 1 (SOSP 2019) that a published profile covers, the planner
 partitions PipeDream's own profile of the model over the row's cluster and the command prints the
 paper's configuration and speedup over data parallelism beside ours. The rows come from the table
-kept beside the repository (``--table``, default ``../shared/data/pipedream_table1.csv``), which
-holds only the cells checked against the paper; the profiles from ``--profiles``.
+that ships with the package (``pl_pipedream.published``; ``--table PATH`` reads another), which
+holds only the cells checked against the paper; the profiles likewise (``--profiles DIR``).
 
 Each row is planned twice: from PipeDream's published profile, and (unless
 ``--no-own-profile``) from our own model profiled on this machine
@@ -31,6 +31,7 @@ from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology, fill_innermost
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.published import load_profile, table1_text
 from pl_pipedream.reproduce_epochs import (
     DEFAULT_SPEED_FACTOR,
     DEVICE_TFLOPS,
@@ -56,17 +57,6 @@ __all__ = [
 ]
 
 
-def _shared_data() -> Path:
-    """``shared/data`` beside the checkout: found from the package in a checkout, else from the
-    working directory (the repository or its parent) when the package is installed elsewhere."""
-    here, cwd = Path(__file__).resolve().parents[1].parent, Path.cwd()
-    candidates = [folder / "shared" / "data" for folder in (here, cwd.parent, cwd)]
-    return next((path for path in candidates if path.is_dir()), candidates[0])
-
-
-SHARED = _shared_data()
-DEFAULT_TABLE = SHARED / "pipedream_table1.csv"
-DEFAULT_PROFILES = SHARED / "pipedream_profiles"
 CLUSTERS = Path(__file__).resolve().parent / "configs" / "cluster"
 
 # PipeDream's published profiles (profiler output, graph.txt) by Table 1 model name.
@@ -226,15 +216,21 @@ def _number(text: str) -> float | None:
     return float(text) if text.strip() else None
 
 
-def read_table(path: Path) -> list[Row]:
-    """Table 1's checked rows from ``path`` (comment lines start with #), then the unchecked."""
-    if not path.is_file():
+def read_table(path: Path | None = None) -> list[Row]:
+    """Table 1's checked rows (comment lines start with #), then the unchecked.
+
+    From ``path``, or from the table that ships with the package when ``path`` is None.
+    """
+    if path is None:
+        text = table1_text()
+    elif path.is_file():
+        text = path.read_text()
+    else:
         raise ReproduceError(
             f"the reproduction reads PipeDream's Table 1 from a CSV file (--table: {path}); "
-            "pass --table PATH to pipedream_table1.csv"
+            "pass --table PATH to a CSV with table1.csv's columns, or leave --table out"
         )
-    with path.open(newline="") as handle:
-        lines = [line for line in handle if line.strip() and not line.startswith("#")]
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     rows = [
         Row(
             record["model"],
@@ -301,15 +297,16 @@ def render_config(result: Plan) -> str:
 
 def reproduce(
     rows: list[Row],
-    profiles: Path,
+    profiles: Path | None,
     cache: Path | None = None,
     speed_factor: float = DEFAULT_SPEED_FACTOR,
     microbatches: int | None = None,
 ) -> list[Outcome]:
     """Plan and simulate every row on its cluster, with the default planner options.
 
-    From PipeDream's published profile where one covers the model; from our own model profiled
-    here when ``cache`` (where those profiles are kept) is given.
+    From PipeDream's published profile where one covers the model (in ``profiles``, else the
+    copy that ships with the package); from our own model profiled here when ``cache`` (where
+    those profiles are kept) is given.
     """
     loaded: dict[str, Profile] = {}
     outcomes = []
@@ -341,12 +338,14 @@ def reproduce(
     return outcomes
 
 
-def _published(profiles: Path, name: str) -> Profile:
+def _published(profiles: Path | None, name: str) -> Profile:
+    if profiles is None:
+        return load_profile(name)
     path = profiles / f"{name}.txt"
     if not path.is_file():
         raise ReproduceError(
             f"the row's published profile must exist (--profiles: {profiles}, profile: "
-            f"{path.name}); pass --profiles DIR holding PipeDream's profiles"
+            f"{path.name}); pass --profiles DIR holding it, or leave --profiles out"
         )
     return Profile.load(path)
 
@@ -395,16 +394,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table",
         type=Path,
-        default=DEFAULT_TABLE,
         metavar="PATH",
-        help="Table 1 CSV (pipedream_table1.csv)",
+        help="Table 1 CSV (default: the checked table that ships with the package)",
     )
     parser.add_argument(
         "--profiles",
         type=Path,
-        default=DEFAULT_PROFILES,
         metavar="DIR",
-        help="PipeDream's published profiles",
+        help="PipeDream's profiles, <name>.txt (default: the published ones the package ships)",
     )
     parser.add_argument(
         "--markdown", type=Path, metavar="PATH", help="also write the table as Markdown here"

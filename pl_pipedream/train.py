@@ -250,10 +250,24 @@ def write_results(
 
 
 def _git_commit(folder: Path) -> str | None:
-    """The commit checked out where ``folder`` lives, or None outside a git checkout."""
+    """The commit checked out where the package ``folder`` lives, or None when git does not
+    track the package there.
+
+    A package installed into a virtual environment inside a clone (``.venv/lib/.../site-packages``)
+    lies in that clone's working tree too, yet its code is whatever ``pip install`` copied, which
+    ``HEAD`` does not describe: only a package file git tracks is.
+    """
+    if _git(folder, "ls-files", "--error-unmatch", "--", "__init__.py") is None:
+        return None
+    commit = _git(folder, "rev-parse", "HEAD")
+    return commit if commit is not None and len(commit) == 40 else None
+
+
+def _git(folder: Path, *arguments: str) -> str | None:
+    """``git -C folder arguments``'s output, or None when git fails or is missing."""
     try:
         done = subprocess.run(
-            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            ["git", "-C", str(folder), *arguments],
             capture_output=True,
             text=True,
             timeout=10,
@@ -261,8 +275,7 @@ def _git_commit(folder: Path) -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and len(commit) == 40 else None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 # ----- topology and pipeline ----------------------------------------------------------------------

@@ -1,16 +1,15 @@
-"""Shared fixtures: where the published PipeDream profiles live (beside the repository)."""
+"""Shared fixtures: the published PipeDream profiles, as the package ships them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from importlib.resources import as_file, files
 from pathlib import Path
 
 import pytest
 
-PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pipedream_profiles"
-
 
 @pytest.fixture
-def profiles_dir() -> Path:
-    if not PROFILES.is_dir():
-        pytest.skip(f"PipeDream's published profiles are not beside the repository ({PROFILES})")
-    return PROFILES
+def profiles_dir() -> Iterator[Path]:
+    with as_file(files("pl_pipedream.published") / "profiles") as path:
+        yield path

@@ -1,17 +1,17 @@
 """The package's layering, read from the source (AST): a lower layer never imports a higher one.
 
-Layers, lowest first: profile < planner < schedule < runtime < strategy < the example models and
-data modules < the apps (cli, reproduce, train, hydra_ranks, the Hydra configs, the package's own
-``__init__``). A unit may import itself and any lower layer; models and data, though on one
-layer, do not import each other; the apps may import one another. Every import counts: at module
-level, inside functions, under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``,
-``from pl_pipedream.x import y``, ``from pl_pipedream import x``) and relative
-(``from ..x import y``, ``from . import x``).
+Layers, lowest first: profile < published (the profiles and Table 1 cells the package ships) <
+planner < schedule < runtime < strategy < the example models and data modules < the apps (cli,
+reproduce, train, hydra_ranks, the Hydra configs, the package's own ``__init__``). A unit may
+import itself and any lower layer; models and data, though on one layer, do not import each
+other; the apps may import one another. Every import counts: at module level, inside functions,
+under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``,
+``from pl_pipedream import x``) and relative (``from ..x import y``, ``from . import x``).
 
 Two more rules ride on the same reading: only the strategy and the Lightning apps (models, data,
-train) import Lightning, and the pure layers (planner, schedule, the profile's graph) and the
-command-line modules (cli, reproduce) import neither torch nor Lightning. Last, the tests mirror
-the package: ``pl_pipedream/a/b.py`` is tested in ``tests/a/test_b.py``.
+train) import Lightning, and the pure layers (planner, schedule, the profile's graph, the shipped
+data) and the command-line modules (cli, reproduce) import neither torch nor Lightning. Last, the
+tests mirror the package: ``pl_pipedream/a/b.py`` is tested in ``tests/a/test_b.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ NAME = "pl_pipedream"
 # Lowest first; a set is one layer.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"profile"}),
+    frozenset({"published"}),
     frozenset({"planner"}),
     frozenset({"schedule"}),
     frozenset({"runtime"}),
@@ -50,6 +51,7 @@ PURE = (
     "schedule",
     "profile/graph.py",
     "profile/__init__.py",
+    "published",
     "cli.py",
     "reproduce.py",
     "reproduce_epochs.py",

@@ -1,6 +1,6 @@
 """recipes/: one Hydra config per Table 1 row, composed, checked against the table, and run.
 
-Every row of the checked table (``../shared/data/pipedream_table1.csv``) and every unchecked row
+Every row of the checked table (``pl_pipedream/published/table1.csv``) and every unchecked row
 ``pl-pipedream reproduce`` knows has exactly one recipe; each recipe names its row, quotes the
 paper's figures only where the checked table has them, pins the row's cluster, servers x GPUs,
 sync mode, model and data, refuses to start on this machine (no CUDA device) and, with
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from pl_pipedream.reproduce import DEFAULT_TABLE, read_table
+from pl_pipedream.reproduce import read_table
 from pl_pipedream.train import MachineError, _build_model, apply_smoke, check_machine
 from tests.test_train import run_app
 
@@ -48,7 +48,7 @@ def recipe(name: str, *overrides: str) -> DictConfig:
 
 
 def rows() -> list:
-    return read_table(DEFAULT_TABLE)
+    return read_table()
 
 
 def names() -> list[str]:

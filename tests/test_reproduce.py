@@ -12,36 +12,26 @@ from pl_pipedream.planner.optimize import plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.published import load_profile
 from pl_pipedream.reproduce import cluster_topology, read_table, render_config
 from pl_pipedream.reproduce_epochs import scale_profile
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-TABLE = SHARED / "pipedream_table1.csv"
-PROFILES = SHARED / "pipedream_profiles"
 CLUSTER_A_4X4 = Topology.from_lists([4, 4], [1.2e10, 1.25e9])  # PCIe in a server, 10 Gbps out
-
-
-@pytest.fixture
-def shared() -> None:
-    if not (TABLE.is_file() and PROFILES.is_dir()):
-        pytest.skip(f"PipeDream's Table 1 and profiles are not beside the repository ({SHARED})")
 
 
 def direct(name: str) -> tuple[str, float]:
     """The planner called directly on cluster A 4x4: (replicas per stage, speedup over DP)."""
-    result = plan(Profile.load(PROFILES / f"{name}.txt"), CLUSTER_A_4X4)
+    result = plan(load_profile(name), CLUSTER_A_4X4)
     return result.shape, result.speedup_over_data_parallel
 
 
 def reproduce(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(
-        ["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), "--no-own-profile", *argv]
-    )
+    """The command on the table and profiles that ship with the package."""
+    code = main(["reproduce", "--no-own-profile", *argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
 
-@pytest.mark.usefixtures("shared")
 def test_two_rows_print_the_paper_and_the_planner_side_by_side(capsys) -> None:
     code, out, _ = reproduce(capsys, "vgg16_A_4x4", "alexnet_A_4x4")
     assert code == 0
@@ -60,7 +50,6 @@ def test_two_rows_print_the_paper_and_the_planner_side_by_side(capsys) -> None:
     assert "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1" in out
 
 
-@pytest.mark.usefixtures("shared")
 def test_json_carries_the_planners_numbers(capsys) -> None:
     code, out, _ = reproduce(capsys, "vgg16_A_4x4", "--json")
     assert code == 0
@@ -78,7 +67,6 @@ def test_json_carries_the_planners_numbers(capsys) -> None:
     assert row["plan"]["topology"] == CLUSTER_A_4X4.to_dict()
 
 
-@pytest.mark.usefixtures("shared")
 def test_a_model_without_a_published_profile_gets_no_prediction(capsys, tmp_path) -> None:
     markdown = tmp_path / "table1.md"
     code, out, _ = reproduce(capsys, "awdlm_A_1x4", "--markdown", str(markdown))
@@ -96,7 +84,6 @@ def test_a_model_without_a_published_profile_gets_no_prediction(capsys, tmp_path
     assert "the paper's figures" in text
 
 
-@pytest.mark.usefixtures("shared")
 def test_an_unknown_row_is_an_error_that_lists_the_rows(capsys) -> None:
     code, out, err = reproduce(capsys, "vgg19_A_4x4")
     assert code == 2 and out == ""
@@ -141,11 +128,10 @@ def test_configs_are_written_as_the_paper_writes_them(balance, replicas, expecte
     assert render_config(Plan.from_balance(balance, replicas=replicas)) == expected
 
 
-@pytest.mark.usefixtures("shared")
 def test_our_own_profile_plans_a_row_and_the_png_and_json_carry_it(capsys, tmp_path) -> None:
     """AlexNet profiled here (cached in tmp_path), planned at speed factor 140 on cluster A 4x4."""
     png, cache = tmp_path / "table1.png", tmp_path / "cache"
-    argv = ["reproduce", "--table", str(TABLE), "--profiles", str(PROFILES), "alexnet_A_4x4"]
+    argv = ["reproduce", "alexnet_A_4x4"]
     argv += ["--cache", str(cache), "--png", str(png), "--json"]
     assert main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
@@ -162,20 +148,27 @@ def test_our_own_profile_plans_a_row_and_the_png_and_json_carry_it(capsys, tmp_p
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_shared_data_is_found_from_the_working_directory_of_an_installed_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_reproduce_run_from_an_empty_directory_reads_what_the_package_ships(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An installed package lies in site-packages, far from the checkout: run from the
-    repository, the table beside it (``../shared/data``) is found."""
-    import pl_pipedream.reproduce as module
+    """Nothing beside the checkout or in the working directory: the table and the profiles are
+    the package's own, and the command plans every row that has a published profile."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = reproduce(capsys, "--json")
+    assert (code, err) == (0, "")
+    rows = json.loads(out)
+    assert [row["row"] for row in rows] == [row.id for row in read_table()]
+    assert all(row["plan"] is not None for row in rows if row["profile"] is not None)
+    assert list(tmp_path.iterdir()) == []  # --no-own-profile: no cache written
 
-    repo, data = tmp_path / "repo", tmp_path / "shared" / "data"
-    repo.mkdir()
-    data.mkdir(parents=True)
-    monkeypatch.setattr(
-        module, "__file__", str(tmp_path / "venv" / "lib" / "site" / "pl_pipedream" / "x.py")
-    )
-    monkeypatch.chdir(repo)
-    assert module._shared_data() == data
-    monkeypatch.chdir(tmp_path)  # the parent of the repository: shared/ right here
-    assert module._shared_data() == data
+
+def test_the_profiles_given_with_profiles_replace_the_shipped_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "vgg16.txt").write_text(load_profile("alexnet").to_graph_txt())
+    code, out, _ = reproduce(capsys, "vgg16_A_4x4", "--profiles", str(tmp_path), "--json")
+    (row,) = json.loads(out)
+    assert (code, row["our_config"]) == (0, direct("alexnet")[0])
+    code, _, err = reproduce(capsys, "alexnet_A_4x4", "--profiles", str(tmp_path))
+    assert code == 2
+    assert f"(--profiles: {tmp_path}, profile: alexnet.txt)" in err

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -372,6 +373,26 @@ def test_results_file_holds_config_seed_metrics_plan_versions_and_commit(tmp_pat
     )
     assert results["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
     assert _git_commit(tmp_path) is None  # not a checkout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_recorded_only_for_the_checkouts_own_package(tmp_path: Path) -> None:
+    """A clone with the package installed into its own .venv: the installed copy lies inside
+    the clone's working tree, yet HEAD does not describe it."""
+    clone = tmp_path / "clone"
+    installed = clone / ".venv" / "lib" / "python3" / "site-packages" / "pl_pipedream"
+    for package in (clone / "pl_pipedream", installed):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+    (clone / ".gitignore").write_text(".venv/\n")
+    git = ["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *command], check=True, capture_output=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert _git_commit(clone / "pl_pipedream") == head.stdout.strip()
+    assert _git_commit(installed) is None
+    (clone / "elsewhere").mkdir()
+    assert _git_commit(clone / "elsewhere") is None  # no package tracked there
 
 
 @pytest.mark.parametrize("sync", options("sync"))

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
+from importlib.resources import as_file
 from pathlib import Path
 
 import pytest
 
 from pl_pipedream.profile.graph import Node, Profile, ProfileError
-
-PROFILE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pipedream_profiles"
-PROFILE_FILES: list[Path | None] = [
-    path for path in sorted(PROFILE_DIR.glob("*.txt")) if path.name != "LICENSE.txt"
-]
+from pl_pipedream.published import profile_file, profile_names
 
 GOOD_LINE = (
     "node1 -- Linear(4, 4) -- forward_compute_time=1.5, backward_compute_time=2.5, "
@@ -21,11 +19,10 @@ GOOD_LINE = (
 )
 
 
-@pytest.fixture(params=PROFILE_FILES or [None], ids=lambda path: path.stem if path else "missing")
-def pipedream_file(request: pytest.FixtureRequest) -> Path:
-    if request.param is None:
-        pytest.skip(f"PipeDream's sample profiles are not in {PROFILE_DIR}")
-    return request.param
+@pytest.fixture(params=profile_names())
+def pipedream_file(request: pytest.FixtureRequest) -> Iterator[Path]:
+    with as_file(profile_file(request.param)) as path:
+        yield path
 
 
 def assert_same_graph(left: Profile, right: Profile) -> None:

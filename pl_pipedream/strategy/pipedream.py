@@ -415,6 +415,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             message = divergence_message(verdict.reason, step, self.sync, delays, optimizer)
             error = TrainingDiverged(message)
         if stops(self.divergence, verdict):
+            self.drain()  # every rank stops at this step: the messages in flight arrive first
             raise error
         rank_zero_warn(message + " (not checked again in this fit)")
         self._watch = None

@@ -160,8 +160,10 @@ def build(setting: Setting) -> tuple[Any, Any, list[int]]:
     return model, data, balance
 
 
-def noise_regression(batch: int) -> tuple[Any, Any]:
-    """A regression model and random targets (nothing to learn): the model and a data module."""
+def noise_regression(batch: int, seed: int = 1) -> tuple[Any, Any]:
+    """A regression model and random targets (nothing to learn): the model and a data module
+    (``seed``: the data's and the order's; the first divergence rule stopped 7 of seeds 0-7,
+    seed 1 among them, at step 19 to 31)."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -170,7 +172,7 @@ def noise_regression(batch: int) -> tuple[Any, Any]:
     class Noise(pl.LightningDataModule):
         def __init__(self) -> None:
             super().__init__()
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator().manual_seed(seed)
             x, y = (
                 torch.randn(640, 8, generator=generator),
                 torch.randn(640, 1, generator=generator),
@@ -178,7 +180,7 @@ def noise_regression(batch: int) -> tuple[Any, Any]:
             self.train, self.val = TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
 
         def train_dataloader(self) -> DataLoader:
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator().manual_seed(seed)
             return DataLoader(self.train, batch, shuffle=True, generator=generator, drop_last=True)
 
         def val_dataloader(self) -> DataLoader:

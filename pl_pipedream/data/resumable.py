@@ -32,7 +32,7 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
         self._began: Tensor | None = None  # the generator's state when the epoch began
         self._restore: Tensor | None = None  # the generator's state for the next epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self._restore is not None and self.generator is not None:
             self.generator.set_state(self._restore)
         self._restore = None

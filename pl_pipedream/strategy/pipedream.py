@@ -386,7 +386,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
         if self._watch is not None:
-            self._finite_data.note(self.runner.batches, work.slices)
+            self._finite_data.note(self.runner.batches, batch, self.microbatches)
         self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
         loss = work.log_loss(self.runner.loss, self.root_device)
         if self._watch is not None and self.runner.loss is not None:

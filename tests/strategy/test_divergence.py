@@ -182,11 +182,11 @@ def test_the_stage_delays_come_from_the_update_rules() -> None:
 def test_the_data_notes_find_the_first_non_finite_microbatch() -> None:
     notes = FiniteData()
     x, y = torch.ones(4, 3), torch.arange(4)  # integer targets: always finite
-    notes.note(0, [(x[:2], y[:2]), (x[2:], y[2:])])
+    notes.note(0, (x, y), 2)
     bad = x.clone()
     bad[3, 1] = float("inf")
-    notes.note(1, [(bad[:2], y[:2]), {"x": bad[2:], "y": y[2:]}])
-    notes.note(2, [(x[:2], y[:2]), (x[2:], y[2:])])
+    notes.note(1, {"x": bad, "y": y, "w": torch.ones(4, 2, 2)}, 2)
+    notes.note(2, (y, "no tensor"), 2)
     assert notes.first_bad(through=0) is None
     assert notes.first_bad(through=2) == (1, 1)
     notes.forget_through(1)

@@ -4,10 +4,10 @@ The loss exists on the last stage and the inputs enter at the first, but every r
 Lightning loop over the same batches (``strategy.data``), so every rank holds the whole batch,
 inputs and targets alike. Each rank notes, per microbatch of each batch it feeds, whether every
 floating-point tensor in it is finite: one reduction per tensor of the batch, whose result stays
-on the device (no wait for the GPU) and is read only when a non-finite loss is logged (about 15
-us per step for a digits batch on one CPU thread). In the asynchronous modes the loss logged in
-a step belongs to a batch fed some steps earlier (``PipelineRunner.loss_batch``), so the notes of
-the batches since the last finite logged loss are kept; they are the batches whose bad data
+on the device (no wait for the GPU) and is read only when a non-finite loss is logged. In the
+asynchronous modes the loss logged in a step belongs to a batch fed some steps earlier
+(``PipelineRunner.loss_batch``), so the notes of the batches since the last finite logged loss
+are kept; they are the batches whose bad data
 could have made the loss, directly or through the weights they updated.
 """
 

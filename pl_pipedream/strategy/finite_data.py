@@ -7,8 +7,8 @@ floating-point tensor in it is finite: one reduction per tensor of the batch, wh
 on the device (no wait for the GPU) and is read only when a non-finite loss is logged. In the
 asynchronous modes the loss logged in a step belongs to a batch fed some steps earlier
 (``PipelineRunner.loss_batch``), so the notes of the batches since the last finite logged loss
-are kept; they are the batches whose bad data
-could have made the loss, directly or through the weights they updated.
+are kept; they are the batches whose bad data could have made the loss, directly or through the
+weights they updated.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ verdicts:
   median of the first ``window`` losses and best the lowest median of ``window`` consecutive
   ones. Medians, not single losses: with small batches one lucky batch sets a lowest loss that
   the run's typical losses lie far above. The progress counts only when it clears the batch
-  noise, ``NOISE_MARGIN`` times the median step-to-step change of the logged loss (a run on
-  noise that never learns has none to give back); without progress, a median that climbs
-  ``NOISE_MARGIN`` noise steps and ``MIN_RISE`` x start above the start counts. Judged from the
-  ``warmup``-th logged loss on. The defaults separate the measured curves of
+  noise, ``NOISE_MARGIN`` times the median change between consecutive logged losses over the
+  last ``NOISE_STEPS`` (a run on noise that never learns has none to give back); without
+  progress, a median that climbs that far and ``MIN_RISE`` x start above the start counts.
+  Judged from the ``warmup``-th logged loss on. The defaults separate the measured curves of
   ``benchmarks/convergence.py`` (docs/divergence.md).
 
 What each verdict does is the strategy's option ``divergence`` (``DIVERGENCE_ACTIONS``); the
@@ -26,6 +26,7 @@ Pure Python (no torch): the strategy feeds it floats and the optimizer's ``param
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +51,7 @@ __all__ = [
 # gave back its progress; "strict" stops on both; "warn" warns on both; "off" watches nothing.
 DIVERGENCE_ACTIONS = ("error", "strict", "warn", "off")
 NOISE_MARGIN = 4.0  # progress counts once it clears this many median step-to-step changes
+NOISE_STEPS = 100  # the changes between the last this many logged losses measure the noise
 MIN_RISE = 0.2  # without progress, a climb above the start must also be this share of it
 
 
@@ -103,13 +105,15 @@ class DivergenceWatch:
         self.start: float | None = None  # the median of the first ``window`` losses
         self.best = math.inf  # the lowest median of ``window`` consecutive losses
         self.recent: list[float] = []  # the last ``window`` losses
-        self.steps: list[float] = []  # |change| between consecutive losses
+        self.steps: collections.deque[float] = collections.deque(maxlen=NOISE_STEPS)
+        self.observed = 0  # finite losses observed
         self.above = 0  # consecutive logged losses whose median lay above the threshold
 
     def observe(self, loss: float) -> Divergence | None:
         """Take the next logged loss; a verdict when the run has diverged, else None."""
         if not math.isfinite(loss):
             return Divergence(f"the training loss is not finite (loss: {loss})", finite=False)
+        self.observed += 1
         if self.recent:
             self.steps.append(abs(loss - self.recent[-1]))
         self.recent = [*self.recent, loss][-self.window :]
@@ -121,7 +125,7 @@ class DivergenceWatch:
         self.best = min(self.best, median)
         threshold = self._threshold()
         self.above = self.above + 1 if median > threshold else 0
-        if len(self.steps) + 1 < self.warmup or self.above < self.patience:
+        if self.observed < self.warmup or self.above < self.patience:
             return None
         return Divergence(
             f"the median of the last {self.window} logged training losses gave back more than "

@@ -10,6 +10,14 @@ strategy's script launcher, ``OMP_NUM_THREADS=1``) and on one device (a plain Tr
   64; 12 pipeline layers, 4 per stage), SGD at lr 0.1 and 0.03 with momentum 0.9, 3 stages;
 * ``text``: CharGPT (embedding, 2 blocks, tied head) on the characters of standard-library
   sources (``data.text``), Adam, 2 stages;
+* ``digits`` at batch 16 with SGD lr 0.1, momentum 0.9 on 2 stages (issue 21: a healthy run
+  that the first divergence rule stopped at step 20, in ``flush`` as well);
+* ``synthetic``: the same MLP on generated classes (``data.synthetic``, noise 1) at batch 16,
+  SGD lr 0.1, momentum 0.9: a run that diverges on one device too (0.95 after one epoch, chance
+  after two);
+* ``noise``: regression on random targets (8 inputs, Linear 8-32, ReLU, Linear 32-32, ReLU,
+  Linear 32-1, mean squared error; SGD lr 0.01, momentum 0.9, batch 16): nothing to learn, a
+  loss that only fluctuates (its validation loss);
 * ``awdlm``: the paper's AWD-LM with its widths divided by 10 (embedding 40, hidden 115, tied
   head) on the same characters, plain SGD at lr 5 without clipping (the recipe's lr 30 needs its
   gradient clipping at 0.25 and oscillates at this size), 3 stages; validation loss, not accuracy.
@@ -19,14 +27,17 @@ strategy's script launcher, ``OMP_NUM_THREADS=1``) and on one device (a plain Tr
 Every configuration of ``CONFIGS`` (a named set of ``PipeDreamStrategy`` keywords; adding one is
 one line) runs on every setting; a configuration whose keywords the strategy does not accept
 (``weight_prediction`` before it exists) is skipped and named. Divergence detection is set to
-``"warn"`` so the curves of diverging runs are recorded. Writes ``convergence.csv`` (one row per
-run and epoch: val_acc, val_loss, the last logged train_loss), ``convergence.png`` (the curves)
-and prints the time-to-accuracy table: the first epoch at which a run reaches 0.9 of one device's
-final validation accuracy, or for a loss a validation loss within 1/0.9 of one device's final
-(``-`` when it never does).
+``"warn"`` so the curves of diverging runs are recorded; the table marks where the default rule
+(``divergence="error"``) would act on the logged losses: ``!N`` it stops at step N (a non-finite
+loss), ``~N`` it warns at step N (a loss that gave back its progress) and trains on. Writes
+``convergence.csv`` (one row per run and epoch: val_acc, val_loss, the last logged train_loss),
+``convergence.png`` (the curves) and prints the time-to-accuracy table: the first epoch at which
+a run reaches 0.9 of one device's final validation accuracy, or for a loss a validation loss
+within 1/0.9 of one device's final (``-`` when it never does).
 
     python benchmarks/convergence.py --out outputs/convergence     # every setting (~15 min here)
     python benchmarks/convergence.py --quick --out /tmp/conv       # 2 settings, 2 epochs
+    python benchmarks/convergence.py --only noise-2st-sgd --configs async flush --out /tmp/n
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "flush": dict(sync="flush"),
     "gpipe": dict(sync="gpipe"),
 }
-BATCH = 32  # examples per Lightning batch in every setting
+BATCH = 32  # examples per Lightning batch unless a setting says otherwise
 # Keywords the strategy refuses with tied parameters (CharGPT, AWD-LM): skipped on those models.
 CORRECTIONS = {"weight_prediction", "lr_warmup_per_delay"}
 TARGET = 0.9  # time to accuracy: epochs to reach this share of one device's final val_acc
@@ -69,12 +80,13 @@ class Setting:
     """One model, data set, optimizer and pipeline depth, trained under every configuration."""
 
     name: str
-    model: str  # "digits", "digits6", "text" or "awdlm"
+    model: str  # "digits", "digits6", "synthetic", "noise", "text" or "awdlm"
     stages: int
     epochs: int
     optimizer: dict[str, Any] = field(default_factory=dict)
     metric: str = "val_acc"  # or "val_loss" (lower is better)
     tied: bool = False  # tied parameters: no CORRECTIONS
+    batch: int = BATCH  # examples per Lightning batch
 
     def takes(self, config: str) -> bool:
         keywords = CONFIGS[config]
@@ -97,6 +109,10 @@ def settings(quick: bool) -> list[Setting]:
     for lr in (0.1, 0.03):  # the deeper MLP: 6 Linear layers, where staleness costs most
         sgd = dict(optimizer="sgd", lr=lr, momentum=0.9)
         found.append(Setting(f"digits6-3st-lr{lr}-m0.9", "digits6", 3, 15, sgd))
+    sgd = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+    found.append(Setting("digits-2st-lr0.1-m0.9-b16", "digits", 2, 3, sgd, batch=16))
+    found.append(Setting("synthetic-2st-lr0.1-m0.9-b16", "synthetic", 2, 3, sgd, batch=16))
+    found.append(Setting("noise-2st-sgd", "noise", 2, 8, {}, "val_loss", batch=16))
     adam = dict(optimizer="adam", lr=3e-3)
     found.append(Setting("text-2st-adam", "text", 2, 12, adam, tied=True))
     found.append(Setting("awdlm-3st-sgd", "awdlm", 3, 8, dict(lr=5.0), "val_loss", tied=True))
@@ -114,27 +130,85 @@ def build(setting: Setting) -> tuple[Any, Any, list[int]]:
     """The LightningModule, the data module and the balance for ``setting`` (seeded)."""
     import torch
 
-    from pl_pipedream.data import DigitsDataModule, TextDataModule
+    from pl_pipedream.data import DigitsDataModule, SyntheticDataModule, TextDataModule
     from pl_pipedream.models import AWDLM, MLP, CharGPT
 
     torch.manual_seed(0)
     if setting.model == "digits":
-        data = DigitsDataModule(batch_size=BATCH)
+        data = DigitsDataModule(batch_size=setting.batch)
         model = MLP((1, 8, 8), 10, hidden=(128, 128), **setting.optimizer)
         balance = {2: [3, 3], 3: [2, 2, 2]}[setting.stages]
+    elif setting.model == "synthetic":
+        data = SyntheticDataModule(batch_size=setting.batch, noise=1.0)
+        model = MLP((1, 8, 8), 10, hidden=(64, 64), **setting.optimizer)
+        balance = {2: [3, 3], 3: [2, 2, 2]}[setting.stages]
+    elif setting.model == "noise":
+        model, data = noise_regression(setting.batch)
+        balance = {2: [3, 2], 3: [2, 2, 1]}[setting.stages]
     elif setting.model == "digits6":
-        data = DigitsDataModule(batch_size=BATCH)
+        data = DigitsDataModule(batch_size=setting.batch)
         model = MLP((1, 8, 8), 10, hidden=(128, 128, 128, 128, 64), **setting.optimizer)
         balance = {2: [6, 6], 3: [4, 4, 4]}[setting.stages]
     elif setting.model == "text":
-        data = TextDataModule(length=32, num_examples=1536, batch_size=BATCH)
+        data = TextDataModule(length=32, num_examples=1536, batch_size=setting.batch)
         model = CharGPT((32,), 128, width=64, heads=4, blocks=2, **setting.optimizer)
         balance = {2: [2, 2], 3: [1, 2, 1]}[setting.stages]
     else:
-        data = TextDataModule(length=32, num_examples=1536, batch_size=BATCH)
+        data = TextDataModule(length=32, num_examples=1536, batch_size=setting.batch)
         model = AWDLM((32,), 128, scale=10, **setting.optimizer)
         balance = {2: [3, 2], 3: [2, 2, 1]}[setting.stages]
     return model, data, balance
+
+
+def noise_regression(batch: int, seed: int = 1) -> tuple[Any, Any]:
+    """A regression model and random targets (nothing to learn): the model and a data module
+    (``seed``: the data's and the order's; the first divergence rule stopped 7 of seeds 0-7,
+    seed 1 among them, at step 19 to 31)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Noise(pl.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(seed)
+            x, y = (
+                torch.randn(640, 8, generator=generator),
+                torch.randn(640, 1, generator=generator),
+            )
+            self.train, self.val = TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
+
+        def train_dataloader(self) -> DataLoader:
+            generator = torch.Generator().manual_seed(seed)
+            return DataLoader(self.train, batch, shuffle=True, generator=generator, drop_last=True)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(self.val, batch)
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            widths = [(8, 32), (32, 32)]
+            layers = [m for a, b in widths for m in (nn.Linear(a, b), nn.ReLU())]
+            self.pipeline = nn.Sequential(*layers, nn.Linear(32, 1))
+
+        def configure_pipeline(self) -> nn.Sequential:
+            return self.pipeline
+
+        def forward(self, x: Any) -> Any:
+            return self.pipeline(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return nn.functional.mse_loss(self(batch[0]), batch[1])
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    return Regression(), Noise()
 
 
 def accepted(config: dict[str, Any]) -> bool:
@@ -180,7 +254,7 @@ def run_worker(names: list[str], devices: int, quick: bool, out: Path) -> None:
             keywords = dict(config)
             mode = SyncMode.parse(keywords["sync"])
             m = mode.min_microbatches(setting.stages)
-            while BATCH % m:  # 2bw needs at least as many microbatches as stages
+            while setting.batch % m:  # 2bw needs at least as many microbatches as stages
                 m += 1
             keywords.setdefault("microbatches", m)
             if accepted({"divergence": 0}):
@@ -244,15 +318,21 @@ def epochs_to(curve: list[float], target: float) -> int | None:
     return next((e + 1 for e, acc in enumerate(curve) if acc >= target), None)
 
 
-def flagged_at(losses: list[float]) -> int | None:
+def flagged_at(losses: list[float]) -> tuple[int, bool] | None:
     """The step at which the strategy's default divergence rule reports on these logged losses
-    (NaN entries are steps with nothing logged yet), None if it never does."""
-    from pl_pipedream.strategy.divergence import DivergenceWatch
+    (NaN entries before the first finite one are steps with nothing logged yet), and whether
+    the default stops there (True) or warns (False); None if it never reports."""
+    from pl_pipedream.strategy.divergence import DivergenceWatch, stops
 
     watch = DivergenceWatch()
+    logged = False
     for step, loss in enumerate(losses):
-        if not (math.isnan(loss) and watch.first is None) and watch.observe(loss):
-            return step
+        if math.isnan(loss) and not logged:
+            continue
+        logged = True
+        verdict = watch.observe(loss)
+        if verdict is not None:
+            return step, stops("error", verdict)
     return None
 
 
@@ -289,13 +369,14 @@ def table(results: list[dict[str, Any]]) -> str:
             curve = [m.get(metric, math.nan) for m in run["epochs"]]
             reached = epochs_to([sign * v for v in curve], sign * target)
             flag = flagged_at(run["losses"])
-            flagged = f" !{flag}" if flag is not None and config != "one device" else ""
+            flagged = "" if flag is None else f" {'!' if flag[1] else '~'}{flag[0]}"
             cells.append(f"{reached if reached else '-'} ({curve[-1]:.2f}){flagged}")
         name = setting if sign > 0 else f"{setting} (val_loss)"
         lines.append(f"{name} | {target:.2f} | " + " | ".join(cells))
     lines.append(
         f"cells: epochs to reach the target ({TARGET} x one device's final val_acc; - never), "
-        "(final val_acc or val_loss), !N: the default divergence rule would stop the run at step N"
+        "(final val_acc or val_loss), !N: the default divergence rule would stop the run at step "
+        "N (a non-finite loss), ~N: it would warn at step N (a loss that gave back its progress)"
     )
     return "\n".join(lines)
 
@@ -341,6 +422,7 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/convergence")
     parser.add_argument("--quick", action="store_true", help="2 epochs, a few configurations")
     parser.add_argument("--only", nargs="*", help="run only these settings (names)")
+    parser.add_argument("--configs", nargs="*", help="run only these configurations (names)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--runs", nargs="*", help=argparse.SUPPRESS)
@@ -352,6 +434,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     names = quick_configs() if args.quick else list(CONFIGS)
+    if args.configs:
+        names = ["one device", *(c for c in names if c in args.configs and c != "one device")]
     skipped = [c for c in names if CONFIGS[c] is not None and not accepted(CONFIGS[c])]
     if skipped:
         print(f"skipped (PipeDreamStrategy does not accept their keywords): {', '.join(skipped)}")

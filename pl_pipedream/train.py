@@ -6,6 +6,10 @@ Hydra and the start of the other ranks (``pl_pipedream.hydra_ranks``). The confi
 ``pl_pipedream/configs`` so that an installed package finds them; one group per swappable piece:
 ``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
 
+``ckpt_path`` resumes as ``trainer.fit(ckpt_path=...)`` does; ``ckpt_path=last`` takes the newest
+checkpoint under the run's output directory (``checkpoint_to_resume``), so a requeued job given
+the same ``hydra.run.dir`` goes on where it stopped, and its first run starts from the beginning.
+
 Before any rank starts, ``main`` merges ``smoke_settings`` over the config when ``smoke=true``
 (``apply_smoke``: a recipe's reduced run for this machine) and refuses a config that asks for
 hardware this machine does not have (``check_machine``). At the end of ``train`` rank 0 writes
@@ -42,6 +46,7 @@ __all__ = [
     "MachineError",
     "apply_smoke",
     "check_machine",
+    "checkpoint_to_resume",
     "main",
     "num_processes",
     "topology_for_devices",
@@ -69,7 +74,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # which turns a Topology (a dataclass) into a DictConfig.
     strategy = instantiate(cfg.strategy, _partial_=True)(**_pipeline_arguments(cfg, devices))
     trainer = instantiate(cfg.trainer, strategy=strategy)
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=checkpoint_to_resume(cfg))
     metrics = _floats(trainer.callback_metrics)
     # The strategy runs validation through the pipeline; the last stage's metrics reach every rank.
     metrics.update(_floats(trainer.validate(model, datamodule=datamodule, verbose=False)[0]))
@@ -101,6 +106,35 @@ def main(cfg: DictConfig) -> float | None:
         finally:
             _leave_process_group()
     return metrics.get("val_acc")
+
+
+def checkpoint_to_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint ``cfg.ckpt_path`` names: None, a path (passed on as given), or for
+    ``last`` the newest checkpoint under ``cfg.output_dir`` (a ``*.ckpt`` file, or a sharded
+    checkpoint's directory, dated by its description), None when there is none yet. Every rank
+    resolves it alike, before any of them writes."""
+    wanted = cfg.get("ckpt_path")
+    if wanted is None or str(wanted) != "last":
+        return None if wanted is None else str(wanted)
+    found = [(_written(path), str(path)) for path in Path(cfg.output_dir).rglob("*.ckpt")]
+    found = [(when, path) for when, path in found if when is not None]
+    if not found:
+        log.info(
+            "ckpt_path=last: no checkpoint under %s yet; training starts afresh", cfg.output_dir
+        )
+        return None
+    path = max(found)[1]
+    log.info("ckpt_path=last: resuming from %s", path)
+    return path
+
+
+def _written(path: Path) -> float | None:
+    """When the checkpoint at ``path`` was written; None for what is no checkpoint (a shard's
+    staging or retired directory, a directory without a description)."""
+    if path.is_file():
+        return path.stat().st_mtime
+    description = path / "pipeline.json"  # strategy.checkpoint.META_FILE, written last
+    return description.stat().st_mtime if description.is_file() else None
 
 
 # ----- smoke runs, the machine, the results file --------------------------------------------------

@@ -172,7 +172,7 @@ ROWS = {
         "config",
         "`PipeDreamStrategy(divergence='loud')`",
         lambda tmp: PipeDreamStrategy(divergence="loud"),
-        ("divergence must be one of error, warn, off", "divergence: 'loud'"),
+        ("divergence must be one of error, strict, warn, off", "divergence: 'loud'"),
     ),
     "negative warm-up": Row(
         "config",

@@ -553,3 +553,63 @@ def test_a_gpu_run_stops_before_any_rank_starts(tmp_path: Path) -> None:
     ) in done.stderr
     assert not (run_dir / "train_rank1.log").exists()  # no other rank started
     assert not (run_dir / "results.json").exists()
+
+
+def test_ckpt_path_is_a_config_key_that_is_null_by_default(tmp_path: Path) -> None:
+    from pl_pipedream.train import checkpoint_to_resume
+
+    assert composed().ckpt_path is None
+    assert checkpoint_to_resume(composed(output_dir=str(tmp_path))) is None
+    given = composed("ckpt_path='/x/epoch=1.ckpt'", output_dir=str(tmp_path))  # '=': quoted
+    assert checkpoint_to_resume(given) == "/x/epoch=1.ckpt"  # as trainer.fit takes it
+
+
+def test_ckpt_path_last_takes_the_newest_checkpoint_of_the_output_dir(tmp_path: Path) -> None:
+    from pl_pipedream.train import checkpoint_to_resume
+
+    cfg = composed("ckpt_path=last", output_dir=str(tmp_path))
+    assert checkpoint_to_resume(cfg) is None  # a requeued job's first run starts afresh
+    folder = tmp_path / "checkpoints"
+    sharded = folder / "last.ckpt"  # a sharded checkpoint: a directory with its description
+    sharded.mkdir(parents=True)
+    (sharded / "pipeline.json").write_text("{}")
+    os.utime(sharded / "pipeline.json", (1000, 1000))
+    plain = folder / "epoch=0-step=19.ckpt"
+    plain.write_text("")
+    os.utime(plain, (500, 500))
+    (folder / ".pipedream-old-x.ckpt").mkdir()  # no description: no checkpoint
+    assert checkpoint_to_resume(cfg) == str(sharded)
+    os.utime(plain, (2000, 2000))
+    assert checkpoint_to_resume(cfg) == str(plain)
+
+
+@pytest.mark.slow
+def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_ended(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM at step 25 of 38 (the app's preemption saves last.ckpt and exits 143); the same
+    command with ckpt_path=last and the same hydra.run.dir ends with the uninterrupted run's
+    step and weights, bit for bit (flush: the preemption's drain changes nothing)."""
+    from pl_pipedream import consolidate_checkpoint
+
+    common = ["sync=flush", "model.hidden=[16]", "trainer.max_epochs=2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = run_app(*common, f"hydra.run.dir={whole}", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    signal = "+trainer.callbacks=[{_target_:tests.app_signal.SigtermAt,step:25}]"
+    stopped = run_app(*common, f"hydra.run.dir={cut}", signal, cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "in the app with pl-pipedream-train" in stopped.stdout
+    assert "ckpt_path=last" in stopped.stdout
+    assert not (cut / "checkpoints" / "epoch=1-step=38.ckpt").exists()
+    resumed = run_app(*common, f"hydra.run.dir={cut}", "ckpt_path=last", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming from {cut / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+    final = "checkpoints/epoch=1-step=38.ckpt"  # the same last step
+    want, got = consolidate_checkpoint(whole / final), consolidate_checkpoint(cut / final)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    assert final_val_acc(resumed.stdout + resumed.stderr) == final_val_acc(
+        done.stdout + done.stderr
+    )

@@ -9,6 +9,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from pl_pipedream.data.resumable import ResumableLoader
+
 __all__ = ["SplitDataModule"]
 
 
@@ -19,7 +21,8 @@ class SplitDataModule(LightningDataModule):
     Every process builds the same split and, with ``shuffle`` on, the same order of training
     batches (one seeded generator draws each epoch's permutation), which a pipeline needs: every
     stage must see the same batches in the same order. Training batches drop the last incomplete
-    batch so that each one splits into equal microbatches.
+    batch so that each one splits into equal microbatches; their loader resumes mid-epoch from a
+    checkpoint exactly (``data.resumable``).
 
     Args:
         batch_size: examples per Lightning batch (a multiple of the strategy's microbatches).
@@ -89,7 +92,7 @@ class SplitDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader[Any]:
         # Every rank draws the same permutation each epoch from identically seeded generators.
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        return ResumableLoader(
             self.splits["train"],
             batch_size=self.batch_size,
             shuffle=self.shuffle,

@@ -60,7 +60,9 @@ class PipelineRunner:
         self.stream.validate()  # the executor runs only what the validator checked
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
+        self.batches = 0  # batches fed since the pipeline was built
         self.loss: float | None = None  # the mean loss of the newest finished batch
+        self.loss_batch: int | None = None  # which of the batches fed ``loss`` belongs to
         self._finished: dict[int, int] = {}  # batch -> backward passes done at the first stage
         self._taken = -1  # the batch of ``loss`` in this run (-1: none yet)
         self._first_stage = plan.stages[0].ranks
@@ -163,6 +165,7 @@ class PipelineRunner:
         )
         self._note_finished(self.step)
         self.step += 1
+        self.batches += 1
         for key in [k for k in self._segments if k[1] < self.step]:
             del self._segments[key]
         if drain:
@@ -185,6 +188,7 @@ class PipelineRunner:
             mean = losses.mean(b, self.microbatches)
             if mean is not None:
                 self.loss, self._taken = mean, b
+                self.loss_batch = self.batches - self.step + b  # the run began at batches - step
                 losses.forget_before(b)
                 for old in [k for k in self._finished if k < b]:
                     del self._finished[old]

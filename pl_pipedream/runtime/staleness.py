@@ -21,7 +21,6 @@ synchronous run, and the rule runs it on version v. A stage's delay for the warm
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -30,6 +29,7 @@ from torch.optim import Optimizer
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.rules import update_delay
 
 __all__ = [
     "WarmedUpdate",
@@ -101,16 +101,9 @@ def predict(
 
 
 def stage_delay(plan: Plan, sync: SyncMode, stage: int) -> int:
-    """The delay of stage ``stage``'s minibatches once the pipeline is full: its warm-up forwards
-    w_s in ``async``; in ``vertical_sync`` the first stage's w_0 of its r_0 replicas' minibatches
-    counted in this stage's updates, ceil(r_0 w_0 / r_s) (p - 1 in a straight pipeline); 0 in
-    the other modes."""
-    s, first = plan.stages[stage], plan.stages[0]
-    if sync is SyncMode.ASYNC:
-        return s.warmup
-    if sync is SyncMode.VERTICAL_SYNC:
-        return math.ceil(first.replicas * first.warmup / s.replicas)
-    return 0
+    """The delay in updates that the corrections of stage ``stage`` act on: the update delay
+    of ``schedule.rules.update_delay`` in the per-minibatch modes, 0 in the others."""
+    return update_delay(plan, sync, stage) if sync.updates_per_minibatch else 0
 
 
 def warmup_factor(update: int, steps: int) -> float:

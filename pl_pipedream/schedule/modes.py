@@ -54,6 +54,12 @@ class SyncMode(str, enum.Enum):
         return self in (SyncMode.FLUSH, SyncMode.GPIPE)
 
     @property
+    def stale_weights(self) -> bool:
+        """Some minibatches run on weights that lack the newest updates (``rules.update_delay``
+        says by how many); the flushed modes update exactly as one device does."""
+        return not self.flushes
+
+    @property
     def updates_in_pipeline(self) -> bool:
         """The stages step their optimizers when the schedule says (inside a training step);
         otherwise the batch's mean gradient is handed to the trainer, which steps as on one

@@ -28,6 +28,7 @@ __all__ = [
     "num_updates",
     "rank_of",
     "stash_limit",
+    "update_delay",
     "update_of",
     "weight_version",
 ]
@@ -53,6 +54,19 @@ def weight_version(
     if sync is SyncMode.TWO_BW:
         return max(0, batch - 1)
     return batch
+
+
+def update_delay(plan: Plan, sync: SyncMode, stage: int) -> int:
+    """How many of ``stage``'s own updates its weights lack when a minibatch runs on them, once
+    the pipeline is full: ``w_s`` in ``async``; in ``vertical_sync`` the input stage's ``w_0``
+    minibatches of its ``r_0`` replicas counted in this stage's updates, ``ceil(r_0 w_0 / r_s)``;
+    one (batch) in ``2bw``; none in the flushed modes."""
+    this, first = plan.stages[stage], plan.stages[0]
+    if sync is SyncMode.ASYNC:
+        return this.warmup
+    if sync is SyncMode.VERTICAL_SYNC:
+        return math.ceil(first.replicas * first.warmup / this.replicas)
+    return 1 if sync is SyncMode.TWO_BW else 0
 
 
 def update_of(plan: Plan, sync: SyncMode, microbatches: int, stage: int, minibatch: int) -> int:

@@ -1,57 +1,90 @@
 """Divergence caught early: the logged training loss watched for a run that has stopped learning.
 
-A stale-weight mode (``async``, ``vertical_sync``, ``2bw``) with a large learning rate and momentum
-can blow up where one device trains: its gradients come from weights up to p - 1 updates old and
-momentum amplifies the error, so the loss jumps far above the best it reached and the run sits at
-chance accuracy for as long as it is allowed to. ``DivergenceWatch`` sees the sequence of logged
-``train_loss`` values (every rank logs the same one, so every rank decides the same at the same
-step without a message) and reports a divergence when a value is not finite, or when ``patience``
-of the last ``window`` values have given back more than ``rise`` of the progress made: they lie
-above lowest + rise x (first - lowest), the progress counted as at least ``MIN_PROGRESS`` x first
-(so a run that climbs from its first step is caught too, and a flat noisy start is not). A lone
-spike passes; a loss that keeps jumping back up does not. The rise is judged from the ``warmup``-th
-logged loss on (20 by default): a handful of small batches says little, and their losses can
-differ by more than the first one's progress. Measuring against the run's own
-progress makes the rule independent of the loss's scale and of how low a healthy run goes; the
-defaults separate the measured curves of ``benchmarks/convergence.py`` (README, "Statistical
-efficiency").
+``DivergenceWatch`` sees the sequence of logged ``train_loss`` values (every rank logs the same
+one, so every rank decides the same at the same step without a message) and returns one of two
+verdicts:
+
+* the loss is not finite. What the strategy then says depends on the data: the batch's inputs
+  and targets are checked on every rank (``strategy.finite_data``), so a NaN that came with the
+  data is reported as bad data, not as training gone wrong.
+* the loss has given back its progress: the median of the last ``window`` logged losses lies
+  above best + rise x (start - best) for ``patience`` logged losses in a row, where start is the
+  median of the first ``window`` losses and best the lowest median of ``window`` consecutive
+  ones. Medians, not single losses: with small batches one lucky batch sets a lowest loss that
+  the run's typical losses lie far above. The progress counts only when it clears the batch
+  noise, ``NOISE_MARGIN`` times the median change between consecutive logged losses over the
+  last ``NOISE_STEPS`` (a run on noise that never learns has none to give back); without
+  progress, a median that climbs that far and ``MIN_RISE`` x start above the start counts.
+  Judged from the ``warmup``-th logged loss on. The defaults separate the measured curves of
+  ``benchmarks/convergence.py`` (docs/divergence.md).
+
+What each verdict does is the strategy's option ``divergence`` (``DIVERGENCE_ACTIONS``); the
+messages speak of stale weights only in the modes that have them (``SyncMode.stale_weights``).
 
 Pure Python (no torch): the strategy feeds it floats and the optimizer's ``param_groups``.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
+    "BadData",
+    "Divergence",
     "DivergenceWatch",
     "TrainingDiverged",
+    "bad_data_message",
     "describe_optimizer",
     "divergence_message",
+    "stops",
 ]
 
-DIVERGENCE_ACTIONS = ("error", "warn", "off")
-MIN_PROGRESS = 0.2  # the progress a rise is measured against is at least this share of the first
+# What a verdict does: "error" (the default) stops on a non-finite loss and warns on a loss that
+# gave back its progress; "strict" stops on both; "warn" warns on both; "off" watches nothing.
+DIVERGENCE_ACTIONS = ("error", "strict", "warn", "off")
+NOISE_MARGIN = 4.0  # progress counts once it clears this many median step-to-step changes
+NOISE_STEPS = 100  # the changes between the last this many logged losses measure the noise
+MIN_RISE = 0.2  # without progress, a climb above the start must also be this share of it
 
 
 class TrainingDiverged(RuntimeError):
     """The training loss diverged (raised on every rank at the same step, with one message)."""
 
 
+class BadData(TrainingDiverged):
+    """The training loss is not finite because a batch's data hold NaN or inf values."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A verdict: why, and whether the loss is finite (a non-finite one is the severe kind)."""
+
+    reason: str
+    finite: bool
+
+
+def stops(action: str, verdict: Divergence) -> bool:
+    """Whether ``divergence=action`` stops the run on ``verdict`` (else it warns once)."""
+    return action == "strict" or (action == "error" and not verdict.finite)
+
+
 class DivergenceWatch:
-    """Watches logged losses; ``observe`` returns why the run diverged, or None.
+    """Watches logged losses; ``observe`` returns a ``Divergence`` when the run diverged.
 
     Args:
-        rise: how far above the lowest loss so far a loss must lie, as a share of the progress
-            made (the first loss minus the lowest, at least ``MIN_PROGRESS`` x the first).
-        patience: how many of the last ``window`` logged losses must lie that far up.
-        window: the logged losses looked at (``patience <= window``).
-        warmup: logged losses before the rise is judged (a non-finite loss counts at once).
+        rise: how much of its progress (start - best) the median of the recent losses must
+            have given back.
+        patience: in how many consecutive logged losses it must have.
+        window: the losses each median is taken over.
+        warmup: logged losses before the progress is judged (a non-finite loss counts at once).
     """
 
     def __init__(
@@ -69,29 +102,45 @@ class DivergenceWatch:
         self.patience = patience
         self.window = int(window)
         self.warmup = int(warmup)
-        self.first: float | None = None
-        self.lowest = math.inf
-        self.recent: list[bool] = []  # the last ``window`` losses: above the threshold or not
-        self.steps = 0  # losses observed
+        self.start: float | None = None  # the median of the first ``window`` losses
+        self.best = math.inf  # the lowest median of ``window`` consecutive losses
+        self.recent: list[float] = []  # the last ``window`` losses
+        self.steps: collections.deque[float] = collections.deque(maxlen=NOISE_STEPS)
+        self.observed = 0  # finite losses observed
+        self.above = 0  # consecutive logged losses whose median lay above the threshold
 
-    def observe(self, loss: float) -> str | None:
-        """Take the next logged loss; the reason when the run has diverged, else None."""
-        self.steps += 1
+    def observe(self, loss: float) -> Divergence | None:
+        """Take the next logged loss; a verdict when the run has diverged, else None."""
         if not math.isfinite(loss):
-            return f"the training loss is not finite (loss: {loss})"
-        if self.first is None:
-            self.first = loss
-        self.lowest = min(self.lowest, loss)
-        progress = max(self.first - self.lowest, MIN_PROGRESS * abs(self.first))
-        threshold = self.lowest + self.rise * progress
-        self.recent = [*self.recent, loss > threshold][-self.window :]
-        if self.steps < self.warmup or sum(self.recent) < self.patience:
+            return Divergence(f"the training loss is not finite (loss: {loss})", finite=False)
+        self.observed += 1
+        if self.recent:
+            self.steps.append(abs(loss - self.recent[-1]))
+        self.recent = [*self.recent, loss][-self.window :]
+        if len(self.recent) < self.window:
             return None
-        return (
-            f"{sum(self.recent)} of the last {len(self.recent)} logged training losses gave back "
-            f"more than {self.rise:g} of the progress made (loss: {loss:.4g}, lowest: "
-            f"{self.lowest:.4g}, first: {self.first:.4g})"
+        median = statistics.median(self.recent)
+        if self.start is None:
+            self.start = median
+        self.best = min(self.best, median)
+        threshold = self._threshold()
+        self.above = self.above + 1 if median > threshold else 0
+        if self.observed < self.warmup or self.above < self.patience:
+            return None
+        return Divergence(
+            f"the median of the last {self.window} logged training losses gave back more than "
+            f"{self.rise:g} of the progress made, {self.patience} times in a row (median: "
+            f"{median:.4g}, best: {self.best:.4g}, start: {self.start:.4g})",
+            finite=True,
         )
+
+    def _threshold(self) -> float:
+        assert self.start is not None
+        noise = NOISE_MARGIN * statistics.median(self.steps)
+        progress = self.start - self.best
+        if progress > noise:
+            return self.best + self.rise * progress
+        return self.start + max(noise, MIN_RISE * abs(self.start))
 
 
 def describe_optimizer(param_groups: Iterable[Mapping[str, Any]]) -> str:
@@ -117,17 +166,36 @@ def divergence_message(
     delays: Sequence[int],
     optimizer: str,
 ) -> str:
-    """The error every rank raises (the same text on each): the rule, the values, the remedies."""
+    """What every rank raises or warns (the same text on each): the rule, the values, the
+    remedies; stale weights are named only in the modes that have them."""
+    values = f"global step: {step}, sync: {mode}"
     remedies = "lower the learning rate or the momentum"
-    if mode in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC):
-        remedies += ", PipeDreamStrategy(weight_prediction=True)"
-    if mode is not SyncMode.FLUSH:
+    if not mode.stale_weights:
+        cause = (
+            f"sync={str(mode)!r} updates as one device does, so one device's training diverges "
+            "on this run too"
+        )
+        remedies += ", or clip gradients (Trainer(gradient_clip_val=1.0))"
+    else:
+        values += f", stage delays in updates: {list(delays)}"
+        cause = "stale weights amplified by a large learning rate or momentum do this"
+        if mode.updates_per_minibatch:
+            remedies += ", PipeDreamStrategy(weight_prediction=True)"
         remedies += ', sync="flush" (one device\'s updates)'
-    if mode in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC):
-        remedies += ' or sync="2bw" (a delay of 1 batch)'
+        if mode.updates_per_minibatch:
+            remedies += ' or sync="2bw" (a delay of 1 batch)'
     return (
-        f"training diverged: {reason} (global step: {step}, sync: {mode}, stage delays in "
-        f"updates: {list(delays)}, optimizer: {optimizer}); stale weights amplified by a large "
-        f"learning rate or momentum do this: {remedies}, or "
-        'PipeDreamStrategy(divergence="warn"|"off") to go on'
+        f"training diverged: {reason} ({values}, optimizer: {optimizer}); {cause}: {remedies}; "
+        'PipeDreamStrategy(divergence="warn"|"off") trains on regardless'
+    )
+
+
+def bad_data_message(loss: float, step: int, batch: int, microbatch: int) -> str:
+    """What every rank raises when a non-finite loss came with non-finite data."""
+    return (
+        f"the training data hold a NaN or inf value, and the training loss is not finite "
+        f"(loss: {loss}, global step: {step}, batch of the fit: {batch}, microbatch: "
+        f"{microbatch}); the data, not the training, are at fault: find and repair or drop the "
+        "examples with non-finite values (e.g. torch.isfinite(x).all() per example in the "
+        "Dataset)"
     )

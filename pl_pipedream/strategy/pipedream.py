@@ -41,6 +41,7 @@ from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
+from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.arguments import (
@@ -53,13 +54,17 @@ from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
 from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.divergence import (
+    BadData,
     DivergenceWatch,
     TrainingDiverged,
+    bad_data_message,
     describe_optimizer,
     divergence_message,
+    stops,
 )
 from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
+from pl_pipedream.strategy.finite_data import FiniteData
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.materialize import EmptyBuild, materialize
 from pl_pipedream.strategy.placement import (
@@ -106,15 +111,20 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
             linearly over this many updates per update of its delay (0: no warm-up).
-        divergence: what a diverging training loss does (``strategy.divergence``): ``"error"``
-            stops every rank with an error naming the sync mode, the stage delays, the
-            optimizer's settings and the remedies; ``"warn"`` warns once and goes on; ``"off"``
-            only stops on a non-finite loss, on the last stage.
-        divergence_rise, divergence_patience, divergence_window: the rule: a non-finite loss,
-            or ``patience`` of the last ``window`` logged losses that gave back more than
-            ``rise`` of the progress made (first loss minus lowest), from the 20th logged loss
-            on; the defaults separate measured healthy and diverging runs (README,
-            "Statistical efficiency").
+        divergence: what a diverging training loss does (``strategy.divergence``), judged on
+            every rank at the same step. ``"error"`` (default): a non-finite loss stops every
+            rank with ``TrainingDiverged`` (``BadData`` when the batch's data held a NaN or
+            inf), and a loss that gave back its progress warns once and trains on; ``"strict"``
+            stops on both; ``"warn"`` warns once on either and trains on; ``"off"`` watches
+            nothing, as one device. The messages name the sync mode, the optimizer's settings
+            and the remedies, and speak of stale weights (with the stage delays) only in
+            ``async``, ``vertical_sync`` and ``2bw``.
+        divergence_rise, divergence_patience, divergence_window: when a loss gave back its
+            progress: the median of the last ``window`` logged losses above best + ``rise`` x
+            (start - best) for ``patience`` logged losses in a row (start: the first window's
+            median, best: the lowest; progress within the batch noise does not count), from the
+            20th logged loss on; the defaults separate measured healthy and diverging runs
+            (docs/divergence.md).
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved and
             exit status 128 + signal (``strategy.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
@@ -180,6 +190,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._divergence_rule = (divergence_rise, divergence_patience, divergence_window)
         DivergenceWatch(*self._divergence_rule)  # refuses bad thresholds now
         self._watch: DivergenceWatch | None = None  # this fit's, while it still watches
+        self._finite_data = FiniteData()  # this fit's notes of the batches fed (while watched)
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
@@ -303,6 +314,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.setup_optimizers(trainer)
             on = self.divergence != "off"
             self._watch = DivergenceWatch(*self._divergence_rule) if on else None
+            self._finite_data = FiniteData()
             keep_local_parameters(module, self.optimizers)
         self.setup_precision_plugin()
         assert self.evaluation is not None and self.runner is not None
@@ -374,12 +386,13 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         module = self.lightning_module
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
-        # Unless divergence="off", a non-finite loss travels on like any other: every rank sees
-        # it logged and all stop together ("error"), or go on after one warning ("warn").
-        finite = self.divergence == "off"
-        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, finite)
+        # A non-finite loss travels on like any other: every rank sees it logged and all act
+        # alike (divergence=...), knowing whether the batch's data were finite.
+        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, False)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
+        if self._watch is not None:
+            self._finite_data.note(self.runner.batches, batch, self.microbatches)
         self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
         loss = work.log_loss(self.runner.loss, self.root_device)
         if self._watch is not None and self.runner.loss is not None:
@@ -387,18 +400,29 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         return loss
 
     def _check_divergence(self, watch: DivergenceWatch, loss: float, step: int) -> None:
-        """Every rank sees the same logged losses, so every rank decides alike, at one step."""
-        reason = watch.observe(loss)
-        if reason is None:
+        """Every rank sees the same logged losses and holds the same batches, so every rank
+        decides alike, at one step, with one message."""
+        assert self.plan is not None and self.runner is not None
+        verdict = watch.observe(loss)
+        batch = self.runner.loss_batch
+        if verdict is None:
+            if batch is not None:
+                self._finite_data.forget_through(batch)
             return
-        assert self.plan is not None
-        two_bw = self.sync is SyncMode.TWO_BW  # one batch behind, on every stage
-        stages = range(len(self.plan.stages))
-        delays = [1 if two_bw else stage_delay(self.plan, self.sync, s) for s in stages]
-        groups = [g for optimizer in self.optimizers for g in optimizer.param_groups]
-        message = divergence_message(reason, step, self.sync, delays, describe_optimizer(groups))
-        if self.divergence == "error":
-            raise TrainingDiverged(message)
+        bad = None if verdict.finite or batch is None else self._finite_data.first_bad(batch)
+        if bad is not None:
+            message = bad_data_message(loss, step, *bad)
+            error: TrainingDiverged = BadData(message)
+        else:
+            stages = range(len(self.plan.stages))
+            delays = [rules.update_delay(self.plan, self.sync, s) for s in stages]
+            groups = [g for optimizer in self.optimizers for g in optimizer.param_groups]
+            optimizer = describe_optimizer(groups)
+            message = divergence_message(verdict.reason, step, self.sync, delays, optimizer)
+            error = TrainingDiverged(message)
+        if stops(self.divergence, verdict):
+            self.drain()  # every rank stops at this step: the messages in flight arrive first
+            raise error
         rank_zero_warn(message + " (not checked again in this fit)")
         self._watch = None
 

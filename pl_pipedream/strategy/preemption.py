@@ -11,7 +11,8 @@ one rank (one node of several preempted) or all of them at once (``scancel``). T
 drains the pipeline, the ranks save ``last.ckpt`` together (``checkpoint_path``), and each
 rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1): the status of a process
 that the signal ended, so the scheduler accounts the job as ended by it, not completed.
-``trainer.fit(ckpt_path="last")`` resumes.
+``trainer.fit(ckpt_path="last")`` resumes (in the app: ``pl-pipedream-train ... ckpt_path=last``
+with the run's ``hydra.run.dir``).
 
 Posting an all-reduce costs about 0.1-0.2 ms of CPU on a gloo group (measured on the project
 machine), which steps of a millisecond or two notice (README, "Pipeline throughput"). So a post
@@ -180,7 +181,9 @@ def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
     name = signal.Signals(signum).name
     print(
         f"[rank {strategy.global_rank}] {name}: every rank stops at step {trainer.global_step} "
-        f"and saves {path}; resume with trainer.fit(..., ckpt_path='last')",
+        f"and saves {path}; resume with trainer.fit(..., ckpt_path='last'), or in the app with "
+        "pl-pipedream-train <the same overrides> hydra.run.dir=<this run's directory> "
+        "ckpt_path=last",
         flush=True,
     )
     strategy.drain()

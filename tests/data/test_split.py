@@ -137,3 +137,22 @@ def test_labels_travel_with_their_examples() -> None:
 def test_a_subclass_must_give_the_examples() -> None:
     with pytest.raises(NotImplementedError):
         SplitDataModule().setup("fit")
+
+
+def test_the_training_loader_resumes_mid_epoch_and_at_an_epoch_end_exactly() -> None:
+    """Lightning hands a checkpoint's ``state_dict`` back to a new loader: mid-epoch it draws
+    that epoch's order again and skips what was given out; at an epoch's end it goes on with
+    the next epoch's order (data.resumable)."""
+    whole = ready(count=100, batch_size=10, seed=3).train_dataloader()
+    epochs = [numbers(list(whole)) for _ in range(3)]
+    loader = ready(count=100, batch_size=10, seed=3).train_dataloader()
+    first = numbers(list(loader))
+    cut = iter(loader)
+    given = [next(cut)[0][:, 0].long().tolist() for _ in range(3)]  # 3 batches of epoch 2
+    state = loader.state_dict()
+    resumed = ready(count=100, batch_size=10, seed=3).train_dataloader()
+    resumed.load_state_dict(state)
+    assert [first, given + numbers(list(resumed))] == epochs[:2]
+    at_end = ready(count=100, batch_size=10, seed=3).train_dataloader()
+    at_end.load_state_dict(resumed.state_dict())  # saved after the whole of epoch 2
+    assert numbers(list(at_end)) == epochs[2]

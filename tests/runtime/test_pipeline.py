@@ -45,7 +45,7 @@ def _async_run_then_close(rank: int, world: int) -> dict:
         plan, SyncMode.ASYNC, M, module, rank, _sgd_update(module), torch.device("cpu"), 30.0
     )
     batches = make_batches(M)[:STEPS]
-    drained, logged, computed = [], [], {}
+    drained, logged, computed, of_batch = [], [], {}, []
     built: list[tuple[int, int]] = []
     segment = runner.stream.segment
 
@@ -69,6 +69,7 @@ def _async_run_then_close(rank: int, world: int) -> dict:
         )
         drained.append(runner.drained)
         logged.append(runner.loss)
+        of_batch.append(runner.loss_batch)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
     channel = runner.executor.channel
     runner.close()
@@ -76,6 +77,7 @@ def _async_run_then_close(rank: int, world: int) -> dict:
         "weights": weights,
         "drained": drained,
         "logged": logged,
+        "loss_batches": of_batch,
         "computed": computed,
         "channel_group": channel.group,
         "groups": runner.groups,
@@ -155,6 +157,7 @@ def test_every_rank_has_the_mean_of_the_newest_batch_finished_at_the_first_stage
     mean = {t: (computed[(t, 0)] + computed[(t, 1)]) / 2 for t in range(STEPS)}
     for rank in (0, 1):
         assert runs[rank]["async"]["logged"] == [None, mean[0], mean[2]], f"rank {rank}"
+        assert runs[rank]["async"]["loss_batches"] == [None, 0, 2], f"rank {rank}"
 
 
 def test_each_segment_is_built_once_per_run(runs) -> None:  # type: ignore[no-untyped-def]

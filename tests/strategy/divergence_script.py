@@ -1,9 +1,17 @@
-"""Issue 13's newcomer, as a user's script: the digits MLP of 6 pipeline layers on 3 stages, SGD
-lr 0.1, batch 32, the strategy's defaults otherwise (divergence="error").
+"""The divergence check's cases, each as a user's script with the strategy's defaults otherwise
+(``divergence="error"`` unless ``--divergence`` says):
 
-Run as ``python tests/strategy/divergence_script.py --sync async --momentum 0.9 --epochs 1``;
-Lightning's script launcher starts ranks 1 and 2 by re-running it. Rank 0 writes the final
-``val_acc`` to ``finished`` in the working directory when the fit ends without an error.
+* ``newcomer`` (issue 13): the digits MLP of 6 pipeline layers on 3 stages, SGD lr 0.1 with
+  ``--momentum``, batch 32: with momentum 0.9 ``async`` diverges (one device reaches 0.98);
+* ``noise`` (issue 21): regression on random targets on 2 stages (nothing to learn, a loss that
+  only fluctuates), SGD lr 0.01 momentum 0.9, batch 16;
+* ``nan-data`` (issue 21): the newcomer's model and data with momentum 0, one training example's
+  input made NaN (the 3rd batch of the first epoch holds it: no shuffling).
+
+Run as ``python tests/strategy/divergence_script.py --case newcomer --sync async --epochs 2``;
+Lightning's script launcher starts the other ranks by re-running it. Rank 0 writes the final
+``val_acc`` (``val_loss`` for ``noise``) to ``finished`` in the working directory when the fit
+ends without an error.
 """
 
 from __future__ import annotations
@@ -16,34 +24,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.data import DigitsDataModule  # noqa: E402
 from pl_pipedream.models import MLP  # noqa: E402
 
 
+class NanData(DigitsDataModule):
+    """The digits, in order, with the first example of training batch 2 made NaN."""
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = (torch.stack(t) for t in zip(*self.splits["train"], strict=True))
+        x[2 * self.batch_size, 0, 3, 3] = float("nan")
+        return DataLoader(TensorDataset(x, y), self.batch_size, drop_last=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=("newcomer", "noise", "nan-data"), default="newcomer")
     parser.add_argument("--sync", default="async")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--divergence", default="error")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = MLP((1, 8, 8), 10, hidden=(128, 128), optimizer="sgd", lr=0.1, momentum=args.momentum)
+    if args.case == "noise":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        from convergence import noise_regression
+
+        model, data = noise_regression(16)
+        balance, metric = [3, 2], "val_loss"
+    else:
+        momentum = 0.0 if args.case == "nan-data" else args.momentum
+        model = MLP((1, 8, 8), 10, hidden=(128, 128), optimizer="sgd", lr=0.1, momentum=momentum)
+        data = (NanData if args.case == "nan-data" else DigitsDataModule)(batch_size=32)
+        balance, metric = [2, 2, 2], "val_acc"
+    strategy = PipeDreamStrategy(
+        sync=args.sync, balance=balance, timeout=60, divergence=args.divergence
+    )
     trainer = Trainer(
-        strategy=PipeDreamStrategy(sync=args.sync, balance=[2, 2, 2], timeout=60),
+        strategy=strategy,
         accelerator="cpu",
-        devices=3,
+        devices=len(balance),
         max_epochs=args.epochs,
         num_sanity_val_steps=0,
+        use_distributed_sampler=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
     )
-    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    trainer.fit(model, datamodule=data)
     if trainer.global_rank == 0:
-        Path("finished").write_text(str(float(trainer.callback_metrics["val_acc"])))
+        Path("finished").write_text(str(float(trainer.callback_metrics[metric])))
 
 
 if __name__ == "__main__":

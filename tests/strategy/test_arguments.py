@@ -25,7 +25,7 @@ def test_good_arguments_pass() -> None:
         ((4, "popen", "error", 0), r"timeout must be a positive number of seconds \(timeout: 0\)"),
         ((4, "popen", "error", "5"), r"\(timeout: '5'\)"),
         ((4, "thread", "error", 300), r"start_method must be 'popen', 'spawn' or 'fork'"),
-        ((4, "popen", "raise", 300), r"divergence must be one of error, warn, off"),
+        ((4, "popen", "raise", 300), r"divergence must be one of error, strict, warn, off"),
     ],
 )
 def test_each_bad_argument_is_named_with_a_fix(arguments: tuple, message: str) -> None:

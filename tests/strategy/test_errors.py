@@ -65,13 +65,10 @@ def test_nan_loss_stops_every_rank_with_one_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_nan_loss_unwatched_stops_naming_the_step_and_stage(tmp_path: Path) -> None:
+def test_nan_loss_unwatched_trains_on_as_on_one_device(tmp_path: Path) -> None:
     result, _ = _run("nan", tmp_path, divergence="off")
-    assert result.returncode != 0
-    assert (
-        "the training loss is not finite (loss: nan, rank 1, stage 1, global step 2)"
-        in result.stderr
-    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not finite" not in result.stderr
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
@@ -23,7 +22,6 @@ from pl_pipedream.strategy.divergence import (
     divergence_message,
     stops,
 )
-from pl_pipedream.strategy.finite_data import FiniteData
 
 SCRIPT = Path(__file__).with_name("divergence_script.py")
 
@@ -177,20 +175,6 @@ def test_the_stage_delays_come_from_the_update_rules() -> None:
         SyncMode.VERTICAL_SYNC,
         SyncMode.TWO_BW,
     ]
-
-
-def test_the_data_notes_find_the_first_non_finite_microbatch() -> None:
-    notes = FiniteData()
-    x, y = torch.ones(4, 3), torch.arange(4)  # integer targets: always finite
-    notes.note(0, (x, y), 2)
-    bad = x.clone()
-    bad[3, 1] = float("inf")
-    notes.note(1, {"x": bad, "y": y, "w": torch.ones(4, 2, 2)}, 2)
-    notes.note(2, (y, "no tensor"), 2)
-    assert notes.first_bad(through=0) is None
-    assert notes.first_bad(through=2) == (1, 1)
-    notes.forget_through(1)
-    assert notes.first_bad(through=2) is None
 
 
 def test_bad_data_is_named_as_such() -> None:

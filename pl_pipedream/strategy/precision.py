@@ -142,12 +142,12 @@ def share_found_inf(scaler: torch.amp.GradScaler, device: torch.device, group: A
     def unscale_(optimizer: Optimizer) -> None:
         unscale(optimizer)
         found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        flag = torch.zeros((), dtype=torch.float32, device=device)  # as torch keeps it
         for value in found.values():
-            flag = torch.maximum(flag, value.to(device))
+            flag = torch.maximum(flag, value.to(device).reshape(()))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         for value in found.values():
-            value.copy_(flag)
+            value.copy_(flag.reshape(value.shape))
         if not found:
             found[device] = flag
 

@@ -65,16 +65,25 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
     plugins=(),
     extra_callbacks=(),
     accumulate: int = 1,
+    gpu: bool = False,
     **strategy_settings,
 ):
     """The weights after a fit of ``EvaluatedNet`` (SGD), in the dtype they were trained in,
     and the validation loss at the end of its epoch. Without ``strategy_settings``: one device,
     accumulating the gradients of ``accumulate`` slices of each batch (what a pipeline of as
     many microbatches computes); else a two-stage pipeline (spawn; one microbatch per batch
-    unless ``microbatches`` is given)."""
+    unless ``microbatches`` is given). With ``gpu``, on CUDA: the two ranks on two GPUs, or
+    both on the one GPU there is (over gloo: NCCL refuses two ranks on one device)."""
     out.mkdir(parents=True, exist_ok=True)
     model = EvaluatedNet(optimizer="sgd")
     settings = {"plugins": list(plugins)} if plugins else {"precision": precision}
+    settings["accelerator"] = "gpu" if gpu else "cpu"
+    devices = 2
+    if strategy_settings and gpu and torch.cuda.device_count() < 2:
+        one = torch.device("cuda", 0)
+        strategy_settings = {**strategy_settings, "parallel_devices": [one, one]}
+        strategy_settings["process_group_backend"] = "gloo"
+        devices = 1
     if not strategy_settings:
         run = trainer(
             devices=1,
@@ -91,7 +100,11 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
     )
     callbacks = [SaveStage(out), *extra_callbacks]
     run = trainer(
-        devices=2, strategy=strategy, callbacks=callbacks, enable_checkpointing=False, **settings
+        devices=devices,
+        strategy=strategy,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        **settings,
     )
     run.fit(model, loader(2), loader(2))  # validated in the ranks, at the end of the epoch
     val_loss = float(run.callback_metrics["val_loss"])
@@ -100,7 +113,9 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
 
 
 def largest_difference(got: dict, expected: dict) -> float:
-    return max((got[k].double() - v.double()).abs().max().item() for k, v in expected.items())
+    return max(
+        (got[k].double().cpu() - v.double().cpu()).abs().max().item() for k, v in expected.items()
+    )
 
 
 @pytest.mark.slow
@@ -157,10 +172,10 @@ class RecordScale(Callback):
         path.write_text(json.dumps(self.scales))
 
 
-def fp16_plugin() -> MixedPrecision:
-    """fp16 autocast on the CPU, with a scale that overflows at first, then grows."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=2)
-    return MixedPrecision("16-mixed", "cpu", scaler=scaler)
+def fp16_plugin(device: str = "cpu") -> MixedPrecision:
+    """fp16 autocast, with a scale that overflows at first, then grows."""
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**17, growth_interval=2)
+    return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
 @pytest.mark.slow

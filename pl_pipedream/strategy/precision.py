@@ -122,6 +122,8 @@ def stage_precision(plugin: Precision, device: torch.device) -> StagePrecision:
     """What the runtime needs of the plugin: the training step's forward context and, under a
     loss scale, the scaler's ``scale`` for the last stage's backward seeds. The scaler's scale
     is created now on every stage, since a stage that never scales a loss still unscales."""
+    if type(plugin) is Precision:  # 32-true: no context to enter per forward
+        return StagePrecision()
     scaler = loss_scaler(plugin)
     if scaler is None:
         return StagePrecision(plugin.train_step_context)

@@ -22,6 +22,9 @@ With ``weight_prediction`` (``async``, ``vertical_sync``), a forward pass whose 
 is d > 0 updates stale runs on the prediction W_v + d (W_v - W_(v-1)) (``runtime.staleness``),
 which its backward pass reuses; the forward of version v therefore keeps version v - 1 stashed
 until it has run.
+
+Every forward pass, and the last stage's loss, runs in the stage's precision context, and the last
+stage's backward seeds carry its loss scale (``runtime.precision``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
+from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
@@ -120,8 +124,10 @@ class StageExecutor:
         tied_versions: TiedVersions | None = None,
         weight_prediction: bool = False,
         recompute: bool = False,
+        precision: StagePrecision | None = None,
     ) -> None:
         self.module = module
+        self.precision = precision or StagePrecision()  # runtime.precision: autocast, loss scale
         self.weight_prediction = weight_prediction  # runtime.staleness.predict, per forward
         self.tied_versions = tied_versions  # per-minibatch modes: tied versions of their own
         self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
@@ -302,27 +308,33 @@ class StageExecutor:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
         drop = self.activations.recompute and self.stage < self.num_stages - 1
         replay = Replay(value, rng_state(self.device)) if drop else None
-        with self._capture(params), self.activations.forward(i, value, params.values(), drop):
-            with self._recording(i):
-                output = self._call(params, value)  # one argument, as nn.Sequential passes it on
+        with self.precision.forward():
+            with self._capture(params), self.activations.forward(i, value, params.values(), drop):
+                with self._recording(i):
+                    output = self._call(params, value)  # one argument, as nn.Sequential passes it
+            loss = self._loss(output, i) if self.stage == self.num_stages - 1 else None
         flight = _InFlight(
             action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )
         flight.replay = replay
-        if self.stage < self.num_stages - 1:
+        if loss is None:
             try:
                 flight.outputs, flight.structure = flatten(output)
             except CrossingError as error:
                 raise ExecutorError(explain(error, self.module, self.describe)) from None
         else:
-            if self._feed is None:
-                raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
-            flight.loss = self._feed.loss(output, i)
-            self.losses.add_later(action.batch, i, read_later(flight.loss))  # GPU: no wait
+            flight.loss = loss
+            self.losses.add_later(action.batch, i, read_later(loss))  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight
         self.activations.done(i, (value,) if replay else (*inputs, *flight.outputs))
+
+    def _loss(self, output: Any, i: int) -> torch.Tensor:
+        """The last stage's loss of minibatch ``i`` (in the forward's precision context)."""
+        if self._feed is None:
+            raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
+        return self._feed.loss(output, i)
 
     def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Where several backward passes make one update, Linear layers sum their weight
@@ -344,12 +356,11 @@ class StageExecutor:
             )
         params = flight.params
         if flight.replay is not None:  # recompute: the forward again, on the same weights
-            with self._capture(params):
+            with self.precision.forward(), self._capture(params):
                 again = self.activations.replay(i, flight.replay, self.module, params)
             flight.outputs = flatten(again)[0]
         if flight.loss is not None:
-            seed = None if self.loss_scale == 1.0 else torch.full_like(flight.loss, self.loss_scale)
-            roots, grads = [flight.loss], [seed]
+            roots, grads = [flight.loss], [self.precision.seed(flight.loss, self.loss_scale)]
         else:
             message = self._gradients.pop(i)
             self.losses.add(action.batch, message.losses)

@@ -29,6 +29,7 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
@@ -86,12 +87,14 @@ class PipelineRunner:
         ties: Sequence[TiedGroup] = (),
         weight_prediction: bool = False,
         recompute: bool = False,
+        precision: StagePrecision | None = None,
     ) -> PipelineRunner:
         """The pipeline of ``rank`` running ``module`` (its stage's layers): a channel, replica
         groups and a group per tied parameter (``ties``, every one of the pipeline, in the same
         order on every rank) of its own (every rank must call this at the same point).
         ``weight_prediction``: forwards run on predicted weights (``runtime.staleness``);
-        ``recompute``: stages keep only their inputs (``runtime.recompute``)."""
+        ``recompute``: stages keep only their inputs (``runtime.recompute``); ``precision``:
+        the forward passes' context and the loss scale (``runtime.precision``)."""
         check_corrections(sync, weight_prediction, 0, [t.label for t in ties])
         replica_groups = [
             dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
@@ -131,6 +134,7 @@ class PipelineRunner:
             tied_versions=versions,
             weight_prediction=weight_prediction,
             recompute=recompute,
+            precision=precision,
         )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups

@@ -73,8 +73,10 @@ def first_stage_input(module: nn.Module, batch: Any) -> Any:
 class TrainingBatch:
     """One Lightning batch as the pipeline sees it: microbatch ``j``'s inputs for the first
     stage, and its loss from the user's ``training_step`` on the last stage. With
-    ``check_finite`` a non-finite loss stops the last stage at once; without, it travels on
-    (the strategy's divergence watch stops every rank on it)."""
+    ``check_finite`` a non-finite loss stops the last stage: at once on a CPU; on a GPU, where
+    reading the loss would make the host wait for the device after every forward, once the
+    loss is read for logging (``log_loss``). Without, it travels on (the strategy's divergence
+    watch stops every rank on it)."""
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class TrainingBatch:
         self.batch_idx = batch_idx
         self.describe = describe  # "rank 1, stage 1", for errors
         self.slices = slice_batch(batch, microbatches)
+        self._unchecked = False  # a loss on a GPU, checked by log_loss
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
 
     def inputs(self, j: int) -> Any:
@@ -106,19 +109,26 @@ class TrainingBatch:
                 "training_step must return the loss tensor (or a dict with 'loss') on the last "
                 f"stage (returned: {type(result).__name__})"
             )
-        value = float(loss.detach())
-        if self.check_finite and not math.isfinite(value):
+        if self.check_finite and loss.device.type == "cpu":  # no device to wait for
+            self._check(float(loss.detach()))
+        elif self.check_finite:
+            self._unchecked = True
+        return loss
+
+    def _check(self, value: float) -> None:
+        if not math.isfinite(value):
             raise FloatingPointError(
                 f"the training loss is not finite (loss: {value}, {self.describe}, global step "
-                f"{module.trainer.global_step}); lower the learning rate or check the data"
+                f"{self.module.trainer.global_step}); lower the learning rate or check the data"
             )
-        return loss
 
     def log_loss(self, finished: float | None, device: torch.device) -> Tensor:
         """Log ``train_loss``: ``finished``, the mean loss of the newest batch whose backward
         passes have all finished (``PipelineRunner.loss``, the same on every rank). Returns it,
         as ``training_step`` must return a tensor; while the pipeline is still filling for the
         first time there is none: nothing is logged and the tensor returned is NaN."""
+        if self._unchecked and finished is not None:
+            self._check(finished)  # the mean is finite only if every microbatch's loss is
         if finished is None:
             return torch.tensor(float("nan"), device=device)
         value = finished

@@ -12,6 +12,8 @@ because callbacks such as ``ModelCheckpoint`` and ``EarlyStopping`` monitor them
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -45,9 +47,17 @@ class EvaluationPipe:
         return self.rank == self.local.stage.ranks[0]
 
     def run(
-        self, module: nn.Module, hook: str, batch: Any, batch_idx: int, *rest: Any, **kwargs: Any
+        self,
+        module: nn.Module,
+        hook: str,
+        batch: Any,
+        batch_idx: int,
+        *rest: Any,
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        **kwargs: Any,
     ) -> Any:
-        """Run this stage's layers on the batch; the last stage returns the user's ``hook``."""
+        """Run this stage's layers on the batch; the last stage returns the user's ``hook``.
+        The layers and the hook run in ``context()`` (the precision plugin's step context)."""
         if not self.evaluates:
             return None
         stage = self.local.stage
@@ -59,13 +69,14 @@ class EvaluationPipe:
                 source = self.plan.stages[stage.index - 1].ranks[0]
                 message = self.channel.recv(source, TAG_EVALUATION, what)
                 value = unflatten(message.tensors, message.structure)
-            output = self.local.module(value)  # one argument, as nn.Sequential passes it on
+            with context():
+                output = self.local.module(value)  # one argument, as nn.Sequential passes it on
             if stage.index < self.plan.num_stages - 1:
                 message = self._message(output)  # fails here, before anything is sent
                 target = self.plan.stages[stage.index + 1].ranks[0]
                 self.channel.send(message, target, TAG_EVALUATION, what)
                 return None
-            with forward_returns(module, output):
+            with context(), forward_returns(module, output):
                 return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
 
     def predictions_to_every_rank(self, result: Any, batch_idx: int) -> Any:
@@ -107,6 +118,7 @@ class EvaluationHooks:
 
     evaluation: EvaluationPipe | None
     lightning_module: Any
+    precision_plugin: Any
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("validation_step", *args, **kwargs)
@@ -121,4 +133,13 @@ class EvaluationHooks:
 
     def _evaluate(self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kw: Any) -> Any:
         assert self.evaluation is not None
-        return self.evaluation.run(self.lightning_module, hook, batch, batch_idx, *rest, **kw)
+        context = getattr(self.precision_plugin, _CONTEXTS[hook])  # as Lightning's own steps
+        module = self.lightning_module
+        return self.evaluation.run(module, hook, batch, batch_idx, *rest, context=context, **kw)
+
+
+_CONTEXTS = {
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}

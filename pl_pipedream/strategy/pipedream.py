@@ -74,6 +74,12 @@ from pl_pipedream.strategy.placement import (
     process_group_backend,
 )
 from pl_pipedream.strategy.planning import SetupPlanner
+from pl_pipedream.strategy.precision import (
+    check_optimizers,
+    check_precision,
+    convert_stage,
+    stage_precision,
+)
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import (
@@ -283,6 +289,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         module = self.lightning_module
         assert module is not None
         check_trainer(self.sync, trainer)
+        check_precision(self.precision_plugin, self.sync)
         layers = pipeline_layers(module)
         self._data_seed = broadcast_seed()
         resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
@@ -303,6 +310,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
         local = [int(node) for node in self.local_stage.stage.nodes]
         materialize(module, layers, local, self.root_device, self.empty_build)
+        convert_stage(self.precision_plugin, module)  # the true precisions: the stage's dtype
         replicas = [s.replicas for s in self.plan.stages]
         ties = [tie.describe() for tie in self.local_stage.ties]
         check_ties(self.sync, ties, replicas)
@@ -312,6 +320,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self._build_pipeline(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            check_optimizers(self.precision_plugin, self.optimizers)
             on = self.divergence != "off"
             self._watch = DivergenceWatch(*self._divergence_rule) if on else None
             self._finite_data = FiniteData()
@@ -361,6 +370,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             ties=self.local_stage.tied_groups(),
             weight_prediction=self.weight_prediction,
             recompute=self.recompute,
+            precision=stage_precision(self.precision_plugin, self.root_device),
         )
         channel = self.runner.executor.channel
         self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)

@@ -151,3 +151,24 @@ def test_shape_forward_runs_every_layer_on_meta() -> None:
     out = shape_forward(layers)(torch.ones(5, 4))
     assert out.device.type == "meta" and out.shape == (5, 3)
     assert layers[0].weight.device.type == "cpu" and torch.equal(layers[0].weight, weight)
+
+
+class OnDevice(Regression):
+    """A loss on a device the host would have to wait for (``meta`` stands in for a GPU: any
+    read of its value fails)."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = torch.zeros((), device="meta")
+        return loss if self.returns == "loss" else loss * float("nan")
+
+
+def test_a_loss_on_a_device_is_not_read_per_microbatch() -> None:
+    work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1, stage 1")
+    assert work.loss(torch.zeros(2, 1), 0).device.type == "meta"  # returned unread
+
+
+def test_a_non_finite_loss_on_a_device_stops_when_the_logged_mean_is_read() -> None:
+    work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1, stage 1")
+    work.loss(torch.zeros(2, 1), 0)
+    with pytest.raises(FloatingPointError, match=r"\(loss: nan, rank 1, stage 1, global step 0\)"):
+        work.log_loss(float("nan"), torch.device("cpu"))

@@ -11,7 +11,6 @@ pipeline's output for it: whatever the last layer returned.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -72,11 +71,10 @@ def first_stage_input(module: nn.Module, batch: Any) -> Any:
 
 class TrainingBatch:
     """One Lightning batch as the pipeline sees it: microbatch ``j``'s inputs for the first
-    stage, and its loss from the user's ``training_step`` on the last stage. With
-    ``check_finite`` a non-finite loss stops the last stage: at once on a CPU; on a GPU, where
-    reading the loss would make the host wait for the device after every forward, once the
-    loss is read for logging (``log_loss``). Without, it travels on (the strategy's divergence
-    watch stops every rank on it)."""
+    stage, and its loss from the user's ``training_step`` on the last stage. The loss is not read
+    here (on a GPU that would make the host wait for the device after every forward); a
+    non-finite loss travels on and the strategy's divergence watch acts on the logged mean
+    (``strategy.divergence``)."""
 
     def __init__(
         self,
@@ -85,14 +83,11 @@ class TrainingBatch:
         batch_idx: int,
         microbatches: int,
         describe: str,
-        check_finite: bool = True,
     ) -> None:
         self.module = module
-        self.check_finite = check_finite
         self.batch_idx = batch_idx
         self.describe = describe  # "rank 1, stage 1", for errors
         self.slices = slice_batch(batch, microbatches)
-        self._unchecked = False  # a loss on a GPU, checked by log_loss
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
 
     def inputs(self, j: int) -> Any:
@@ -109,26 +104,13 @@ class TrainingBatch:
                 "training_step must return the loss tensor (or a dict with 'loss') on the last "
                 f"stage (returned: {type(result).__name__})"
             )
-        if self.check_finite and loss.device.type == "cpu":  # no device to wait for
-            self._check(float(loss.detach()))
-        elif self.check_finite:
-            self._unchecked = True
         return loss
-
-    def _check(self, value: float) -> None:
-        if not math.isfinite(value):
-            raise FloatingPointError(
-                f"the training loss is not finite (loss: {value}, {self.describe}, global step "
-                f"{self.module.trainer.global_step}); lower the learning rate or check the data"
-            )
 
     def log_loss(self, finished: float | None, device: torch.device) -> Tensor:
         """Log ``train_loss``: ``finished``, the mean loss of the newest batch whose backward
         passes have all finished (``PipelineRunner.loss``, the same on every rank). Returns it,
         as ``training_step`` must return a tensor; while the pipeline is still filling for the
         first time there is none: nothing is logged and the tensor returned is NaN."""
-        if self._unchecked and finished is not None:
-            self._check(finished)  # the mean is finite only if every microbatch's loss is
         if finished is None:
             return torch.tensor(float("nan"), device=device)
         value = finished

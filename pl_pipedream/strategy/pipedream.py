@@ -398,7 +398,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
-        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, False)
+        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
         if self._watch is not None:

@@ -119,12 +119,10 @@ def test_loss_must_be_a_tensor() -> None:
         work.loss(torch.zeros(2, 1), 0)
 
 
-def test_a_nan_loss_names_the_rank_stage_and_step() -> None:
+def test_a_nan_loss_travels_on_unread() -> None:
+    """The divergence watch acts on the logged mean (strategy.divergence), on every rank."""
     work = TrainingBatch(_attached(Regression("nan")), _batch(), 0, 2, "rank 1, stage 1")
-    with pytest.raises(
-        FloatingPointError, match=r"\(loss: nan, rank 1, stage 1, global step 0\); lower"
-    ):
-        work.loss(torch.zeros(2, 1), 0)
+    assert torch.isnan(work.loss(torch.zeros(2, 1), 0))
 
 
 def test_log_loss_returns_nan_unlogged_while_no_batch_has_finished() -> None:
@@ -165,10 +163,3 @@ class OnDevice(Regression):
 def test_a_loss_on_a_device_is_not_read_per_microbatch() -> None:
     work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1, stage 1")
     assert work.loss(torch.zeros(2, 1), 0).device.type == "meta"  # returned unread
-
-
-def test_a_non_finite_loss_on_a_device_stops_when_the_logged_mean_is_read() -> None:
-    work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1, stage 1")
-    work.loss(torch.zeros(2, 1), 0)
-    with pytest.raises(FloatingPointError, match=r"\(loss: nan, rank 1, stage 1, global step 0\)"):
-        work.log_loss(float("nan"), torch.device("cpu"))

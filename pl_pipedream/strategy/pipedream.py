@@ -67,6 +67,7 @@ from pl_pipedream.strategy.placement import (
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
+from pl_pipedream.strategy.step_logs import log_finished
 from pl_pipedream.strategy.updates import (
     StageUpdates,
     TrainerUpdates,
@@ -374,8 +375,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, finite)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
-        self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
+        self.runner.train_batch(work.inputs, work.loss, drain, same, work.logged)
         loss = work.log_loss(self.runner.loss, self.root_device)
+        log_finished(module, self.runner.take_logged(), self.root_device)
         if self._watch is not None and self.runner.loss is not None:
             self._check_divergence(self._watch, self.runner.loss, module.trainer.global_step)
         return loss

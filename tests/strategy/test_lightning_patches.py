@@ -381,3 +381,14 @@ def test_log_step_value_logs_every_step_through_lightning_once_per_epoch(tmp_pat
     assert logged.seen == [0.0, 1.0, 2.0, 3.0, 100.0, 101.0, 102.0, 103.0]
     # LightningModule.log registers the metric at each epoch's first step; the rest update it
     assert model.full_logs == 2
+
+
+def test_capture_logs_sees_every_log_and_log_dict_call_then_puts_log_back() -> None:
+    model = LightningModule()
+    seen: list = []
+    record = lambda name, value, **options: seen.append((name, value, options["prog_bar"]))  # noqa: E731
+    with patches.capture_logs(model, record):
+        model.log("a", 1.0, prog_bar=False)
+        model.log_dict({"b": 2.0, "c": 3.0}, prog_bar=True)  # Lightning's log_dict calls log
+    assert seen == [("a", 1.0, False), ("b", 2.0, True), ("c", 3.0, True)]
+    assert "log" not in model.__dict__

@@ -307,15 +307,16 @@ def capture_logs(module: nn.Module, record: Callable[..., None]) -> Iterator[Non
     """For the duration, ``module.log(name, value, **options)`` (``LightningModule.log``, which
     ``log_dict`` calls once per key) calls ``record(name, value, **options)`` instead."""
     _require(module, "log", type(module).__name__)
-    previous = module.__dict__.get("log")
-    module.log = record  # type: ignore[method-assign]
+    attributes = module.__dict__  # (not nn.Module's __setattr__: this runs per microbatch)
+    previous = attributes.get("log")
+    attributes["log"] = record
     try:
         yield
     finally:
         if previous is None:
-            del module.log
+            del attributes["log"]
         else:
-            module.log = previous  # type: ignore[method-assign]
+            attributes["log"] = previous
 
 
 def first_training_batch(trainer: Any) -> Any | None:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -57,9 +56,8 @@ class StepLogCapture:
     def __init__(self) -> None:
         self._logged: dict[int, dict[str, tuple[str, float | HostValue]]] = {}
 
-    @contextmanager
-    def capture(self, module: nn.Module, j: int) -> Iterator[None]:
-        """Capture the ``self.log`` calls of ``module`` as microbatch ``j``'s."""
+    def capture(self, module: nn.Module, j: int) -> AbstractContextManager[None]:
+        """Capture the ``self.log`` calls of ``module`` as microbatch ``j``'s, for the duration."""
         logged = self._logged.setdefault(j, {})
 
         def log(
@@ -82,8 +80,7 @@ class StepLogCapture:
             key = json.dumps([name, *options, batch_size])
             logged[name] = (key, _number(name, value))  # a name logged twice: the last counts
 
-        with lightning_patches.capture_logs(module, log):
-            yield
+        return lightning_patches.capture_logs(module, log)
 
     def logged(self, j: int) -> tuple[tuple[str, float | HostValue], ...]:
         """What microbatch ``j`` logged (handed over once)."""

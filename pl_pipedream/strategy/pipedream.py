@@ -375,7 +375,9 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe, finite)
         same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
         drain = self._must_drain(module.trainer)
-        self.runner.train_batch(work.inputs, work.loss, drain, same, work.logged)
+        self.runner.train_batch(
+            work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
+        )
         loss = work.log_loss(self.runner.loss, self.root_device)
         log_finished(module, self.runner.take_logged(), self.root_device)
         if self._watch is not None and self.runner.loss is not None:

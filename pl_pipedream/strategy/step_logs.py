@@ -148,8 +148,10 @@ def _reduce(name: str, entries: list[tuple[list[Any], float]]) -> tuple[float, d
         value = sum(v * s for v, s in zip(values, sizes, strict=True)) / batch_size
     elif reduce_fx == "mean":
         value = sum(values) / len(values)
+    elif reduce_fx == "sum":
+        value = sum(values)
     else:
-        value = {"sum": sum, "max": max, "min": min}[reduce_fx](values)
+        value = max(values) if reduce_fx == "max" else min(values)
     options = {
         "prog_bar": prog_bar,
         "logger": logger,

@@ -135,7 +135,9 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]
     assert status == "ok", got
-    expected = [(shape, float(step), (MinibatchLoss(step, step / 2),)) for step, shape in enumerate(SHAPES)]
+    expected = [
+        (shape, float(step), (MinibatchLoss(step, step / 2),)) for step, shape in enumerate(SHAPES)
+    ]
     assert got == expected
 
 

@@ -3,14 +3,16 @@
 A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
 plus, on the way back to the first stage, the losses its sender knows of the batch of the
 minibatch whose gradients it carries (each an index and a value, two float64 scalars in the
-frame; ``runtime.losses``), on the way forward the fingerprint of the microbatch's data that
-stage 0 fed in (one more float64 scalar), which every later stage compares with its own
-microbatch's, and, when what crosses the boundary is more than one tensor, its structure (bytes
-that ``runtime.boundary`` writes and reads). It travels as one *frame*, a byte tensor: a
-fixed-size int64 header that describes the tensors (and whether each asks for a gradient), then
-each tensor's bytes, then the scalars, then the structure. One transfer per message matters: a
-gloo send moves no data until its receive is posted, so every extra transfer is one more round
-trip between the ranks.
+frame; ``runtime.losses``) with the values logged beside each (a minibatch, a key's index and a
+value, three float64 scalars each; the keys, opaque strings, travel once per frame as JSON), on
+the way forward the fingerprint of the microbatch's data that stage 0 fed in (one more float64
+scalar), which every later stage compares with its own microbatch's, and, when what crosses the
+boundary is more than one tensor, its structure (bytes that ``runtime.boundary`` writes and
+reads). It travels as one *frame*, a byte tensor: a fixed-size int64 header that says how many
+of each the frame holds and describes the tensors (and whether each asks for a gradient), then
+each tensor's bytes, then the scalars, then the structure, then the keys. One transfer per
+message matters: a gloo send moves no data until its receive is posted, so every extra transfer
+is one more round trip between the ranks.
 
 A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
 remember the link's frame size, and the receiver posts a receive of that size. A message that
@@ -43,6 +45,7 @@ and come out on a side stream once the receive has completed (``runtime.streams`
 from __future__ import annotations
 
 import collections
+import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,10 +87,12 @@ class PeerError(RuntimeError):
 
 
 class MinibatchLoss(NamedTuple):
-    """The training loss of one minibatch, as the last stage computed it."""
+    """The training loss of one minibatch, as the last stage computed it, and what else its
+    loss function logged: (key, value) pairs, the keys opaque to the runtime."""
 
     minibatch: int
     value: float
+    logged: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -102,17 +107,41 @@ class Message:
     fingerprint: float | None = None
     structure: bytes | None = None
 
-    @property
-    def scalars(self) -> list[float]:
-        """What the frame carries after the tensors: each loss's minibatch and value, then the
-        fingerprint, if any (so an odd count means a fingerprint is last)."""
-        values = [x for loss in self.losses for x in (float(loss.minibatch), loss.value)]
-        return values if self.fingerprint is None else [*values, self.fingerprint]
+
+class _Layout(NamedTuple):
+    """Where a message goes in a frame: the tensors' byte offsets, where the scalars start, the
+    bytes the frame needs, the header, the scalars and the keys (UTF-8 JSON, or empty)."""
+
+    offsets: list[int]
+    end: int
+    needed: int
+    header: list[int]
+    scalars: list[float]
+    keys: bytes
 
 
-def _header(message: Message) -> list[int]:
+def _scalars(message: Message) -> tuple[list[float], list[str], int]:
+    """What the frame carries after the tensors: each loss's minibatch and value, then each
+    logged value's minibatch, key index and value, then the fingerprint, if any; the keys
+    in the order of their indices, and how many logged values there are."""
+    values = [x for loss in message.losses for x in (float(loss.minibatch), loss.value)]
+    keys: dict[str, int] = {}
+    count = 0
+    for loss in message.losses:
+        for key, value in loss.logged:
+            index = keys.setdefault(key, len(keys))
+            values += [float(loss.minibatch), float(index), value]
+            count += 1
+    if message.fingerprint is not None:
+        values.append(message.fingerprint)
+    return values, list(keys), count
+
+
+def _header(message: Message, logged: int = 0, keys: int = 0) -> list[int]:
     structure = -1 if message.structure is None else len(message.structure)
-    values = [DATA, len(message.tensors), len(message.scalars), structure]
+    fingerprint = int(message.fingerprint is not None)
+    losses = len(message.losses)
+    values = [DATA, len(message.tensors), losses, logged, fingerprint, structure, keys]
     for tensor in message.tensors:
         if tensor.dtype not in _CODES:
             raise PeerError(
@@ -149,30 +178,35 @@ def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]
     return frame[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _layout_of(message: Message) -> tuple[list[int], int, int]:
-    """Where ``message``'s tensors and scalars go in a frame, and the bytes it needs."""
+def _layout_of(message: Message) -> _Layout:
+    """Where ``message``'s tensors, scalars and keys go in a frame, and the bytes it needs."""
     offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
+    scalars, keys, logged = _scalars(message)
+    blob = json.dumps(keys).encode() if keys else b""
+    header = _header(message, logged, len(blob))
     structure = 0 if message.structure is None else len(message.structure)
-    needed = end + 8 * len(message.scalars) + structure
-    return offsets, end, -(-needed // 8) * 8  # whole 8-byte words: views of any dtype load back
+    needed = end + 8 * len(scalars) + structure + len(blob)
+    # whole 8-byte words: views of any dtype load back
+    return _Layout(offsets, end, -(-needed // 8) * 8, header, scalars, blob)
 
 
-def _pack(
-    message: Message, layout: tuple[list[int], int, int], size: int, device: torch.device
-) -> torch.Tensor:
-    """A frame of ``size`` bytes holding the header, every tensor and the scalars."""
-    offsets, end, needed = layout
+def _pack(message: Message, layout: _Layout, size: int, device: torch.device) -> torch.Tensor:
+    """A frame of ``size`` bytes holding the header, every tensor, the scalars, the structure
+    and the keys."""
+    offsets, end = layout.offsets, layout.end
     frame = torch.empty(size, dtype=torch.uint8, device=device)
-    upload(frame[:HEADER_BYTES].view(torch.int64), torch.tensor(_header(message)))
+    upload(frame[:HEADER_BYTES].view(torch.int64), torch.tensor(layout.header))
     for tensor, offset in zip(message.tensors, offsets, strict=True):
         _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    scalars_end = end + 8 * len(message.scalars)
-    if message.scalars:
-        scalars = torch.tensor(message.scalars, dtype=torch.float64)
-        upload(frame[end:scalars_end].view(torch.float64), scalars)
-    if message.structure:
-        structure = torch.frombuffer(bytearray(message.structure), dtype=torch.uint8)
-        upload(frame[scalars_end : scalars_end + len(structure)], structure)
+    position = end + 8 * len(layout.scalars)
+    if layout.scalars:
+        scalars = torch.tensor(layout.scalars, dtype=torch.float64)
+        upload(frame[end:position].view(torch.float64), scalars)
+    for blob in (message.structure, layout.keys):
+        if blob:
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            upload(frame[position : position + len(blob)], data)
+            position += len(blob)
     return frame
 
 
@@ -185,9 +219,9 @@ def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
 
 def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     """The message in ``frame``; its tensors are views of the frame's bytes."""
-    count, num_scalars, structure_bytes = header[1], header[2], header[3]
+    count, num_losses, num_logged, fingerprinted, structure_bytes, key_bytes = header[1:7]
     specs, grads = [], []
-    position = 4
+    position = 7
     for _ in range(count):
         code, ndim = header[position], header[position + 1]
         specs.append((_DTYPES[code % REQUIRES_GRAD], header[position + 2 : position + 2 + ndim]))
@@ -198,6 +232,7 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     for tensor, grad in zip(tensors, grads, strict=True):
         if grad:
             tensor.requires_grad_(True)
+    num_scalars = 2 * num_losses + 3 * num_logged + fingerprinted
     scalars_end = end + 8 * num_scalars
     structure = None
     if structure_bytes >= 0:
@@ -205,10 +240,26 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     if not num_scalars:
         return Message(tensors, structure=structure)
     scalars = read_done(frame[end:scalars_end].view(torch.float64)).tolist()
-    fingerprint = scalars.pop() if num_scalars % 2 else None
-    pairs = zip(scalars[::2], scalars[1::2], strict=True)
-    losses = tuple(MinibatchLoss(int(i), value) for i, value in pairs)
-    return Message(tensors, losses, fingerprint, structure)
+    fingerprint = scalars.pop() if fingerprinted else None
+    pairs = scalars[: 2 * num_losses]
+    losses = [
+        MinibatchLoss(int(i), value) for i, value in zip(pairs[::2], pairs[1::2], strict=True)
+    ]
+    if num_logged:
+        start = scalars_end + max(structure_bytes, 0)
+        keys = json.loads(read_done(frame[start : start + key_bytes]).numpy().tobytes())
+        losses = _with_logged(losses, scalars[2 * num_losses :], keys)
+    return Message(tensors, tuple(losses), fingerprint, structure)
+
+
+def _with_logged(
+    losses: list[MinibatchLoss], triples: list[float], keys: list[str]
+) -> list[MinibatchLoss]:
+    """``losses`` with the logged values of ``triples`` (minibatch, key index, value)."""
+    logged: dict[int, list[tuple[str, float]]] = {}
+    for i, key, value in zip(triples[::3], triples[1::3], triples[2::3], strict=True):
+        logged.setdefault(int(i), []).append((keys[int(key)], value))
+    return [loss._replace(logged=tuple(logged.get(loss.minibatch, ()))) for loss in losses]
 
 
 class Channel:
@@ -245,7 +296,7 @@ class Channel:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
         layout = _layout_of(message)
-        needed = layout[2]
+        needed = layout.needed
         if not size // 2 < needed <= size:
             self._isend(_notice(size, needed, self._wire), peer, tag, what)
             self._send_sizes[(peer, tag)] = size = needed

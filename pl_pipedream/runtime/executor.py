@@ -78,11 +78,14 @@ class Feed:
     """What a run's forward passes take from outside, by global minibatch index: the first
     stage's ``inputs(i)`` and the last stage's ``loss(output, i)``. ``fingerprint(i, received)``,
     if given, returns this rank's fingerprint of microbatch ``i``'s data (sent on with the
-    activations) after checking it against ``received``, stage 0's (None on stage 0)."""
+    activations) after checking it against ``received``, stage 0's (None on stage 0).
+    ``logged(i)``, if given, returns what else ``loss(output, i)`` logged, (key, value) pairs
+    that travel with the loss (``runtime.losses``)."""
 
     inputs: Callable[[int], Any]
     loss: Callable[[Any, int], torch.Tensor]
     fingerprint: Callable[[int, float | None], float] | None = None
+    logged: Callable[[int], tuple[tuple[str, Any], ...]] | None = None
 
 
 class ExecutorError(RuntimeError):
@@ -324,7 +327,8 @@ class StageExecutor:
                 raise ExecutorError(explain(error, self.module, self.describe)) from None
         else:
             flight.loss = loss
-            self.losses.add_later(action.batch, i, read_later(loss))  # GPU: no wait
+            logged = self._feed.logged(i) if self._feed and self._feed.logged is not None else ()
+            self.losses.add_later(action.batch, i, read_later(loss), logged)  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight

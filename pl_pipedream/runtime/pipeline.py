@@ -12,6 +12,10 @@ of its losses have reached every rank by then, ``runtime.losses``). In the flush
 batch ``t`` itself; in the others it lags by the pipeline's depth. After a drain it is the run's
 last batch, and it stays the loss until a later batch completes.
 
+What else the last stage's loss function logged for a batch's minibatches travels with their
+losses; ``take_logged`` hands it over once per batch, for every batch that finished since the
+last call (a drain finishes several at once), in batch order.
+
 A step does not wait for its messages to leave (a gloo send completes only once the peer has
 posted its receive, which would tie the ranks together at every step); the sends of one step
 complete during the next, and a drain waits for all of them.
@@ -29,6 +33,7 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
@@ -66,6 +71,7 @@ class PipelineRunner:
         self.loss_batch: int | None = None  # which of the batches fed ``loss`` belongs to
         self._finished: dict[int, int] = {}  # batch -> backward passes done at the first stage
         self._taken = -1  # the batch of ``loss`` in this run (-1: none yet)
+        self._logged: list[tuple[Logged, ...]] = []  # finished batches' logged values, not taken
         self._first_stage = plan.stages[0].ranks
         # Each segment is asked for up to lookahead + 2 times (as a step's own, as lookahead,
         # by the loss bookkeeping): each is built once, and dropped once its step has passed.
@@ -150,15 +156,17 @@ class PipelineRunner:
         loss: Callable[[Any, int], torch.Tensor],
         drain: bool = False,
         fingerprint: Callable[[int, float | None], float] | None = None,
+        logged: Callable[[int], tuple[tuple[str, Any], ...]] | None = None,
     ) -> None:
-        """Run this rank's segment for the next batch; ``inputs``/``loss``/``fingerprint`` take
-        the microbatch index within the batch (``Feed``). With ``drain``, the pipeline drains
-        right after it."""
+        """Run this rank's segment for the next batch; ``inputs``/``loss``/``fingerprint``/
+        ``logged`` take the microbatch index within the batch (``Feed``). With ``drain``, the
+        pipeline drains right after it."""
         first = self.step * self.microbatches
         feed = Feed(
             lambda i: inputs(i - first),
             lambda output, i: loss(output, i - first),
             None if fingerprint is None else lambda i, got: fingerprint(i - first, got),
+            None if logged is None else lambda i: logged(i - first),
         )
         self.executor.execute(
             self._segment(self.executor.rank, self.step),
@@ -191,12 +199,21 @@ class PipelineRunner:
         for b in range(batch, self._taken, -1):
             mean = losses.mean(b, self.microbatches)
             if mean is not None:
+                for done in range(self._taken + 1, b + 1):
+                    if done == b or losses.mean(done, self.microbatches) is not None:
+                        self._logged.append(losses.logged(done, self.microbatches))
                 self.loss, self._taken = mean, b
                 self.loss_batch = self.batches - self.step + b  # the run began at batches - step
                 losses.forget_before(b)
                 for old in [k for k in self._finished if k < b]:
                     del self._finished[old]
                 return
+
+    def take_logged(self) -> list[tuple[Logged, ...]]:
+        """What the loss function logged for each batch finished since the last call, per
+        minibatch, in batch order (every rank gets the same)."""
+        logged, self._logged = self._logged, []
+        return logged
 
     def _upcoming(self, drain: bool) -> list[Action]:
         """The actions after this step's segment: the drain, or the next segments. Only these

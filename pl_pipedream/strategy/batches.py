@@ -6,7 +6,8 @@ first element of an ``(inputs, targets)`` pair, or a lone tensor as it is; one r
 and evaluation alike. The inputs may be any structure (a tensor, a tuple, a dict...): the first
 layer gets them as its one argument, as ``nn.Sequential`` would. The last stage runs the user's
 ``training_step`` (or evaluation hook) on the whole slice, with ``self(x)`` returning the
-pipeline's output for it: whatever the last layer returned.
+pipeline's output for it: whatever the last layer returned; what it logs is captured per
+microbatch (``strategy.step_logs``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.runtime.boundary import map_tensors
 from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy.step_logs import StepLogCapture
 
 __all__ = [
     "TrainingBatch",
@@ -89,6 +91,8 @@ class TrainingBatch:
         self.describe = describe  # "rank 1, stage 1", for errors
         self.slices = slice_batch(batch, microbatches)
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
+        self.logs = StepLogCapture()
+        self.logged = self.logs.logged  # what microbatch j's training_step logged
 
     def inputs(self, j: int) -> Any:
         return self._inputs[j]
@@ -96,7 +100,7 @@ class TrainingBatch:
     def loss(self, output: Any, j: int) -> Tensor:
         """Run ``training_step`` on microbatch ``j`` with ``self(x)`` returning ``output``."""
         module = self.module
-        with forward_returns(module, output):
+        with forward_returns(module, output), self.logs.capture(module, j):
             result = module.training_step(self.slices[j], self.batch_idx)
         loss = result["loss"] if isinstance(result, dict) else result
         if not isinstance(loss, Tensor):

@@ -36,6 +36,9 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   epoch it updates the registered metric directly (``log_step_value``), which skips the
   per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
   per step, measured; README, "Pipeline throughput").
+* ``LightningModule.log`` (an instance attribute, while the strategy runs ``training_step`` on the
+  last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
+  every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
   refused before launch, ``strategy.arguments``), ``_FitLoop._data_source`` (the first
   training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
@@ -49,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -71,6 +74,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "before_optimizer_step",
     "call_hook",
+    "capture_logs",
     "WorkerOutput",
     "LightningChangedError",
     "clip_by_global_norm",
@@ -305,6 +309,23 @@ def log_step_value(module: Any, name: str, value: Tensor) -> None:
     _require(results, "update_metrics", "_ResultCollection")
     results.update_metrics(key, value, results.batch_size or 1)
     connector._current_fx = fx
+
+
+@contextlib.contextmanager
+def capture_logs(module: nn.Module, record: Callable[..., None]) -> Iterator[None]:
+    """For the duration, ``module.log(name, value, **options)`` (``LightningModule.log``, which
+    ``log_dict`` calls once per key) calls ``record(name, value, **options)`` instead."""
+    _require(module, "log", type(module).__name__)
+    attributes = module.__dict__  # (not nn.Module's __setattr__: this runs per microbatch)
+    previous = attributes.get("log")
+    attributes["log"] = record
+    try:
+        yield
+    finally:
+        if previous is None:
+            del attributes["log"]
+        else:
+            attributes["log"] = previous
 
 
 def first_training_batch(trainer: Any) -> Any | None:

@@ -82,6 +82,7 @@ from pl_pipedream.strategy.precision import (
 )
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
+from pl_pipedream.strategy.step_logs import log_finished
 from pl_pipedream.strategy.updates import (
     StageUpdates,
     TrainerUpdates,
@@ -403,8 +404,11 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         drain = self._must_drain(module.trainer)
         if self._watch is not None:
             self._finite_data.note(self.runner.batches, batch, self.microbatches)
-        self.runner.train_batch(work.inputs, work.loss, drain=drain, fingerprint=same)
+        self.runner.train_batch(
+            work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
+        )
         loss = work.log_loss(self.runner.loss, self.root_device)
+        log_finished(module, self.runner.take_logged(), self.root_device)
         if self._watch is not None and self.runner.loss is not None:
             self._check_divergence(self._watch, self.runner.loss, module.trainer.global_step)
         return loss

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from pl_pipedream.runtime.channel import Channel, Message, MinibatchLoss, PeerError
 from tests.runtime.distributed import run
 
+LOGGED = [(), (('["acc", true]', 0.75), ("n", 3.0)), (("n", -1e300),)]  # opaque keys, any float
+
 
 def _exchange(rank: int, world: int) -> list:
     channel = Channel(rank, torch.device("cpu"), timeout=30.0, describe=f"rank {rank}")
@@ -19,7 +21,9 @@ def _exchange(rank: int, world: int) -> list:
         for step in range(3):
             tensors = [torch.full((step + 1, 2), float(step)), torch.arange(step + 2)]
             channel.send(
-                Message(tensors, tuple(MinibatchLoss(i, i * 0.5) for i in range(step + 1))),
+                Message(
+                    tensors, tuple(MinibatchLoss(i, i * 0.5, LOGGED[i]) for i in range(step + 1))
+                ),
                 1,
                 tag=1,
                 what="activations",
@@ -44,15 +48,16 @@ def _exchange(rank: int, world: int) -> list:
     return got
 
 
-def test_messages_keep_shapes_dtypes_and_the_loss() -> None:
+def test_messages_keep_shapes_dtypes_the_loss_and_what_was_logged() -> None:
     results = run(2, _exchange)
     assert results[0] == ("ok", [[[1, 2], [3, 4]]])
     status, got = results[1]
     assert status == "ok"
+    losses = [MinibatchLoss(i, i * 0.5, LOGGED[i]) for i in range(3)]
     assert got == [
-        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], ((0, 0.0),)),
-        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], ((0, 0.0), (1, 0.5))),
-        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], ((0, 0.0), (1, 0.5), (2, 1.0))),
+        ([(1, 2), (2,)], ["torch.float32", "torch.int64"], tuple(losses[:1])),
+        ([(2, 2), (3,)], ["torch.float32", "torch.int64"], tuple(losses[:2])),
+        ([(3, 2), (4,)], ["torch.float32", "torch.int64"], tuple(losses)),
     ]
 
 
@@ -130,7 +135,10 @@ def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     assert counts == [2, 1, 1, 2, 2, 1]
     status, got = results[1]
     assert status == "ok", got
-    assert got == [(shape, float(step), ((step, step / 2),)) for step, shape in enumerate(SHAPES)]
+    expected = [
+        (shape, float(step), (MinibatchLoss(step, step / 2),)) for step, shape in enumerate(SHAPES)
+    ]
+    assert got == expected
 
 
 def _receive_left_posted(rank: int, world: int) -> list:
@@ -207,17 +215,26 @@ def test_a_receive_posted_ahead_after_the_peer_left_fails_only_when_awaited() ->
 
 
 @pytest.mark.parametrize(
-    "losses", [(), (MinibatchLoss(3, 0.25),), (MinibatchLoss(2, 0.5), MinibatchLoss(3, 0.25))]
+    "losses",
+    [
+        (),
+        (MinibatchLoss(3, 0.25),),
+        (MinibatchLoss(2, 0.5), MinibatchLoss(3, 0.25)),
+        (MinibatchLoss(2, 0.5, (("a", 1.0), ("b", 2.5))), MinibatchLoss(3, 0.25, (("b", 1e-9),))),
+    ],
 )
 @pytest.mark.parametrize("fingerprint", [None, -1.5e300])
-def test_a_frame_carries_the_losses_and_the_data_fingerprint(losses, fingerprint) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("structure", [None, b"\x01\x02\x03"])
+def test_a_frame_carries_the_losses_what_was_logged_and_the_data_fingerprint(  # type: ignore[no-untyped-def]
+    losses, fingerprint, structure
+) -> None:
     from pl_pipedream.runtime.channel import HEADER_BYTES, _layout_of, _pack, _unpack
 
-    message = Message([torch.arange(3.0)], losses, fingerprint)
+    message = Message([torch.arange(3.0)], losses, fingerprint, structure)
     layout = _layout_of(message)
     frame = _pack(message, layout, layout[2], torch.device("cpu"))
     back = _unpack(frame, frame[:HEADER_BYTES].view(torch.int64).tolist())
-    assert (back.losses, back.fingerprint) == (losses, fingerprint)
+    assert (back.losses, back.fingerprint, back.structure) == (losses, fingerprint, structure)
     assert back.tensors[0].tolist() == [0.0, 1.0, 2.0]
 
 

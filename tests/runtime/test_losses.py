@@ -59,3 +59,38 @@ def test_replicas_share_their_losses_and_agree_on_the_mean() -> None:
     expected = losses((0, 1.0), (1, 2.0), (2, 3.0), (3, 4.0))
     for rank in (0, 1):
         assert results[rank][1] == (expected, 2.5)
+
+
+def test_what_was_logged_travels_with_each_loss_and_is_kept_per_batch() -> None:
+    book = LossBook()
+    book.add_later(0, 1, 0.5, (("acc", 0.75),))
+    book.add(0, (MinibatchLoss(0, 0.25, (("acc", 1.0), ("n", 2.0))),))
+    assert book.of(0) == (
+        MinibatchLoss(0, 0.25, (("acc", 1.0), ("n", 2.0))),
+        MinibatchLoss(1, 0.5, (("acc", 0.75),)),
+    )
+    assert book.logged(0, 2) == ((("acc", 1.0), ("n", 2.0)), (("acc", 0.75),))
+    assert book.logged(1, 2) == ((), ())
+    book.add(1, losses((2, 1.0)))
+    book.forget_before(1)
+    assert book.logged(0, 2) == ((), ())
+
+
+def _share_logged(rank: int, world: int) -> Any:
+    book = LossBook()
+    # Replica r computed minibatch r of batch 0; only replica 1's step logged something.
+    book.add(0, (MinibatchLoss(rank, 1.0 + rank, (("acc", 0.5),) if rank else ()),))
+    book.share(0, 2, dist.group.WORLD)
+    nothing = LossBook()  # nothing logged anywhere: no gather
+    nothing.add(0, losses((rank, 1.0)))
+    nothing.share(0, 2, dist.group.WORLD)
+    return book.logged(0, 2), nothing.logged(0, 2)
+
+
+@pytest.mark.slow
+def test_replicas_share_what_their_steps_logged() -> None:
+    results = distributed.run(2, _share_logged)
+    for rank in (0, 1):
+        status, (logged, nothing) = results[rank]
+        assert status == "ok"
+        assert logged == ((), (("acc", 0.5),)) and nothing == ((), ())

@@ -132,6 +132,27 @@ def test_a_loss_read_later_is_the_gpus_value_and_the_book_reads_it_when_asked() 
     assert book.mean(3, 2) == pytest.approx((expected + 1.0) / 2, rel=1e-12)
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_values_logged_beside_a_loss_are_read_when_asked_and_cross_a_gpu_frame() -> None:
+    from pl_pipedream.runtime.channel import HEADER_BYTES, MinibatchLoss, _layout_of, _pack, _unpack
+
+    device = torch.device("cuda", 0)
+    busy = _busy(device)
+    book = LossBook()
+    logged = (("acc", read_later(busy.double().abs().max())), ("n", 4.0))
+    book.add_later(0, 0, read_later(busy.double().mean()), logged)
+    expected = (("acc", busy.double().abs().max().item()), ("n", 4.0))
+    assert book.logged(0, 1) == (expected,)
+    message = Message([busy[:2, :3]], book.of(0), fingerprint=1.5)
+    layout = _layout_of(message)
+    frame = _pack(message, layout, layout.needed, device)
+    torch.cuda.current_stream(device).synchronize()
+    back = _unpack(frame, read_done(frame[:HEADER_BYTES].view(torch.int64)).tolist())
+    assert back.losses == (MinibatchLoss(0, busy.double().mean().item(), expected),)
+    assert back.fingerprint == 1.5 and torch.equal(back.tensors[0], busy[:2, :3])
+
+
 def _train_on(
     rank: int, plan: Plan, sync: str, m: int, device: torch.device, channel: Channel
 ) -> dict[str, torch.Tensor]:

@@ -390,3 +390,14 @@ def test_layer_sync_reads_what_sync_batchnorm_sets() -> None:
     assert isinstance(patches.layer_sync(synced.strategy), TorchSyncBatchNorm)
     plain = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn")
     assert patches.layer_sync(plain.strategy) is None
+
+
+def test_capture_logs_sees_every_log_and_log_dict_call_then_puts_log_back() -> None:
+    model = LightningModule()
+    seen: list = []
+    record = lambda name, value, **options: seen.append((name, value, options["prog_bar"]))  # noqa: E731
+    with patches.capture_logs(model, record):
+        model.log("a", 1.0, prog_bar=False)
+        model.log_dict({"b": 2.0, "c": 3.0}, prog_bar=True)  # Lightning's log_dict calls log
+    assert seen == [("a", 1.0, False), ("b", 2.0, True), ("c", 3.0, True)]
+    assert "log" not in model.__dict__

@@ -9,9 +9,9 @@ and the docs read. The counts are those of the built schedule once the pipeline 
   flushed modes keep 1, ``2bw`` 2. In ``async`` and ``vertical_sync`` a replica whose oldest
   minibatch in flight is its ``k``-th holds version ``k`` (the newest) and every version that
   minibatch ``k`` or a later one uses up to ``k``: ``w_s + 1`` in ``async``; in
-  ``vertical_sync`` on a straight pipeline ``1 + ceil(w_0 / 1)`` at every stage, since every
-  stage runs on the input stage's version (fewer with replicas, where some versions are used
-  by no minibatch of this replica).
+  ``vertical_sync`` on a straight pipeline ``1 + w_0`` at every stage, since every stage runs
+  on the input stage's version (with replicas at most ``rules.stash_limit``, fewer where some
+  versions are used by no minibatch of this replica).
 - minibatches in flight (forwarded, not yet backpropagated): ``w_s + 1`` in the modes that do not
   flush; in ``flush`` at most the batch's share of a replica; in ``gpipe`` the whole share.
 - bytes: weights x versions plus activations x minibatches in flight (the paper's rule); with
@@ -25,7 +25,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.rules import weight_version
 
-__all__ = ["minibatches_in_flight", "stage_bytes", "versions_kept"]
+__all__ = ["activations_kept", "minibatches_in_flight", "stage_bytes", "versions_kept"]
 
 
 def versions_kept(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:
@@ -38,21 +38,23 @@ def versions_kept(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> 
     # Past the warm-up the count repeats every r_0 minibatches of a replica (r_0 more of them
     # move every version along by r_0); take the most over one such period per replica.
     start = (plan.num_workers + 1) * first.replicas
-    most = 1
-    for replica in range(this.replicas):
+    return max(
+        len(_held(plan, sync, stage, replica, oldest))
+        for replica in range(this.replicas)
+        for oldest in range(start, start + first.replicas)
+    )
 
-        def version(local: int) -> int:
-            global_index = local * this.replicas + replica
-            return weight_version(plan, sync, microbatches, stage, global_index)
 
-        for oldest in range(start, start + first.replicas):
-            held = {oldest}
-            local = oldest
-            while (used := version(local)) <= oldest:
-                held.add(used)
-                local += 1
-            most = max(most, len(held))
-    return most
+def _held(plan: Plan, sync: SyncMode, stage: int, replica: int, oldest: int) -> set[int]:
+    """The versions a replica holds while its ``oldest``-th minibatch is the oldest in flight
+    (per-minibatch modes): its newest, ``oldest``, and every version that minibatch or a later
+    one runs on up to it."""
+    replicas = plan.stages[stage].replicas
+    held, local = {oldest}, oldest
+    while (used := weight_version(plan, sync, 1, stage, local * replicas + replica)) <= oldest:
+        held.add(used)
+        local += 1
+    return held
 
 
 def minibatches_in_flight(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:

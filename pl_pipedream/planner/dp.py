@@ -4,13 +4,15 @@ For one level with ``M`` workers of bandwidth ``B`` the DP computes, for every p
 model that ends at cut ``j`` and every worker count ``m``, the smallest possible time of the
 slowest stage of a pipeline over that prefix on exactly ``m`` workers:
 
-* one stage on ``r`` replicas takes ``(C + 4 (r - 1) W / (r B)) / r`` (compute ``C`` of its
-  layers, plus the all-reduce of its ``W`` parameter bytes among the replicas); on the first
-  stage the all-reduce term is divided by the worker count of one component of this level,
-  exactly as PipeDream's optimizer does;
+* one stage on ``r`` replicas takes ``costs.stage_time`` (compute ``C`` of its layers, plus the
+  all-reduce of its ``W`` parameter bytes among the replicas, ``(C + 4 (r - 1) W / (r B)) / r``);
+  on the first stage the all-reduce term is divided by the worker count of one component of
+  this level, exactly as PipeDream's optimizer does;
 * a stage appended after cut ``k`` on ``r`` replicas also pays ``2 a(k) / (B r)`` to receive its
   input and, unless it ends the model, ``2 a(j) / (B r)`` to send its output;
-* the pipeline's time is the slowest of those terms.
+* the pipeline's time is the slowest of those terms;
+* with a memory limit, a stage that does not fit it (``costs.fits`` of ``costs.stashed_bytes``)
+  is priced infinite (``_fit``, the one place the solvers apply the limit).
 
 Rows of the DP are the start of a segment (row 0: the model's input; row ``a + 1``: after state
 ``a``). The outermost level needs only row 0; an inner level needs every row, because the level
@@ -40,6 +42,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from pl_pipedream.planner.costs import fitting_time, stage_time, stashed_bytes
 
 __all__ = [
     "LevelCosts",
@@ -202,9 +206,7 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
         # against the appended stage on r' replicas.
         candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
-        if costs.memory is not None:
-            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
-            candidate = np.where(stash > costs.memory, INF, candidate)
+        candidate = _fit(costs, candidate, pairs.stash[index], workers - (m + 1), primes[:width])
         best = candidate[0] if width == 1 else candidate.min(axis=0)
         group_best = np.minimum.reduceat(best, heads)
         hits = np.where(best == np.repeat(group_best, sizes), positions, ks.size)
@@ -230,13 +232,24 @@ def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray
     base_compute = costs.compute[row]
     for m in range(1 if costs.straight else workers):
         r = m + 1
-        allreduce = 4 * m * base_params / (costs.bandwidth * r) / costs.within
-        value = (base_compute + allreduce) / r
-        if costs.memory is not None:
-            stashed = math.ceil((workers - r) / r) * (base_acts + base_params)
-            value = np.where(stashed > costs.memory, INF, value)
+        value = stage_time(base_compute, base_params, r, costs.bandwidth, costs.within)
+        value = _fit(costs, value, base_acts + base_params, workers - r, r)
         first[m] = np.where(allowed, value, INF)
     return first
+
+
+def _fit(
+    costs: LevelCosts,
+    time: np.ndarray,
+    stage_bytes: np.ndarray,
+    workers_after: int | np.ndarray,
+    replicas: int | np.ndarray,
+) -> np.ndarray:
+    """``time``, infinite where the stage does not fit the level's memory
+    (``costs.fitting_time`` of its ``costs.stashed_bytes``)."""
+    if costs.memory is None:
+        return time
+    return fitting_time(time, stashed_bytes(stage_bytes, workers_after, replicas), costs.memory)
 
 
 def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
@@ -271,9 +284,7 @@ def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
     for m in range(1, workers):
         width = min(m, max_prime)
         candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
-        if costs.memory is not None:
-            stash = pairs.stash[index] * np.ceil((workers - (m + 1)) / primes[:width])
-            candidate = np.where(stash > costs.memory, INF, candidate)
+        candidate = _fit(costs, candidate, pairs.stash[index], workers - (m + 1), primes[:width])
         np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
     return by_workers[-1]
 
@@ -284,14 +295,12 @@ def _appended(
     """``stage[r' - 1, p]``: time of a stage from state ``ks[p]`` to ``js[p]`` appended after
     another, on ``r'`` replicas (``primes``), transfers included; and its stashed bytes."""
     seg_params = costs.params[js] - costs.params[ks]
-    stage = costs.compute[ks + 1, js] + 4 * (primes - 1) * seg_params / (costs.bandwidth * primes)
-    stage = stage / primes
+    received = sent = None
     if costs.transfers:
-        in_bytes = costs.outputs[ks]
-        out_bytes = np.where(js < costs.params.shape[0] - 1, costs.outputs[js], 0.0)
-        stage = np.maximum(
-            stage, 2.0 * np.maximum(in_bytes, out_bytes) / (costs.bandwidth * primes)
-        )
+        received = costs.outputs[ks]
+        sent = np.where(js < costs.params.shape[0] - 1, costs.outputs[js], 0.0)
+    compute = costs.compute[ks + 1, js]
+    stage = stage_time(compute, seg_params, primes, costs.bandwidth, 1, received, sent)
     return stage, costs.activations[js] - costs.activations[ks] + seg_params
 
 
@@ -324,9 +333,8 @@ def to_last(costs: LevelCosts) -> np.ndarray:
         for m in range(1, workers):
             width = min(m, max_prime)
             candidate = np.maximum(stage[:width], rest[m - 1 :: -1][:width])
-            if costs.memory is not None:
-                stash = stash_bytes * np.ceil((m - primes[:width]) / primes[:width])
-                candidate = np.where(stash > costs.memory, INF, candidate)
+            after_it = m - primes[:width]  # the workers after the appended stage
+            candidate = _fit(costs, candidate, stash_bytes, after_it, primes[:width])
             after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
             rest[m] = after[m, js]
     best = np.full(count + 1, INF)
@@ -363,9 +371,7 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
             best = None
             for prime in range(1, min(m, max_prime) + 1):
                 stage = pairs.stage[prime - 1, low:high]
-                if costs.memory is not None:
-                    stash = pairs.stash[low:high] * math.ceil((workers - (m + 1)) / prime)
-                    stage = np.where(stash > costs.memory, INF, stage)
+                stage = _fit(costs, stage, pairs.stash[low:high], workers - (m + 1), prime)
                 candidate = np.maximum(column[m - prime][:, None], stage[None, :])
                 best = candidate if best is None else np.minimum(best, candidate)
             table = times[m]
@@ -389,13 +395,11 @@ def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
     workers = costs.workers
     params = costs.params[None, :] - np.r_[0.0, costs.params][:, None]
     allowed = np.vstack([np.ones((1, count), dtype=bool), costs.precedes])
+    stash = params
     if costs.memory is not None:
         stash = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None] + params
     for m in range(1 if costs.straight else workers):
         r = m + 1
-        allreduce = 4 * m * params / (costs.bandwidth * r) / costs.within
-        value = (costs.compute + allreduce) / r
-        if costs.memory is not None:
-            stashed = math.ceil((workers - r) / r) * stash
-            value = np.where(stashed > costs.memory, INF, value)
+        value = stage_time(costs.compute, params, r, costs.bandwidth, costs.within)
+        value = _fit(costs, value, stash, workers - r, r)
         yield m, np.where(allowed, value, INF)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pl_pipedream.planner.costs import stage_time
 from pl_pipedream.planner.dp import (
     LevelCosts,
     LevelPairs,
@@ -115,8 +116,7 @@ def data_parallel_time(total_compute: float, total_params: float, topology: Topo
     time = total_compute
     within = 1
     for level in topology.levels:
-        allreduce = 4 * (level.workers - 1) * total_params / (level.bandwidth * level.workers)
-        time = (time + allreduce / within) / level.workers
+        time = stage_time(time, total_params, level.workers, level.bandwidth, within)
         within = level.workers
     return time
 

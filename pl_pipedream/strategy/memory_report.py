@@ -3,10 +3,10 @@
 At setup, automatic planning takes each rank's memory from its device: the free memory of a GPU
 (``torch.cuda.mem_get_info``), or ``PipeDreamStrategy(memory=...)`` (bytes, or a string such as
 ``"8GiB"``) on CPU, where the process has no budget of its own to ask for. The smallest over
-the ranks bounds every stage by the paper's rule (``stage_bytes``: weights x versions in flight
-plus activations x minibatches in flight). The planner's own limit (``planner.dp``,
-PipeDream's: ceil(workers after the stage / replicas) x (weights + activations), the stash
-beyond the live weights and one minibatch) is lowered until its plan fits by that rule. If no
+the ranks bounds every stage by what the sync mode keeps (``schedule.memory.stage_bytes``:
+weights x the versions the schedule keeps plus activations x its minibatches in flight). The
+planner's own limit (``planner.costs.stashed_bytes``, PipeDream's: ceil(workers after the
+stage / replicas) x (weights + activations)) is lowered until its plan fits by that rule. If no
 plan fits, setup stops naming the smallest memory with which one would, found by bisection.
 
 At the end of a fit every rank measures its stage: the weights it holds, the peak of the stashed
@@ -19,7 +19,6 @@ the rows as ``strategy.memory_report``.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -29,8 +28,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_pipedream.planner.costs import stashed_bytes
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.runtime.recompute import Activations
+from pl_pipedream.schedule.memory import activations_kept, stage_bytes, versions_kept
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.stage import PipelineSetupError
 
@@ -46,7 +47,6 @@ __all__ = [
     "render",
     "report",
     "smallest_fitting",
-    "stage_bytes",
 ]
 
 _UNITS = {
@@ -119,34 +119,31 @@ def smallest_fitting(make: Callable[[float | None], Plan], low: float, high: flo
     return high
 
 
-def stage_bytes(plan: Plan, stage: Stage, recompute: bool = False) -> float:
-    """The paper's rule for a stage of async PipeDream: the weights of every version in flight
-    and the activations of every minibatch in flight, (warm-up + 1) x (weights + activations).
-    With ``recompute`` a stage but the last keeps its inputs instead, plus one minibatch's
-    activations for the replay."""
-    flight = stage.warmup + 1
-    kept = flight * stage.activation_bytes
-    if recompute and stage.index < plan.num_stages - 1:
-        kept = flight * stage.input_bytes + stage.activation_bytes
-    return flight * stage.parameter_bytes + kept
-
-
 def planner_bytes(plan: Plan, stage: Stage) -> float:
     """The figure the planner's DP holds under its limit (``planner.dp``, PipeDream's):
     ceil(workers after the stage / replicas) x (weights + activations)."""
     after = sum(s.replicas for s in plan.stages[stage.index + 1 :])
-    return math.ceil(after / stage.replicas) * (stage.activation_bytes + stage.parameter_bytes)
+    both = stage.activation_bytes + stage.parameter_bytes
+    return float(stashed_bytes(both, after, stage.replicas))
 
 
-def fitting(make: Callable[[float | None], Plan], memory: float, recompute: bool = False) -> Plan:
-    """A plan whose every stage fits ``memory`` by ``stage_bytes``. The planner's own limit
-    holds ``planner_bytes``, which leaves out the live weights and one minibatch and keeps every
-    activation, so it is lowered by the overshoot until the plan it gives fits (with
-    ``recompute``, from no limit at all: the planner's figure is not a bound then)."""
+def fitting(
+    make: Callable[[float | None], Plan],
+    memory: float,
+    sync: SyncMode,
+    microbatches: int,
+    recompute: bool = False,
+) -> Plan:
+    """A plan whose every stage fits ``memory`` by what ``sync`` keeps
+    (``schedule.memory.stage_bytes``). The planner's own limit holds ``planner_bytes``, which
+    counts neither the sync mode nor the live weights, so it is lowered by the overshoot until
+    the plan it gives fits (with ``recompute``, from no limit at all: the planner's figure is
+    not a bound then)."""
     limit: float | None = None if recompute else memory
     for _ in range(64):
         plan = make(limit)
-        over = max(stage_bytes(plan, stage, recompute) for stage in plan.stages) - memory
+        need = (stage_bytes(plan, sync, microbatches, s, recompute) for s in range(plan.num_stages))
+        over = max(need) - memory
         if over <= 0:
             return plan
         figure = max(planner_bytes(plan, stage) for stage in plan.stages)
@@ -160,14 +157,17 @@ def plan_within(
     make: Callable[[float | None], Plan],
     memory: float | None,
     total_bytes: float,
+    sync: SyncMode,
+    microbatches: int,
     recompute: bool = False,
 ) -> Plan:
-    """``make(None)`` without a limit; else a plan whose stages fit ``memory`` (``fitting``),
-    or an error naming the smallest memory with which one would (``total_bytes``, the whole
-    model's weights and activations, bounds the search)."""
+    """``make(None)`` without a limit; else a plan whose stages fit ``memory`` under ``sync``
+    with ``microbatches`` per batch (``fitting``), or an error naming the smallest memory with
+    which one would (``total_bytes``, the whole model's weights and activations, bounds the
+    search)."""
     if memory is None:
         return make(None)
-    limited = lambda m: fitting(make, m, recompute)  # noqa: E731
+    limited = lambda m: fitting(make, m, sync, microbatches, recompute)  # noqa: E731
     try:
         return limited(memory)
     except PlanError:
@@ -186,7 +186,7 @@ def plan_within(
         )
         raise PipelineSetupError(
             f"no pipeline fits the memory per device (memory: {_size(memory)}, the smallest that "
-            f"fits: {_size(need)}); use {fixes}, or allow memory= of at least that"
+            f"fits: {_size(need)}, sync: {sync}); use {fixes}, or allow memory= of at least that"
         ) from None
 
 
@@ -217,32 +217,17 @@ class StageMemory:
         return None if any(p is None for p in parts) else sum(parts)  # type: ignore[misc]
 
 
-def in_flight(stage: Stage, sync: SyncMode, microbatches: int) -> tuple[int, int]:
-    """(weight versions, minibatches in flight) of a replica of ``stage`` under ``sync``."""
-    per_replica = max(1, microbatches // stage.replicas)
-    if sync in (SyncMode.ASYNC, SyncMode.VERTICAL_SYNC):
-        return stage.weight_versions, stage.warmup + 1
-    if sync == SyncMode.TWO_BW:
-        return min(2, stage.weight_versions), stage.warmup + 1
-    if sync == SyncMode.FLUSH:
-        return 1, min(per_replica, stage.warmup + 1)
-    return 1, per_replica  # gpipe: every forward of the batch before the first backward
-
-
 def estimate(
     plan: Plan, stage: Stage, sync: SyncMode, microbatches: int, recompute: bool
 ) -> tuple[float | None, float | None, float | None, float | None]:
     """The plan's estimate of ``stage``: weights, stashed versions beyond the live one,
-    activations in flight (the paper's rule: weights x versions, activations x minibatches in
-    flight; with ``recompute``, inputs x minibatches plus one minibatch's activations for the
-    replay), and the planner's constraint figure. Nones for a plan without profiled sizes."""
+    activations in flight (``schedule.memory``: what the schedule of ``sync`` keeps), and the
+    planner's constraint figure. Nones for a plan without profiled sizes."""
     if stage.parameter_bytes == 0 and stage.activation_bytes == 0:
         return None, None, None, None
-    versions, flight = in_flight(stage, sync, microbatches)
+    versions = versions_kept(plan, sync, microbatches, stage.index)
     weights = stage.parameter_bytes
-    activations = flight * stage.activation_bytes
-    if recompute and stage.index < plan.num_stages - 1:
-        activations = flight * stage.input_bytes + stage.activation_bytes
+    activations = activations_kept(plan, sync, microbatches, stage.index, recompute)
     return weights, (versions - 1) * weights, activations, planner_bytes(plan, stage)
 
 

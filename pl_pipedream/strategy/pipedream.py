@@ -305,6 +305,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self.batch_to_device,
             self.memory,
             self.recompute,
+            sync=self.sync,
         )
         self.plan = planner.plan(trainer, module, layers)
         self.setup_seconds = planner.seconds or self.setup_seconds

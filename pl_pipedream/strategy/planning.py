@@ -29,6 +29,7 @@ from pl_pipedream.planner.ties import with_tied_traffic
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.profile.measure import profile_layers, profile_layers_one_at_a_time
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
@@ -90,16 +91,19 @@ def plan_automatically(
     sample: Any = None,
     memory: float | None = None,
     recompute: bool = False,
+    sync: SyncMode = SyncMode.ASYNC,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
-    it and writes it beside the logs."""
+    it and writes it beside the logs. ``memory`` is fitted by what ``sync`` keeps."""
     if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
     limit = gather_memory(device, memory)  # strategy.memory_report
     layers = pipeline_layers(module)
-    plan, seconds = plan_at_setup(layers, sample, topology, device, microbatches, limit, recompute)
+    plan, seconds = plan_at_setup(
+        layers, sample, topology, device, microbatches, limit, recompute, sync
+    )
     announce(trainer, plan, seconds)
     return plan, seconds
 
@@ -181,6 +185,7 @@ def plan_at_setup(
     microbatches: int = 1,
     memory: float | None = None,
     recompute: bool = False,
+    sync: SyncMode = SyncMode.ASYNC,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
@@ -188,8 +193,8 @@ def plan_at_setup(
     must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
     planned instead and the plan says why (``meta["note"]``). A model built empty is profiled
     one layer at a time and planned straight: a replica would hold its stage whole again.
-    ``memory`` (bytes per worker) rules out plans whose stages do not fit
-    (``strategy.memory_report``; with ``recompute`` stages keep inputs instead of activations).
+    ``memory`` (bytes per worker) rules out plans whose stages do not fit what ``sync`` keeps
+    (``schedule.memory``; with ``recompute`` stages keep inputs instead of activations).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -210,7 +215,7 @@ def plan_at_setup(
 
             def fitting(straight: bool) -> Plan:
                 make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
-                return plan_within(make, memory, total, recompute)
+                return plan_within(make, memory, total, sync, microbatches, recompute)
 
             planned = fitting(empty)
             if empty:
@@ -282,6 +287,7 @@ class SetupPlanner:
     memory: float | None = None  # bytes per rank on CPU (strategy.memory_report)
     recompute: bool = False  # stages keep inputs only: the memory the plan must fit
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
+    sync: SyncMode = SyncMode.ASYNC  # what each stage keeps: the memory the plan must fit
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
         """Rank 0 takes one sample when ``forward`` is to be checked or the plan profiled;
@@ -304,6 +310,7 @@ class SetupPlanner:
                 sample,
                 self.memory,
                 self.recompute,
+                self.sync,
             )
             return plan
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pl_pipedream.planner.optimize import plan as make_plan
-from pl_pipedream.planner.plan import Plan, PlanError
+from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.schedule.memory import stage_bytes as mode_bytes
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.memory_report import (
     StageMemory,
@@ -23,11 +24,11 @@ from pl_pipedream.strategy.memory_report import (
     parse_memory,
     plan_within,
     render,
-    stage_bytes,
 )
 from pl_pipedream.strategy.stage import PipelineSetupError
 from tests.runtime import oracle
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
+from tests.schedule.test_memory import LAYOUTS, built_counts
 
 SCRIPT = Path(__file__).with_name("memory_script.py")
 MiB = 2**20
@@ -56,30 +57,40 @@ def make(memory: float | None) -> Plan:
     return make_plan(profile(), Topology.flat(2, 1e12), straight=True, memory=memory)
 
 
+ASYNC = (SyncMode.ASYNC, 4)  # plan_within's sync and microbatches
+
+
+def stage_bytes(plan: Plan, stage: Stage, recompute: bool = False) -> float:
+    """What a stage of ``plan`` needs in ``async`` with 4 microbatches per batch."""
+    return mode_bytes(plan, SyncMode.ASYNC, 4, stage.index, recompute)
+
+
 def test_a_memory_limit_makes_the_planner_pick_another_plan() -> None:
     free = make(None)
     first = free.stages[0]
     assert first.nodes == ("layer0", "layer1") and first.activation_bytes == 2 * MiB
     assert estimate(free, first, SyncMode.ASYNC, 4, False)[3] == 43 * MiB  # the planner's figure
     assert stage_bytes(free, first) == 2 * 43 * MiB  # two versions, two minibatches in flight
-    limited = plan_within(make, 50 * MiB, 47 * MiB)
+    limited = plan_within(make, 50 * MiB, 47 * MiB, *ASYNC)
     assert [s.nodes for s in limited.stages] == [("layer0",), ("layer1", "layer2", "layer3")]
     assert [stage_bytes(limited, s) for s in limited.stages] == [4 * MiB, 45 * MiB]
 
 
 def test_no_plan_fits_names_the_smallest_memory_that_does() -> None:
     with pytest.raises(PipelineSetupError, match="the smallest that fits") as caught:
-        plan_within(make, 10 * MiB, 47 * MiB)
+        plan_within(make, 10 * MiB, 47 * MiB, *ASYNC)
     message = str(caught.value)
     assert "recompute=True" in message and "more devices" in message
     need = float(message.split("the smallest that fits: ")[1].split(" bytes")[0])
     # the best split's largest stage: layers 1-3, weights and activations of one minibatch
     assert 45 * MiB <= need <= 45 * MiB * 1.002
-    assert plan_within(make, need, 47 * MiB).num_stages == 2
+    assert plan_within(make, need, 47 * MiB, *ASYNC).num_stages == 2
     with pytest.raises(PipelineSetupError):
-        plan_within(make, need * 0.995, 47 * MiB)  # and a little less does not fit
+        plan_within(make, need * 0.995, 47 * MiB, *ASYNC)  # and a little less does not fit
     with pytest.raises(PlanError):  # no limit, no search: the planner's own error
-        plan_within(lambda m: make_plan(profile(), Topology.flat(9, 1e12), True, m), None, 1)
+        plan_within(
+            lambda m: make_plan(profile(), Topology.flat(9, 1e12), True, m), None, 1, *ASYNC
+        )
 
 
 def test_with_recompute_a_plan_fits_where_none_did() -> None:
@@ -92,12 +103,51 @@ def test_with_recompute_a_plan_fits_where_none_did() -> None:
         return make_plan(wide, Topology.flat(2, 1e12), straight=True, memory=memory)
 
     with pytest.raises(PipelineSetupError, match="recompute=True") as caught:
-        plan_within(make_wide, 50 * MiB, 84 * MiB)
+        plan_within(make_wide, 50 * MiB, 84 * MiB, *ASYNC)
     need = float(str(caught.value).split("the smallest that fits: ")[1].split(" bytes")[0])
     assert 63 * MiB <= need <= 63 * MiB * 1.002
-    recomputed = plan_within(make_wide, 50 * MiB, 84 * MiB, recompute=True)
+    recomputed = plan_within(make_wide, 50 * MiB, 84 * MiB, *ASYNC, recompute=True)
     assert [len(s.nodes) for s in recomputed.stages] == [2, 2]
     assert [stage_bytes(recomputed, s, True) for s in recomputed.stages] == [44 * MiB, 42 * MiB]
+
+
+def test_vertical_sync_is_refused_a_plan_that_async_fits() -> None:
+    """Under ``vertical_sync`` the last stage keeps the input stage's versions too: layers 1-3
+    (42 MiB of weights) twice, 87 MiB, where ``async`` keeps them once, 45 MiB. The 2-2 split
+    then fits best, at 2 x 41 + 2 x 2 = 86 MiB."""
+    fitted = plan_within(make, 50 * MiB, 47 * MiB, SyncMode.ASYNC, 4)
+    assert [len(s.nodes) for s in fitted.stages] == [1, 3]
+    with pytest.raises(PipelineSetupError, match="sync: vertical_sync") as caught:
+        plan_within(make, 50 * MiB, 47 * MiB, SyncMode.VERTICAL_SYNC, 4)
+    need = float(str(caught.value).split("the smallest that fits: ")[1].split(" bytes")[0])
+    assert 86 * MiB <= need <= 86 * MiB * 1.002
+    kept = plan_within(make, need, 47 * MiB, SyncMode.VERTICAL_SYNC, 4)
+    assert [len(s.nodes) for s in kept.stages] == [2, 2]
+
+
+def sized(replicas: list[int]) -> Plan:
+    """A pipeline of ``replicas`` whose every stage has 1 byte of weights and of activations."""
+    plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
+    ones = {"parameter_bytes": 1.0, "activation_bytes": 1.0}
+    return Plan(tuple(Stage(**{**s.__dict__, **ones}) for s in plan.stages))
+
+
+@pytest.mark.parametrize("sync", list(SyncMode), ids=str)
+def test_the_reported_counts_are_those_the_built_schedule_keeps(sync: SyncMode) -> None:
+    """The estimate's versions (stashed / weights + 1) and minibatches in flight (activations /
+    activation bytes) per stage equal the most any rank of the stage holds in the schedule."""
+    for replicas in LAYOUTS:
+        plan = sized(replicas)
+        for microbatches in (1, 2, 4, 6, 12):
+            try:
+                built = built_counts(plan, sync, microbatches)
+            except ValueError:  # counts the mode cannot serve
+                continue
+            reported = []
+            for stage in plan.stages:
+                weights, stashed, activations, _ = estimate(plan, stage, sync, microbatches, False)
+                reported.append((int(stashed / weights) + 1, int(activations)))
+            assert reported == built, (replicas, microbatches)
 
 
 def test_the_estimate_follows_the_paper_rule_per_mode() -> None:

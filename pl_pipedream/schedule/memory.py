@@ -1,0 +1,92 @@
+"""What each sync mode keeps in memory per stage: weight versions, minibatches in flight, bytes.
+
+The one statement of a mode's memory that the memory report, the planner's fit (``memory=``)
+and the docs read. The counts are those of the built schedule once the pipeline is full
+(``footprint`` counts them action by action; a test holds the two equal for every mode):
+
+- weight versions a replica holds (the live one included): a version is kept while it is the
+  newest or some forward or backward ahead still names it (weight stashing, SOSP'19 3.3). The
+  flushed modes keep 1, ``2bw`` 2. In ``async`` and ``vertical_sync`` a replica whose oldest
+  minibatch in flight is its ``k``-th holds version ``k`` (the newest) and every version that
+  minibatch ``k`` or a later one uses up to ``k``: ``w_s + 1`` in ``async``; in
+  ``vertical_sync`` on a straight pipeline ``1 + w_0`` at every stage, since every stage runs
+  on the input stage's version (with replicas at most ``rules.stash_limit``, fewer where some
+  versions are used by no minibatch of this replica).
+- minibatches in flight (forwarded, not yet backpropagated): ``w_s + 1`` in the modes that do not
+  flush; in ``flush`` at most the batch's share of a replica; in ``gpipe`` the whole share.
+- bytes: weights x versions plus activations x minibatches in flight (the paper's rule); with
+  ``recompute`` a stage but the last keeps its inputs instead, plus one minibatch's activations
+  for the replay.
+"""
+
+from __future__ import annotations
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.rules import weight_version
+
+__all__ = ["activations_kept", "minibatches_in_flight", "stage_bytes", "versions_kept"]
+
+
+def versions_kept(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:
+    """The most weight versions a replica of ``stage`` holds once the pipeline is full."""
+    if sync.flushes:
+        return 1
+    if not sync.updates_per_minibatch:
+        return 2  # 2bw: the version the batch runs on and the newest
+    this, first = plan.stages[stage], plan.stages[0]
+    # Past the warm-up the count repeats every r_0 minibatches of a replica (r_0 more of them
+    # move every version along by r_0); take the most over one such period per replica.
+    start = (plan.num_workers + 1) * first.replicas
+    return max(
+        len(_held(plan, sync, stage, replica, oldest))
+        for replica in range(this.replicas)
+        for oldest in range(start, start + first.replicas)
+    )
+
+
+def _held(plan: Plan, sync: SyncMode, stage: int, replica: int, oldest: int) -> set[int]:
+    """The versions a replica holds while its ``oldest``-th minibatch is the oldest in flight
+    (per-minibatch modes): its newest, ``oldest``, and every version that minibatch or a later
+    one runs on up to it."""
+    replicas = plan.stages[stage].replicas
+    held, local = {oldest}, oldest
+    while (used := weight_version(plan, sync, 1, stage, local * replicas + replica)) <= oldest:
+        held.add(used)
+        local += 1
+    return held
+
+
+def minibatches_in_flight(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:
+    """The most minibatches a replica of ``stage`` holds activations for at once."""
+    this = plan.stages[stage]
+    share = max(1, microbatches // this.replicas)
+    if sync.forwards_first:
+        return share
+    if sync.flushes:
+        return min(share, this.warmup + 1)
+    return this.warmup + 1
+
+
+def stage_bytes(
+    plan: Plan, sync: SyncMode, microbatches: int, stage: int, recompute: bool = False
+) -> float:
+    """The bytes a replica of ``stage`` needs under ``sync``: its weights times the versions it
+    keeps plus what its minibatches in flight keep for their backward passes."""
+    this = plan.stages[stage]
+    return versions_kept(plan, sync, microbatches, stage) * this.parameter_bytes + activations_kept(
+        plan, sync, microbatches, stage, recompute
+    )
+
+
+def activations_kept(
+    plan: Plan, sync: SyncMode, microbatches: int, stage: int, recompute: bool = False
+) -> float:
+    """What the minibatches in flight at ``stage`` keep for their backward passes: their
+    activations, or with ``recompute`` (a stage but the last) their inputs plus one minibatch's
+    activations for the replay."""
+    this = plan.stages[stage]
+    flight = minibatches_in_flight(plan, sync, microbatches, stage)
+    if recompute and stage < plan.num_stages - 1:
+        return flight * this.input_bytes + this.activation_bytes
+    return flight * this.activation_bytes

@@ -1,0 +1,96 @@
+"""What each sync mode keeps per stage, held against the schedule that is built for it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import SyncMode, build, rules
+from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
+from pl_pipedream.schedule.memory import minibatches_in_flight, stage_bytes, versions_kept
+
+# Every replica layout of 2 to 4 stages on at most 6 workers, straight ones included.
+LAYOUTS = [
+    list(replicas)
+    for stages in (2, 3, 4)
+    for replicas in itertools.product((1, 2, 3), repeat=stages)
+    if sum(replicas) <= 6
+]
+BATCHES = 8  # enough for every layout here to reach its steady state
+
+
+def built_counts(plan: Plan, sync: SyncMode, microbatches: int) -> list[tuple[int, int]]:
+    """(weight versions, minibatches in flight) per stage: the most any of its ranks holds
+    after any action of the built schedule."""
+    schedule = build(plan, sync, BATCHES, microbatches)
+    return [
+        (
+            max(max(live_version_counts(schedule.actions[rank])) for rank in stage.ranks),
+            max(max(in_flight_counts(schedule.actions[rank])) for rank in stage.ranks),
+        )
+        for stage in plan.stages
+    ]
+
+
+@pytest.mark.parametrize("sync", list(SyncMode), ids=str)
+def test_the_counts_are_those_of_the_built_schedule(sync: SyncMode) -> None:
+    checked = 0
+    for replicas in LAYOUTS:
+        plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
+        for microbatches in (1, 2, 3, 4, 6, 12):
+            try:
+                built = built_counts(plan, sync, microbatches)
+            except ValueError:  # counts the mode cannot serve (rules.check_arguments)
+                continue
+            stages = range(plan.num_stages)
+            said = [
+                (
+                    versions_kept(plan, sync, microbatches, s),
+                    minibatches_in_flight(plan, sync, microbatches, s),
+                )
+                for s in stages
+            ]
+            assert said == built, (replicas, microbatches)
+            assert all(v <= rules.stash_limit(plan, sync, s) for s, (v, _) in enumerate(said))
+            checked += 1
+    assert checked > 100
+
+
+def test_a_straight_pipeline_per_mode() -> None:
+    plan = Plan.from_balance([1, 1, 1])
+    table = {mode: [versions_kept(plan, mode, 4, s) for s in range(3)] for mode in SyncMode}
+    assert table == {
+        SyncMode.ASYNC: [3, 2, 1],
+        SyncMode.VERTICAL_SYNC: [3, 3, 3],  # every stage on the input stage's version
+        SyncMode.TWO_BW: [2, 2, 2],
+        SyncMode.FLUSH: [1, 1, 1],
+        SyncMode.GPIPE: [1, 1, 1],
+    }
+    flight = {
+        mode: [minibatches_in_flight(plan, mode, 2, s) for s in range(3)] for mode in SyncMode
+    }
+    assert flight[SyncMode.VERTICAL_SYNC] == [3, 2, 1]
+    assert flight[SyncMode.FLUSH] == [2, 2, 1]
+    assert flight[SyncMode.GPIPE] == [2, 2, 2]
+
+
+def test_the_bytes_are_weights_times_versions_plus_activations_in_flight() -> None:
+    plan = Plan.from_balance([1, 1, 1])
+    stages = tuple(
+        s.__class__(
+            **{**s.__dict__, "parameter_bytes": 10.0, "activation_bytes": 1.0, "input_bytes": 0.5}
+        )
+        for s in plan.stages
+    )
+    sized = Plan(stages)
+    assert [stage_bytes(sized, SyncMode.ASYNC, 4, s) for s in range(3)] == [33.0, 22.0, 11.0]
+    assert [stage_bytes(sized, SyncMode.VERTICAL_SYNC, 4, s) for s in range(3)] == [
+        33.0,
+        32.0,
+        31.0,
+    ]
+    # recompute: a stage but the last keeps its inputs in flight plus one replay's activations
+    assert stage_bytes(sized, SyncMode.ASYNC, 4, 0, recompute=True) == 30.0 + 1.5 + 1.0
+    assert stage_bytes(sized, SyncMode.ASYNC, 4, 2, recompute=True) == 11.0

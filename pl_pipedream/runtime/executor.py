@@ -49,7 +49,7 @@ from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_st
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
-from pl_pipedream.runtime.streams import Ahead, prefetch_each, read_later, settle
+from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read_later, settle
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -165,6 +165,7 @@ class StageExecutor:
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
         self.activations = Activations(recompute, self.device)  # runtime.recompute
         self._ahead: dict[int, Ahead] = {}  # first stage, GPU: inputs being copied
+        self._side = SideStreams()  # the stream those copies run on
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -204,7 +205,7 @@ class StageExecutor:
             self.channel.expect(*link)
         if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
             forwards = [a.minibatch for a in self.actions if a.kind is ActionKind.FORWARD]
-            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device)
+            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device, self._side)
         for position, action in enumerate(self.actions):
             self.position = position
             if self.record_timeline:  # on a GPU: the action's own time, not its launch's

@@ -52,7 +52,7 @@ from pl_pipedream.strategy.arguments import (
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
-from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
+from pl_pipedream.strategy.data import Fingerprints, SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.divergence import (
     BadData,
     DivergenceWatch,
@@ -198,6 +198,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         DivergenceWatch(*self._divergence_rule)  # refuses bad thresholds now
         self._watch: DivergenceWatch | None = None  # this fit's, while it still watches
         self._finite_data = FiniteData()  # this fit's notes of the batches fed (while watched)
+        self._fingerprints = Fingerprints()  # the data check's weights, kept from batch to batch
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
@@ -400,7 +401,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
-        same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
+        step = module.trainer.global_step
+        same = SameData(work.slices, describe, step, batch_idx, self._fingerprints)
         drain = self._must_drain(module.trainer)
         if self._watch is not None:
             self._finite_data.note(self.runner.batches, batch, self.microbatches)

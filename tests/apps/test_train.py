@@ -40,7 +40,7 @@ from pl_pipedream.apps.train import (
     write_results,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "pl_pipedream" / "configs"
 GROUPS = ("data", "model", "cluster", "sync", "trainer")
 

@@ -4,9 +4,10 @@ Layers, lowest first: profile < the data the package ships (published: the profi
 cells; configs: the Hydra configs) < planner < schedule < runtime < strategy < the example models
 and data modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train,
 hydra_ranks, the package's own ``__init__``). A unit may import itself and any lower layer;
-models and data, though on one layer, do not import each other; the apps may import one another. Every import counts: at module level, inside functions,
-under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``,
-``from pl_pipedream import x``) and relative (``from ..x import y``, ``from . import x``).
+models and data, though on one layer, do not import each other; the apps may import one another.
+Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
+(``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
+and relative (``from ..x import y``, ``from . import x``).
 
 Two more rules ride on the same reading: only the strategy and the Lightning users (models, data,
 the apps' train) import Lightning, and the pure layers (planner, schedule, the profile's graph,

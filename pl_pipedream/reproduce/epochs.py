@@ -48,27 +48,31 @@ __all__ = [
 # The paper's per-GPU minibatch per model: read off PipeDream's published profiles (their
 # activation sizes over one sample's) where one exists, else the model paper's training setting
 # (AWD-LSTM: 80 on the Penn Treebank) or our choice (S2VT: 32).
-PER_GPU_BATCH: Mapping[str, int] = MappingProxyType({
-    "VGG-16": 64,
-    "AlexNet": 256,
-    "ResNet-50": 128,
-    "GNMT-8": 64,
-    "GNMT-16": 64,
-    "AWD-LM": 80,
-    "S2VT": 32,
-})
+PER_GPU_BATCH: Mapping[str, int] = MappingProxyType(
+    {
+        "VGG-16": 64,
+        "AlexNet": 256,
+        "ResNet-50": 128,
+        "GNMT-8": 64,
+        "GNMT-16": 64,
+        "AWD-LM": 80,
+        "S2VT": 32,
+    }
+)
 # Samples per epoch: ImageNet's 1,281,167 training images; WMT16 En-De's 4,500,966 training
 # sentence pairs; the Penn Treebank's 929,589 training words in 70-word windows (13,280); MSVD's
 # 1,200 training videos with their 48,774 captions (one sample per caption).
-EPOCH_SAMPLES: Mapping[str, int] = MappingProxyType({
-    "VGG-16": 1_281_167,
-    "AlexNet": 1_281_167,
-    "ResNet-50": 1_281_167,
-    "GNMT-8": 4_500_966,
-    "GNMT-16": 4_500_966,
-    "AWD-LM": 13_280,
-    "S2VT": 48_774,
-})
+EPOCH_SAMPLES: Mapping[str, int] = MappingProxyType(
+    {
+        "VGG-16": 1_281_167,
+        "AlexNet": 1_281_167,
+        "ResNet-50": 1_281_167,
+        "GNMT-8": 4_500_966,
+        "GNMT-16": 4_500_966,
+        "AWD-LM": 13_280,
+        "S2VT": 48_774,
+    }
+)
 # fp32 peak TFLOP/s of each cluster's GPU (V100: 15.7; Titan X, Pascal: 11.0). --speed-factor
 # is for a V100; cluster C's GPU is taken as 11.0 / 15.7 of that.
 DEVICE_TFLOPS: Mapping[str, float] = MappingProxyType({"A": 15.7, "B": 15.7, "C": 11.0})

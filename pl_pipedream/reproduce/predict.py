@@ -200,5 +200,3 @@ def _epochs(
     if result is None or samples is None or batch is None:
         return None
     return epochs(result, samples, batch, microbatches)
-
-

@@ -18,13 +18,15 @@ from pl_pipedream.published import table1_text
 __all__ = ["PROFILE_OF", "ReproduceError", "Row", "read_table", "select"]
 
 # PipeDream's published profiles (profiler output, graph.txt) by Table 1 model name.
-PROFILE_OF: Mapping[str, str] = MappingProxyType({
-    "VGG-16": "vgg16",
-    "AlexNet": "alexnet",
-    "ResNet-50": "resnet50",
-    "GNMT-8": "gnmt",
-    "GNMT-16": "gnmt_large",
-})
+PROFILE_OF: Mapping[str, str] = MappingProxyType(
+    {
+        "VGG-16": "vgg16",
+        "AlexNet": "alexnet",
+        "ResNet-50": "resnet50",
+        "GNMT-8": "gnmt",
+        "GNMT-16": "gnmt_large",
+    }
+)
 # Rows Table 1 has whose cells the checked table does not hold: planned, paper cells left out.
 UNCHECKED_ROWS = (("GNMT-8", "A", 1, 4), ("GNMT-8", "A", 3, 4), ("GNMT-8", "B", 2, 8))
 

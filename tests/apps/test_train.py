@@ -27,8 +27,6 @@ from hydra.utils import get_class, get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream import PipeDreamStrategy, Topology
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.topology import TopologyError
 from pl_pipedream.apps.train import (
     MachineError,
     _build_model,
@@ -39,6 +37,8 @@ from pl_pipedream.apps.train import (
     topology_for_devices,
     write_results,
 )
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import TopologyError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "pl_pipedream" / "configs"

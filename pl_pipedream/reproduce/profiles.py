@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,11 +34,17 @@ __all__ = ["MODELS", "ModelSpec", "gemm_gflops", "own_profile"]
 CACHE_VERSION = "2"  # bump when what is measured changes, so old cache files are not read
 
 
+class Pipelined(Protocol):
+    """A model that lists its pipeline's layers (every model of ``pl_pipedream.models``)."""
+
+    def configure_pipeline(self) -> nn.Sequential: ...
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build one of the paper's models at full size and a one-sample input for it."""
 
-    build: Callable[[], nn.Module]
+    build: Callable[[], Pipelined]
     sample: Callable[[], Any]
     shape: str  # the one-sample input, for the cache key and the report
 

@@ -324,7 +324,7 @@ class Channel:
     def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
         frame = torch.empty(size, dtype=torch.uint8, device=self._wire)
-        return dist.irecv(frame, peer, group=self.group, tag=tag), frame
+        return _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer), frame
 
     def recv(self, peer: int, tag: int, what: str) -> Message:
         """Receive one message from ``peer``; raise ``PeerError`` after the deadline."""
@@ -376,7 +376,7 @@ class Channel:
 
     def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> None:
         try:
-            work = dist.isend(frame, peer, group=self.group, tag=tag)
+            work = _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
         except RuntimeError as error:
             raise self._error("send", what, peer, error) from error
         self._pending.setdefault((peer, tag), collections.deque()).append((work, peer, what, frame))
@@ -434,3 +434,10 @@ class Channel:
             f"{start}: the connection was closed by rank {peer} {after} ({detail}); rank "
             f"{peer} has stopped: look for its error above (or in its log)"
         )
+
+
+def _started(work: dist.Work | None, peer: int) -> dist.Work:
+    """A send's or receive's work; torch gives None to a rank outside the group."""
+    if work is None:
+        raise RuntimeError(f"this rank is not in the process group of its peer (peer: {peer})")
+    return work

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -230,8 +230,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
-    def is_distributed(self) -> bool:
+    def is_distributed(self) -> bool:  # read by Lightning's accelerator connector, not a hook
         return True
 
     @property
@@ -250,7 +249,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
                 self.cluster_environment, self.num_processes, self.num_nodes, self.timeout
             )
         else:
-            self._launcher = PipelineSpawnLauncher(self, start_method=self._start_method)
+            method = cast(Literal["spawn", "fork"], self._start_method)  # check_arguments saw it
+            self._launcher = PipelineSpawnLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:
@@ -276,8 +276,11 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self._unbound_cpus, self.cpu_binding = bound or (None, None)
         super().setup_environment()
 
+    # Lightning's @contextmanager types its return as a generator's; callers only enter it.
     @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+    def tensor_init_context(  # type: ignore[override]
+        self, empty_init: bool | None = None
+    ) -> AbstractContextManager[object]:
         """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
         setup creates this rank's stage only (``strategy.materialize``)."""
         return self.empty_build.context(self, empty_init, super().tensor_init_context)

@@ -3,7 +3,7 @@
 Lightning's script launcher starts ranks 1..n-1 by re-running ``sys.argv``. Under Hydra that is
 wrong in two ways: with ``--multirun`` every child would run the whole sweep, and each child
 would pick its own time-stamped output directory. Here rank 0 starts the children itself, the
-way ``torchrun`` would: each child runs ``python -m pl_pipedream.train`` with the overrides of
+way ``torchrun`` would: each child runs ``python -m pl_pipedream.apps.train`` with the overrides of
 this one job (``hydra.overrides.task``: in a sweep, the values of this job only), in RUN mode,
 with ``hydra.run.dir`` set to rank 0's output directory. ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` are set for every rank, rank 0 included, so Lightning sees
@@ -132,7 +132,7 @@ def child_command(
     config_dirs: Sequence[str] = (),
 ) -> list[str]:
     """The command line that re-creates this job's configuration in a child process."""
-    command = [sys.executable, "-m", "pl_pipedream.train"]
+    command = [sys.executable, "-m", "pl_pipedream.apps.train"]
     if config_name:
         command.append(f"--config-name={config_name}")
     command += [f"--config-dir={path}" for path in config_dirs]

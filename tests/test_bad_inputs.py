@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from pl_pipedream import PipeDreamStrategy, Topology, consolidate_checkpoint
-from pl_pipedream.cli import main as cli
+from pl_pipedream.apps.cli import main as cli
+from pl_pipedream.apps.train import apply_smoke, check_machine, num_processes
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.schedule import SegmentStream
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.stage import pipeline_layers
-from pl_pipedream.train import apply_smoke, check_machine, num_processes
 
 NODE = (
     "{id} -- Linear(4, 4) -- forward_compute_time={f}, backward_compute_time=2.5, "
@@ -95,7 +95,7 @@ class _ListPipeline(_NoPipeline):
 
 
 def _config(*overrides: str) -> object:
-    from tests.test_train import composed
+    from tests.apps.test_train import composed
 
     return composed(*overrides)
 
@@ -237,7 +237,7 @@ ROWS = {
         ),
         ("2bw needs at least as many microbatches", "stages: 3", "--microbatches 3"),
     ),
-    # also tests/test_cli.py::test_simulate_rejects_an_unknown_mode
+    # also tests/apps/test_cli.py::test_simulate_rejects_an_unknown_mode
     "simulate an unknown mode": Row(
         "CLI",
         "`pl-pipedream simulate --sync fast`",

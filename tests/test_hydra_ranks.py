@@ -1,7 +1,7 @@
 """hydra_ranks: rank 0 of a Hydra job starts ranks 1..n-1 as copies of exactly this job.
 
 The children here are tiny Python processes (``python -c``) that stand in for
-``python -m pl_pipedream.train``: they report the environment they were started with. Hydra's
+``python -m pl_pipedream.apps.train``: they report the environment they were started with. Hydra's
 job state is faked; ``os.kill`` is replaced wherever a failing child would make the watcher kill
 rank 0 (here: pytest).
 """
@@ -59,7 +59,7 @@ def test_a_child_reruns_exactly_this_job_in_its_output_dir() -> None:
         "train",
         ["/extra/configs"],
     )
-    assert command[:3] == [sys.executable, "-m", "pl_pipedream.train"]
+    assert command[:3] == [sys.executable, "-m", "pl_pipedream.apps.train"]
     overrides = command[3:]
     assert "--config-name=train" in overrides and "--config-dir=/extra/configs" in overrides
     assert "hydra.verbose=true" in overrides
@@ -87,7 +87,7 @@ def test_overrides_that_would_sweep_or_move_the_child_are_dropped() -> None:
     assert command == [
         sys.executable,
         "-m",
-        "pl_pipedream.train",
+        "pl_pipedream.apps.train",
         *kept,
         "hydra.run.dir='/out'",
         "hydra.output_subdir=null",

@@ -1,16 +1,18 @@
 """The package's layering, read from the source (AST): a lower layer never imports a higher one.
 
-Layers, lowest first: profile < published (the profiles and Table 1 cells the package ships) <
-planner < schedule < runtime < strategy < the example models and data modules < the apps (cli,
-reproduce, train, hydra_ranks, the Hydra configs, the package's own ``__init__``). A unit may
-import itself and any lower layer; models and data, though on one layer, do not import each
-other; the apps may import one another. Every import counts: at module level, inside functions,
-under ``TYPE_CHECKING``, absolute (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``,
-``from pl_pipedream import x``) and relative (``from ..x import y``, ``from . import x``).
+Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
+cells; configs: the Hydra configs) < planner < schedule < runtime < strategy < the example models
+and data modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train,
+hydra_ranks, the package's own ``__init__``). A unit may import itself and any lower layer;
+models and data, though on one layer, do not import each other; the apps may import one another.
+Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
+(``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
+and relative (``from ..x import y``, ``from . import x``).
 
-Two more rules ride on the same reading: only the strategy and the Lightning apps (models, data,
-train) import Lightning, and the pure layers (planner, schedule, the profile's graph, the shipped
-data) and the command-line modules (cli, reproduce) import neither torch nor Lightning. Last, the
+Two more rules ride on the same reading: only the strategy and the Lightning users (models, data,
+the apps' train) import Lightning, and the pure layers (planner, schedule, the profile's graph,
+the shipped data) and the command-line modules (apps/cli, reproduce but for its profiling)
+import neither torch nor Lightning. Last, the
 tests mirror the package: ``pl_pipedream/a/b.py`` is tested in ``tests/a/test_b.py``.
 """
 
@@ -28,23 +30,23 @@ NAME = "pl_pipedream"
 # Lowest first; a set is one layer.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"profile"}),
-    frozenset({"published"}),
+    frozenset({"published", "configs"}),
     frozenset({"planner"}),
     frozenset({"schedule"}),
     frozenset({"runtime"}),
     frozenset({"strategy"}),
     frozenset({"models", "data"}),
-    frozenset(
-        {"cli", "reproduce", "reproduce_epochs", "reproduce_profiles", "train", "hydra_ranks"}
-        | {"configs", "__init__"}
-    ),
+    frozenset({"reproduce"}),
+    frozenset({"apps", "hydra_ranks", "__init__"}),
 )
 APPS = LAYERS[-1]
 RANK = {unit: number for number, layer in enumerate(LAYERS) for unit in layer}
 
 LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 TORCH = frozenset({"torch"})
-LIGHTNING_USERS = frozenset({"strategy", "models", "data", "train"})
+LIGHTNING_USERS = frozenset({"strategy", "models", "data", "apps"})
+# Of the Lightning users' units, the modules that must not import Lightning all the same.
+NOT_LIGHTNING = ("apps/__init__.py", "apps/cli.py")
 # Modules that must import neither torch nor Lightning (paths relative to the package).
 PURE = (
     "planner",
@@ -52,9 +54,15 @@ PURE = (
     "profile/graph.py",
     "profile/__init__.py",
     "published",
-    "cli.py",
-    "reproduce.py",
-    "reproduce_epochs.py",
+    "configs",
+    "apps/cli.py",
+    "reproduce/__init__.py",
+    "reproduce/table.py",
+    "reproduce/epochs.py",
+    "reproduce/predict.py",
+    "reproduce/report.py",
+    "reproduce/chart.py",
+    "reproduce/command.py",
 )
 
 
@@ -176,6 +184,17 @@ def test_pure_layers_import_no_torch_or_lightning(part: str) -> None:
     assert {f: roots for f, roots in offenders.items() if roots} == {}
 
 
+@pytest.mark.parametrize("part", NOT_LIGHTNING)
+def test_the_command_line_app_imports_no_lightning(part: str) -> None:
+    assert roots_imported(imports_of(PACKAGE / part)) & LIGHTNING == set()
+
+
+def test_every_module_of_reproduce_but_its_profiling_is_pure() -> None:
+    """A new module of ``reproduce`` must be listed in PURE (or be the torch-using profiling)."""
+    modules = {str(f.relative_to(PACKAGE)) for f in (PACKAGE / "reproduce").glob("*.py")}
+    assert modules - set(PURE) == {"reproduce/profiles.py"}
+
+
 def test_the_lightning_users_do_import_lightning() -> None:
     """The rule above is not vacuous: the units allowed Lightning are the ones that use it."""
     users = {
@@ -215,7 +234,7 @@ RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
         "from ..strategy.stage import LocalStage",
         "from .. import strategy",
         "from ..models import MLP",
-        "def later():\n    from pl_pipedream.train import train",
+        "def later():\n    from pl_pipedream.apps.train import train",
         "if TYPE_CHECKING:\n    from pl_pipedream.strategy.stage import LocalStage",
     ],
 )
@@ -245,8 +264,12 @@ def test_models_and_data_do_not_import_each_other_but_the_apps_may() -> None:
     model = PACKAGE / "models" / "mlp.py"
     assert layering_violations(model, "from pl_pipedream.data import DigitsDataModule") != []
     assert layering_violations(model, "from pl_pipedream.strategy import PipeDreamStrategy") == []
-    app = PACKAGE / "train.py"
+    app = PACKAGE / "apps" / "train.py"
     assert layering_violations(app, "from pl_pipedream.models import MLP\nfrom . import cli") == []
+    assert layering_violations(app, "from pl_pipedream.reproduce.table import read_table") == []
+    reproduction = PACKAGE / "reproduce" / "predict.py"
+    assert layering_violations(reproduction, "from pl_pipedream.apps import cli") != []
+    assert layering_violations(reproduction, "from pl_pipedream.models import MLP") == []
     strategy = PACKAGE / "strategy" / "pipedream.py"
     assert layering_violations(strategy, "from pl_pipedream.data import split") != []
 
@@ -264,12 +287,12 @@ def test_relative_imports_resolve_from_modules_and_packages() -> None:
         "pl_pipedream.profile.graph",
         "pl_pipedream.profile.graph.Node",
     }
-    assert imports("from . import planner", "pl_pipedream.cli") == {
+    assert imports("from .. import planner", "pl_pipedream.apps.cli") == {
         "pl_pipedream",
         "pl_pipedream.planner",
     }
     with pytest.raises(ValueError, match="beyond the top package"):
-        imports("from ... import x", "pl_pipedream.cli")
+        imports("from ... import x", "pl_pipedream.hydra_ranks")
 
 
 def test_lightning_in_a_lower_layer_is_caught() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import pl_pipedream.published as published
 from pl_pipedream.profile.graph import ProfileError
-from pl_pipedream.reproduce import PROFILE_OF, read_table
+from pl_pipedream.reproduce.table import PROFILE_OF, read_table
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ["alexnet", "densenet121", "gnmt", "gnmt_large", "inception_v3", "resnet18", "resnet50"]

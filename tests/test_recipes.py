@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from pl_pipedream.reproduce import read_table
-from pl_pipedream.train import MachineError, _build_model, apply_smoke, check_machine
-from tests.test_train import run_app
+from pl_pipedream.apps.train import MachineError, _build_model, apply_smoke, check_machine
+from pl_pipedream.reproduce.table import read_table
+from tests.apps.test_train import run_app
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # Table 1's model names -> the model config each recipe must use

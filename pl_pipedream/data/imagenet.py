@@ -59,7 +59,7 @@ def resize(image: Any, width: int, height: int) -> Any:
 
     if image.size == (width, height):
         return image
-    return image.resize((width, height), Image.BILINEAR)
+    return image.resize((width, height), Image.Resampling.BILINEAR)
 
 
 def center_crop(image: Any, size: int) -> Any:
@@ -151,7 +151,7 @@ class ImageFolder(Dataset[tuple[Tensor, Tensor]]):
             generator = torch.Generator().manual_seed(seed)
             image = random_resized_crop(image, self.image_size, generator=generator)
             if float(torch.rand((), generator=generator)) < 0.5:
-                image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         else:
             image = center_crop(image, self.image_size)
         return to_tensor(image), torch.tensor(label)

@@ -271,7 +271,7 @@ class MSVDDataModule(SplitDataModule):
             len(train),
             len(self.vocabulary),
         )
-        datasets = {}
+        datasets: dict[str, Dataset[Any]] = {}
         for split, ids in splits.items():
             ids = [video for video in ids if captions.get(video)]
             if not ids:

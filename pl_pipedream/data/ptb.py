@@ -144,7 +144,7 @@ class PennTreebankDataModule(SplitDataModule):
             len(words["train"]),
             len(self.vocabulary),
         )
-        splits = {}
+        splits: dict[str, Dataset[Any]] = {}
         for split, stream in words.items():
             inputs, targets = windows(self.stream(stream), self.length)
             if not len(inputs):

@@ -73,7 +73,7 @@ class WeightDropLSTM(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training and self.wdrop > 0:
-            dropped = F.dropout(self.lstm.weight_hh_l0, self.wdrop, training=True)
+            dropped = F.dropout(self.lstm.get_parameter("weight_hh_l0"), self.wdrop, training=True)
             out, _ = functional_call(self.lstm, {"weight_hh_l0": dropped}, (x,), strict=False)
         else:
             out, _ = self.lstm(x)

@@ -109,7 +109,8 @@ class VGG16(PipelineClassifier):
         for layer in layers:
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
                 nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
+                if layer.bias is not None:
+                    nn.init.zeros_(layer.bias)
         self.pipeline = nn.Sequential(*layers)
 
 
@@ -175,7 +176,8 @@ class AlexNet(PipelineClassifier):
         for layer in layers:
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
                 nn.init.normal_(layer.weight, std=0.01)
-                nn.init.constant_(layer.bias, 1.0 if layer in ones else 0.0)
+                if layer.bias is not None:
+                    nn.init.constant_(layer.bias, 1.0 if layer in ones else 0.0)
         self.pipeline = nn.Sequential(*layers)
 
 

@@ -96,6 +96,13 @@ class TokenSequenceModel(LightningModule):
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
         return self.configure_pipeline()(inputs)
 
+    def configure_pipeline(self) -> nn.Sequential:
+        """The model's layers in order, for ``PipeDreamStrategy`` (each subclass lists its own)."""
+        raise NotImplementedError(
+            f"a TokenSequenceModel lists its layers (model: {type(self).__name__}); define "
+            "configure_pipeline(self) returning nn.Sequential(layer1, layer2, ...)"
+        )
+
     def pipeline_split_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
         first, second, target = batch
         return (first, second), target

@@ -375,6 +375,7 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
                 candidate = np.maximum(column[m - prime][:, None], stage[None, :])
                 best = candidate if best is None else np.minimum(best, candidate)
             table = times[m]
+            assert best is not None  # m >= 1 and max_prime >= 1: one prime at least
             table.put(flat, np.minimum(table.take(flat), best))
     return times[-1]
 

@@ -184,7 +184,7 @@ def _enumerate(
     start = (first,)
     states: dict[tuple[int, ...], int] = {start: 0}
     edges: list[list[int]] = [[]]
-    queue = deque([start])
+    queue: deque[tuple[int, ...]] = deque([start])
     expanded: set[tuple[int, ...]] = set()
     while queue:
         antichain = queue.popleft()

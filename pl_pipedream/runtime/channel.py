@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.runtime.streams import read_done, upload
+from pl_pipedream.runtime.streams import SideStreams, read_done, upload
 
 __all__ = ["SUPPORTED_DTYPES", "Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
 
@@ -217,7 +217,7 @@ def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
     return frame.to(device)
 
 
-def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
+def _unpack(frame: torch.Tensor, header: list[int], side: SideStreams | None = None) -> Message:
     """The message in ``frame``; its tensors are views of the frame's bytes."""
     count, num_losses, num_logged, fingerprinted, structure_bytes, key_bytes = header[1:7]
     specs, grads = [], []
@@ -236,10 +236,12 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     scalars_end = end + 8 * num_scalars
     structure = None
     if structure_bytes >= 0:
-        structure = read_done(frame[scalars_end : scalars_end + structure_bytes]).numpy().tobytes()
+        structure = (
+            read_done(frame[scalars_end : scalars_end + structure_bytes], side).numpy().tobytes()
+        )
     if not num_scalars:
         return Message(tensors, structure=structure)
-    scalars = read_done(frame[end:scalars_end].view(torch.float64)).tolist()
+    scalars = read_done(frame[end:scalars_end].view(torch.float64), side).tolist()
     fingerprint = scalars.pop() if fingerprinted else None
     pairs = scalars[: 2 * num_losses]
     losses = [
@@ -247,7 +249,7 @@ def _unpack(frame: torch.Tensor, header: list[int]) -> Message:
     ]
     if num_logged:
         start = scalars_end + max(structure_bytes, 0)
-        keys = json.loads(read_done(frame[start : start + key_bytes]).numpy().tobytes())
+        keys = json.loads(read_done(frame[start : start + key_bytes], side).numpy().tobytes())
         losses = _with_logged(losses, scalars[2 * num_losses :], keys)
     return Message(tensors, tuple(losses), fingerprint, structure)
 
@@ -291,6 +293,7 @@ class Channel:
         # "nccl", or a backend per device type ("cpu:gloo,cuda:nccl"): frames on the GPU
         self._nccl = "nccl" in str(backend) and device.type == "cuda"
         self._wire = device if self._nccl else torch.device("cpu")
+        self._side = SideStreams()  # reads of received frames (on a GPU)
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
@@ -321,7 +324,7 @@ class Channel:
     def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
         frame = torch.empty(size, dtype=torch.uint8, device=self._wire)
-        return dist.irecv(frame, peer, group=self.group, tag=tag), frame
+        return _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer), frame
 
     def recv(self, peer: int, tag: int, what: str) -> Message:
         """Receive one message from ``peer``; raise ``PeerError`` after the deadline."""
@@ -334,9 +337,9 @@ class Channel:
                     raise self._error("receive", what, peer, error) from error
             work, frame = posted
             self._wait(work, peer, what)
-            header = read_done(frame[:HEADER_BYTES].view(torch.int64)).tolist()
+            header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
             if header[0] != RESIZE:
-                return self._on_device(_unpack(frame, header))
+                return self._on_device(_unpack(frame, header, self._side))
             self._recv_sizes[(peer, tag)] = header[1]
 
     def _on_device(self, message: Message) -> Message:
@@ -373,7 +376,7 @@ class Channel:
 
     def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> None:
         try:
-            work = dist.isend(frame, peer, group=self.group, tag=tag)
+            work = _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
         except RuntimeError as error:
             raise self._error("send", what, peer, error) from error
         self._pending.setdefault((peer, tag), collections.deque()).append((work, peer, what, frame))
@@ -431,3 +434,10 @@ class Channel:
             f"{start}: the connection was closed by rank {peer} {after} ({detail}); rank "
             f"{peer} has stopped: look for its error above (or in its log)"
         )
+
+
+def _started(work: dist.Work | None, peer: int) -> dist.Work:
+    """A send's or receive's work; torch gives None to a rank outside the group."""
+    if work is None:
+        raise RuntimeError(f"this rank is not in the process group of its peer (peer: {peer})")
+    return work

@@ -49,7 +49,7 @@ from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_st
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
-from pl_pipedream.runtime.streams import Ahead, prefetch_each, read_later, settle
+from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read_later, settle
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -165,6 +165,7 @@ class StageExecutor:
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
         self.activations = Activations(recompute, self.device)  # runtime.recompute
         self._ahead: dict[int, Ahead] = {}  # first stage, GPU: inputs being copied
+        self._side = SideStreams()  # the stream those copies run on
 
     # ----- running ----------------------------------------------------------------------------
 
@@ -203,8 +204,8 @@ class StageExecutor:
         for link in first:
             self.channel.expect(*link)
         if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
-            forwards = [a.minibatch for a in self.actions if a.kind is ActionKind.FORWARD]
-            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device)
+            forwards = [_minibatch(a) for a in self.actions if a.kind is ActionKind.FORWARD]
+            self._ahead = prefetch_each(forwards, self._feed.inputs, self.device, self._side)
         for position, action in enumerate(self.actions):
             self.position = position
             if self.record_timeline:  # on a GPU: the action's own time, not its launch's
@@ -250,42 +251,42 @@ class StageExecutor:
     # ----- messages ---------------------------------------------------------------------------
 
     def _recv_activation(self, action: Action) -> None:
-        self._received[action.minibatch] = self.channel.recv(
-            action.peer, TAG_ACTIVATION, f"the activations of minibatch {action.minibatch}"
+        self._received[_minibatch(action)] = self.channel.recv(
+            _peer(action), TAG_ACTIVATION, f"the activations of minibatch {_minibatch(action)}"
         )
 
     def _send_activation(self, action: Action) -> None:
-        flight = self._flight[action.minibatch]
+        flight = self._flight[_minibatch(action)]
         self.channel.send(
             Message(flight.outputs, fingerprint=flight.fingerprint, structure=flight.structure),
-            action.peer,
+            _peer(action),
             TAG_ACTIVATION,
-            f"the activations of minibatch {action.minibatch}",
+            f"the activations of minibatch {_minibatch(action)}",
         )
         if flight.replay is not None:  # recompute: the backward pass makes them again
             flight.outputs = []
 
     def _recv_grad(self, action: Action) -> None:
-        self._gradients[action.minibatch] = self.channel.recv(
-            action.peer, TAG_GRAD, f"the gradients of minibatch {action.minibatch}"
+        self._gradients[_minibatch(action)] = self.channel.recv(
+            _peer(action), TAG_GRAD, f"the gradients of minibatch {_minibatch(action)}"
         )
 
     def _send_grad(self, action: Action) -> None:
-        flight = self._flight.pop(action.minibatch)
+        flight = self._flight.pop(_minibatch(action))
         # One entry per tensor received; an empty one where no gradient flows (integer
         # tensors, tensors that did not ask for one, or that the stage did not use).
         grads = [t.grad if t.grad is not None else _NO_GRADIENT for t in flight.inputs]
         self.channel.send(
-            Message(grads, self.losses.of(action.batch)),
-            action.peer,
+            Message(grads, self.losses.of(_batch(action))),
+            _peer(action),
             TAG_GRAD,
-            f"the gradients of minibatch {action.minibatch}",
+            f"the gradients of minibatch {_minibatch(action)}",
         )
 
     # ----- compute ----------------------------------------------------------------------------
 
     def _forward(self, action: Action) -> None:
-        i = action.minibatch
+        i, version = _minibatch(action), _version(action)
         inputs: list[torch.Tensor] = []
         if self.stage == 0:
             if self._feed is None:
@@ -302,11 +303,11 @@ class StageExecutor:
             received = message.fingerprint
         check = self._feed.fingerprint if self._feed is not None else None
         fingerprint = check(i, received) if check is not None else None
-        params = self.stash.get(action.version)  # shares the live storage while current
-        delay = delay_of(i, action.version, self.num_replicas)
-        predicted = self.weight_prediction and action.version > 0 and delay > 0
+        params = self.stash.get(version)  # shares the live storage while current
+        delay = delay_of(i, version, self.num_replicas)
+        predicted = self.weight_prediction and version > 0 and delay > 0
         if predicted:  # W_v + d (W_v - W_(v-1)), for this minibatch's forward and backward
-            params = predict(params, self.stash.get(action.version - 1), delay)
+            params = predict(params, self.stash.get(version - 1), delay)
         if self.tied_versions is not None:
             params = {**params, **self.tied_versions.params_for(i, self._update)}
         drop = self.activations.recompute and self.stage < self.num_stages - 1
@@ -317,7 +318,7 @@ class StageExecutor:
                     output = self._call(params, value)  # one argument, as nn.Sequential passes it
             loss = self._loss(output, i) if self.stage == self.num_stages - 1 else None
         flight = _InFlight(
-            action.version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
+            version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )
         flight.replay = replay
         if loss is None:
@@ -328,7 +329,7 @@ class StageExecutor:
         else:
             flight.loss = loss
             logged = self._feed.logged(i) if self._feed and self._feed.logged is not None else ()
-            self.losses.add_later(action.batch, i, read_later(loss), logged)  # GPU: no wait
+            self.losses.add_later(_batch(action), i, read_later(loss), logged)  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight
@@ -351,7 +352,7 @@ class StageExecutor:
         return nullcontext() if stats is None else stats.forward(minibatch)
 
     def _backward(self, action: Action) -> None:
-        i = action.minibatch
+        i = _minibatch(action)
         flight = self._flight[i]
         if flight.version != action.version:
             raise ExecutorError(
@@ -367,7 +368,7 @@ class StageExecutor:
             roots, grads = [flight.loss], [self.precision.seed(flight.loss, self.loss_scale)]
         else:
             message = self._gradients.pop(i)
-            self.losses.add(action.batch, message.losses)
+            self.losses.add(_batch(action), message.losses)
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)
@@ -380,7 +381,7 @@ class StageExecutor:
         if roots and wanted:
             found = torch.autograd.grad(roots, wanted, grads, allow_unused=True)
         else:
-            found = []
+            found = ()
         names = [n for n, p in params.items() if p.requires_grad]
         self._accumulated.add(names, found[: len(leaves)])
         for tensor, grad in zip(
@@ -468,6 +469,35 @@ _NO_GRADIENT = torch.zeros(0)
 _TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
 
 
+def _minibatch(action: Action) -> int:
+    """The minibatch of a message or compute action (the schedule gives every one of them)."""
+    return _given(action.minibatch, "minibatch", action)
+
+
+def _peer(action: Action) -> int:
+    """The other rank of a message action."""
+    return _given(action.peer, "peer", action)
+
+
+def _batch(action: Action) -> int:
+    """The Lightning batch a message or compute action belongs to."""
+    return _given(action.batch, "batch", action)
+
+
+def _version(action: Action) -> int:
+    """The weights' version a compute action uses."""
+    return _given(action.version, "version", action)
+
+
+def _given(value: int | None, field: str, action: Action) -> int:
+    if value is None:
+        raise ExecutorError(
+            f"a {action.kind.name} action must name its {field} (action: {action}); "
+            "run a schedule made by schedule.build"
+        )
+    return value
+
+
 def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Link]]:
     """The links (peer, tag) that ``actions`` receive from, and, for each receive that has a
     successor on its link, that link keyed by the receive's position: once a receive is
@@ -477,7 +507,7 @@ def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Li
     following: dict[int, Link] = {}
     for position, action in enumerate(actions):
         if action.kind in _TAGS:
-            link = (action.peer, _TAGS[action.kind])
+            link = (_peer(action), _TAGS[action.kind])
             if link in last:
                 following[last[link]] = link
             last[link] = position

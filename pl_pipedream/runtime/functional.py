@@ -48,7 +48,9 @@ class StageCall:
                 tensor = params.get(name)
                 if tensor is not None:
                     swapped.append((owner, attribute, owner._parameters[attribute]))
-                    owner._parameters[attribute] = tensor
+                    # A plain tensor in the slot for this call (put back below); torch types the
+                    # slot as a Parameter.
+                    owner._parameters[attribute] = tensor  # type: ignore[assignment]
             return self.module(value)
         finally:
             for owner, attribute, original in reversed(swapped):

@@ -82,7 +82,7 @@ class GradientSums:
             if extra is not None:
                 dist.all_reduce(extra, group=group)
             return extra
-        parts = [self.get(n, torch.zeros_like(p)).reshape(-1) for n, p in params]
+        parts = [self._sums.get(n, torch.zeros_like(p)).reshape(-1) for n, p in params]
         joined = extra is not None and extra.dtype == parts[0].dtype
         flat = torch.cat([*parts, extra] if joined else parts)  # type: ignore[list-item]
         dist.all_reduce(flat, group=group)

@@ -46,7 +46,7 @@ class RunningStats:
         self.layers = layers
         self.replicas = replicas
         self.describe = describe
-        wide = any(layer.running_mean.dtype == torch.float64 for layer in layers)
+        wide = any(_stats(layer)[0].dtype == torch.float64 for layer in layers)
         self.dtype = torch.float64 if wide else torch.float32  # of the message
         self._minibatch: int | None = None
         self._before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -87,7 +87,7 @@ class RunningStats:
         """Take the hooks off the layers."""
         for handle in self._handles:
             handle.remove()
-        self._handles: list[Any] = []
+        self._handles = []
 
     # ----- recording --------------------------------------------------------------------------
 
@@ -95,7 +95,7 @@ class RunningStats:
         def hook(layer: _BatchNorm, args: Any) -> None:
             if self._minibatch is None or not layer.training:
                 return
-            mean, var = layer.running_mean.detach().clone(), layer.running_var.detach().clone()
+            mean, var = (stat.detach().clone() for stat in _stats(layer))
             self._before[index] = (mean, var)
             if index not in self._start:
                 count = layer.num_batches_tracked
@@ -110,11 +110,12 @@ class RunningStats:
                 return
             scale: torch.Tensor | float  # 1 / f, on the device (no copy from the host)
             if layer.momentum is None:  # the cumulative average: f = 1 / forwards counted
-                scale = layer.num_batches_tracked.to(before[0].dtype)
+                scale = _counted(layer).to(before[0].dtype)
             else:  # (momentum 0: the statistics never change, and x weighs nothing)
                 scale = 1.0 / layer.momentum if layer.momentum else 0.0
-            mean = before[0] + (layer.running_mean.detach() - before[0]) * scale
-            var = before[1] + (layer.running_var.detach() - before[1]) * scale
+            now = _stats(layer)
+            mean = before[0] + (now[0].detach() - before[0]) * scale
+            var = before[1] + (now[1].detach() - before[1]) * scale
             self._seen.setdefault(index, []).append((self._minibatch, mean, var))
 
         return hook
@@ -126,11 +127,11 @@ class RunningStats:
         layer's weighted sums of means and variances in its slot; zeros elsewhere. Float32 (64
         if a layer keeps float64 statistics), on the layers' device."""
         dtype = self.dtype
-        device = self.layers[0].running_mean.device
+        device = _stats(self.layers[0])[0].device
         headers = torch.zeros(len(self.layers), self.replicas, _HEADER, dtype=dtype)
         sums = []
         for index, layer in enumerate(self.layers):
-            size = layer.running_mean.numel()
+            size = _stats(layer)[0].numel()
             slots = torch.zeros(self.replicas, 2, size, dtype=dtype, device=device)
             seen = self._seen.get(index, [])
             if seen:
@@ -151,7 +152,7 @@ class RunningStats:
         headers = reduced[:count].view(len(self.layers), self.replicas, _HEADER).tolist()
         offset = count
         for index, layer in enumerate(self.layers):
-            size = layer.running_mean.numel()
+            size = _stats(layer)[0].numel()
             slots = reduced[offset : offset + 2 * self.replicas * size]
             offset += 2 * self.replicas * size
             seen = [(int(h) * _SPLIT + int(lo), int(k)) for h, lo, k in headers[index]]
@@ -193,8 +194,9 @@ class RunningStats:
         combined = sum(scale * slot for scale, slot in zip(scales, slots, strict=True))
         # Through ``.data``, as BatchNorm's own update: a forward whose backward is still to
         # come saved these buffers, and autograd would refuse a write it can see.
-        layer.running_mean.data.copy_(keep * mean + combined[0])
-        layer.running_var.data.copy_(keep * var + combined[1])
+        running_mean, running_var = _stats(layer)
+        running_mean.data.copy_(keep * mean + combined[0])
+        running_var.data.copy_(keep * var + combined[1])
         if layer.num_batches_tracked is not None and count is not None:
             layer.num_batches_tracked.data.copy_(count + total)
 
@@ -224,12 +226,24 @@ def _current(layer: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """A layer's statistics now (no forward of this replica changed them since the last
     all-reduce)."""
     count = layer.num_batches_tracked
-    return (
-        layer.running_mean.clone(),
-        layer.running_var.clone(),
-        None if count is None else count.clone(),
-    )
+    mean, var = _stats(layer)
+    return mean.clone(), var.clone(), None if count is None else count.clone()
 
 
 def _name(layer: _BatchNorm) -> str:
     return f"{type(layer).__name__}({layer.num_features})"
+
+
+def _stats(layer: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's running mean and variance (``RunningStats.of`` keeps only layers that have
+    them; torch types them as optional for the layers that do not)."""
+    mean, var = layer.running_mean, layer.running_var
+    assert mean is not None and var is not None
+    return mean, var
+
+
+def _counted(layer: _BatchNorm) -> torch.Tensor:
+    """The forwards a layer has counted (kept, as the statistics, when it tracks them)."""
+    count = layer.num_batches_tracked
+    assert count is not None
+    return count

@@ -27,6 +27,9 @@ Ordering rules (every helper keeps them):
   pinned memory with an event after the forward that computes it; the host waits for that event
   when it reads the number, not at the end of the forward, so the backward is queued first.
 * ``settle``: wait for the device (only for measuring: a timeline's action times, a profile).
+
+The side streams belong to whoever copies on them (``SideStreams``: an executor's prefetches, a
+channel's reads), one per device, made on first use; none is kept at module level.
 """
 
 from __future__ import annotations
@@ -39,25 +42,33 @@ import torch
 __all__ = [
     "Ahead",
     "HostValue",
+    "SideStreams",
     "prefetch",
     "read_later",
     "prefetch_each",
     "read_done",
     "settle",
-    "side_stream",
     "upload",
 ]
 
-_SIDE: dict[torch.device, Any] = {}
 
+class SideStreams:
+    """The side stream of each CUDA device its owner copies on, made on first use and kept.
 
-def side_stream(device: torch.device) -> Any:
-    """The side stream of a CUDA ``device`` (one per device and process, made on first use)."""
-    device = _indexed(device)
-    stream = _SIDE.get(device)
-    if stream is None:
-        stream = _SIDE[device] = torch.cuda.Stream(device)
-    return stream
+    Called without one, ``prefetch`` and ``read_done`` use a fresh ``SideStreams``: a stream
+    from torch's pool for that one call.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def on(self, device: torch.device) -> Any:
+        """The side stream of the CUDA ``device``."""
+        device = _indexed(device)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -87,7 +98,7 @@ class Ahead:
         return self._value
 
 
-def prefetch(value: Any, device: torch.device) -> Ahead:
+def prefetch(value: Any, device: torch.device, side: SideStreams | None = None) -> Ahead:
     """Start copying the tensors of ``value`` (any structure, ``runtime.boundary.map_tensors``) to
     ``device``. On CUDA, host tensors are copied on the device's side stream from pinned memory;
     tensors already on the device are kept. Elsewhere the copy is ``tensor.to(device)``, now."""
@@ -96,7 +107,7 @@ def prefetch(value: Any, device: torch.device) -> Ahead:
     if device.type != "cuda":
         return Ahead(map_tensors(lambda t: t.to(device), value))
     device = _indexed(device)
-    stream = side_stream(device)
+    stream = (side or SideStreams()).on(device)
     copies: list[torch.Tensor] = []
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -118,14 +129,18 @@ def prefetch(value: Any, device: torch.device) -> Ahead:
 
 
 def prefetch_each(
-    keys: Iterable[int], value_of: Callable[[int], Any], device: torch.device
+    keys: Iterable[int],
+    value_of: Callable[[int], Any],
+    device: torch.device,
+    side: SideStreams | None = None,
 ) -> dict[int, Ahead]:
     """On CUDA, start copying ``value_of(k)`` for every key (a stage's inputs for each forward of
     the actions it has loaded: each forward then waits only for its own copy); elsewhere none,
     and the caller moves each value as it uses it, as before."""
     if device.type != "cuda":
         return {}
-    return {key: prefetch(value_of(key), device) for key in keys}
+    side = side or SideStreams()
+    return {key: prefetch(value_of(key), device, side) for key in keys}
 
 
 def upload(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -137,12 +152,12 @@ def upload(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
 
-def read_done(tensor: torch.Tensor) -> torch.Tensor:
+def read_done(tensor: torch.Tensor, side: SideStreams | None = None) -> torch.Tensor:
     """A host copy of ``tensor``, whose producer has finished: on CUDA read on the side stream
     (waiting for that read alone, not for the compute stream's queue); elsewhere ``.cpu()``."""
     if tensor.device.type != "cuda":
         return tensor.cpu()
-    stream = side_stream(tensor.device)
+    stream = (side or SideStreams()).on(tensor.device)
     with torch.cuda.stream(stream):
         host = tensor.to("cpu")  # a blocking copy: synchronises the side stream only
     return host

@@ -46,7 +46,7 @@ def slice_batch(batch: Any, microbatches: int) -> list[Any]:
     if isinstance(batch, (tuple, list)):
         parts = [slice_batch(item, microbatches) for item in batch]
         if isinstance(batch, tuple):
-            rebuild = type(batch)._make if hasattr(type(batch), "_make") else type(batch)
+            rebuild = getattr(type(batch), "_make", type(batch))  # a namedtuple's, else tuple
             return [rebuild(p[j] for p in parts) for j in range(microbatches)]
         return [[p[j] for p in parts] for j in range(microbatches)]
     if isinstance(batch, dict):

@@ -390,14 +390,15 @@ class ShardedCheckpointHooks:
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            # A mixin: Lightning's ParallelStrategy follows it in PipeDreamStrategy's MRO.
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
         self._resume = read_shards(checkpoint_path)
         return merged_checkpoint(self._resume[1])
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Each stage takes the optimizer state its own stage saved."""
         if self._resume is None:
-            return super().load_optimizer_state_dict(checkpoint)
+            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]  # (as above)
         assert self.local_stage is not None and self.plan is not None
         states = optimizer_states(self._resume, self.plan, self.local_stage.stage.index)
         for optimizer, state in zip(self.optimizers, states, strict=True):

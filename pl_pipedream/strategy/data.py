@@ -9,7 +9,7 @@ rank must draw the same batches in the same order, as one device would. Two part
   keep_user_samplers``), and ``seed_loader`` gives a ``RandomSampler`` that has no generator one
   seeded the same on every rank (else each rank draws its order from its own global RNG), and
   the DataLoader a generator for its workers' base seed, from one seed rank 0 broadcasts at setup.
-* A check. Each rank fingerprints each microbatch it holds (``fingerprint``: a bounded strided
+* A check. Each rank fingerprints each microbatch it holds (``Fingerprints``: a bounded strided
   sample of every tensor's elements plus its shape, so it costs little for large batches); stage
   0's fingerprint rides forward with the activations and every later stage compares it with its
   own (``SameData``). What seeding cannot fix (a custom sampler, an IterableDataset sharded by
@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["PipelineDataError", "SameData", "broadcast_seed", "fingerprint", "seed_loader"]
+__all__ = [
+    "Fingerprints",
+    "PipelineDataError",
+    "SameData",
+    "broadcast_seed",
+    "fingerprint",
+    "seed_loader",
+]
 
 SAMPLES = 256  # elements read per tensor, at most
 _SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
@@ -61,49 +68,58 @@ def seed_loader(loader: Any, seed: int) -> Any:
     return loader
 
 
+class Fingerprints:
+    """``fingerprint`` with the weights of each layout kept (a microbatch's shapes repeat): a
+    few tensor operations per microbatch, not seven per tensor. One per strategy; the weights
+    live as long as it does (at most ``keep`` layouts, then they are built afresh)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._weights: dict[tuple[tuple[int, int], ...], Tensor] = {}
+
+    def __call__(self, data: Any) -> float:
+        """A number that differs, almost surely, between two different microbatches: for every
+        tensor in ``data`` (nested tuples, lists, dicts), its shape and up to ``SAMPLES``
+        elements at evenly spaced positions (a strided view: only those are read), each weighted
+        by its position and its tensor's; values that are not tensors do not count. Equal data
+        give the bit-identical number on every rank. The samples of all tensors are joined and
+        weighted in one dot product."""
+        total = 0.0
+        samples: list[Tensor] = []
+        layout: list[tuple[int, int]] = []  # (tensor index, samples taken) of each sampled tensor
+        for index, tensor in enumerate(_tensors(data)):
+            total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            step = -(-flat.numel() // SAMPLES)  # every step-th element: at most SAMPLES of them
+            samples.append(flat[::step] if step > 1 else flat)
+            layout.append((index, samples[-1].numel()))
+        if not samples:
+            return total
+        first = samples[0]
+        if all(t.dtype == first.dtype and t.device == first.device for t in samples):
+            values = torch.cat(samples).to(torch.float64)
+        else:
+            values = torch.cat([t.to(first.device, torch.float64) for t in samples])
+        values.nan_to_num_(1.5, 1e300, -1e300)
+        return total + float(values.dot(self._weights_of(tuple(layout), first.device)))
+
+    def _weights_of(self, layout: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
+        """Each sample's weight: its tensor's index + 1 times its position's (``_SCALES``)."""
+        key = (*layout, (-1, hash(device)))
+        weights = self._weights.get(key)
+        if weights is None:
+            if len(self._weights) >= self.keep:  # shapes that never settle: keep it small
+                self._weights.clear()
+            parts = [(index + 1) * _SCALES[:count] for index, count in layout]
+            weights = self._weights[key] = torch.cat(parts).to(device)
+        return weights
+
+
 def fingerprint(data: Any) -> float:
-    """A number that differs, almost surely, between two different microbatches: for every
-    tensor in ``data`` (nested tuples, lists, dicts), its shape and up to ``SAMPLES`` elements
-    at evenly spaced positions (a strided view: only those are read), each weighted by its
-    position and its tensor's; values that are not tensors do not count. Equal data give the
-    bit-identical number on every rank. The samples of all tensors are joined and weighted in
-    one dot product, with the weights kept per layout (a microbatch's shapes repeat): a few
-    tensor operations per microbatch, not seven per tensor."""
-    total = 0.0
-    samples: list[Tensor] = []
-    layout: list[tuple[int, int]] = []  # (tensor index, samples taken) of each sampled tensor
-    for index, tensor in enumerate(_tensors(data)):
-        total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0:
-            continue
-        step = -(-flat.numel() // SAMPLES)  # every step-th element: at most SAMPLES of them
-        samples.append(flat[::step] if step > 1 else flat)
-        layout.append((index, samples[-1].numel()))
-    if not samples:
-        return total
-    first = samples[0]
-    if all(t.dtype == first.dtype and t.device == first.device for t in samples):
-        values = torch.cat(samples).to(torch.float64)
-    else:
-        values = torch.cat([t.to(first.device, torch.float64) for t in samples])
-    values.nan_to_num_(1.5, 1e300, -1e300)
-    return total + float(values.dot(_weights(tuple(layout), first.device)))
-
-
-_WEIGHTS: dict[tuple[tuple[int, int], ...], Tensor] = {}
-
-
-def _weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
-    """Each sample's weight: its tensor's index + 1 times its position's (``_SCALES``)."""
-    key = (*layout, (-1, hash(device)))
-    weights = _WEIGHTS.get(key)
-    if weights is None:
-        if len(_WEIGHTS) > 64:  # shapes that never settle: keep the cache small
-            _WEIGHTS.clear()
-        parts = [(index + 1) * _SCALES[:count] for index, count in layout]
-        weights = _WEIGHTS[key] = torch.cat(parts).to(device)
-    return weights
+    """``Fingerprints.__call__`` of ``data``, its weights built for this call alone."""
+    return Fingerprints(keep=1)(data)
 
 
 def _tensors(data: Any) -> list[Tensor]:
@@ -118,16 +134,25 @@ def _tensors(data: Any) -> list[Tensor]:
 
 class SameData:
     """``Feed.fingerprint`` for one Lightning batch: the fingerprint of microbatch ``j`` of
-    ``slices``, checked against stage 0's when one arrived."""
+    ``slices``, checked against stage 0's when one arrived. ``fingerprints`` keeps the weights
+    from batch to batch (the strategy's own); without it they are kept for this batch only."""
 
-    def __init__(self, slices: list[Any], describe: str, step: int, batch_idx: int) -> None:
+    def __init__(
+        self,
+        slices: list[Any],
+        describe: str,
+        step: int,
+        batch_idx: int,
+        fingerprints: Fingerprints | None = None,
+    ) -> None:
         self.slices = slices
         self.describe = describe  # "rank 1, stage 1"
         self.step = step
         self.batch_idx = batch_idx
+        self.fingerprints = fingerprints or Fingerprints()
 
     def __call__(self, j: int, received: float | None) -> float:
-        own = fingerprint(self.slices[j])
+        own = self.fingerprints(self.slices[j])
         if received is not None and received != own:
             raise PipelineDataError(
                 f"every rank must train on the same batches in the same order ({self.describe}, "

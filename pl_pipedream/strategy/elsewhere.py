@@ -16,7 +16,7 @@ operations in ``METADATA``; every other torch function or tensor method raises.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,9 +53,9 @@ class OtherStageParameterError(ValueError):
 class HeldElsewhere(nn.Parameter):
     """A parameter of another stage (on ``meta`` here) that raises when computed with."""
 
-    parameter_name: ClassVar[str] = "?"
-    holder: ClassVar[str] = "another stage"
-    here: ClassVar[str] = "this rank"
+    parameter_name: str = "?"  # set on each instance by mark_other_stages
+    holder: str = "another stage"
+    here: str = "this rank"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -97,7 +97,7 @@ def mark_other_stages(module: nn.Module, layers: nn.Sequential, plan: Plan, rank
                 held.here = describe_here
                 marked[id(param)] = held
     for sub in module.modules():
-        for key, param in list(sub._parameters.items()):
-            if param is not None and id(param) in marked:
-                sub._parameters[key] = marked[id(param)]
+        for key, current in list(sub._parameters.items()):
+            if current is not None and id(current) in marked:
+                sub._parameters[key] = marked[id(current)]
     return len(marked)

@@ -258,10 +258,11 @@ def stop_metric_sync(module: nn.Module) -> None:
     ``module``: ``Metric.sync_on_compute``, and ``Metric._to_sync``, which ``compute()`` reads
     and which is copied from it only when the metric is built and on each forward call."""
     for sub in module.modules():
-        if hasattr(sub, "sync_on_compute") and hasattr(sub, "compute"):
-            sub.sync_on_compute = False
-            if hasattr(sub, "_to_sync"):
-                sub._to_sync = False
+        metric: Any = sub  # a torchmetrics Metric, recognised by its attributes
+        if hasattr(metric, "sync_on_compute") and hasattr(metric, "compute"):
+            metric.sync_on_compute = False
+            if hasattr(metric, "_to_sync"):
+                metric._to_sync = False
 
 
 def call_hook(trainer: Any, name: str, *args: Any) -> None:
@@ -298,12 +299,13 @@ def log_step_value(module: Any, name: str, value: Tensor) -> None:
     metric = results.get(key) if results is not None and fx is not None else None
     fast = (
         metric is not None
+        and results is not None
         and results.dataloader_idx is None
         and not connector.should_reset_tensors(fx)
         and isinstance(metric.value, Tensor)
         and metric.value.device == value.device
     )
-    if not fast:
+    if not fast or results is None:
         module.log(name, value, prog_bar=True, on_step=True, on_epoch=False, sync_dist=False)
         return
     _require(results, "update_metrics", "_ResultCollection")

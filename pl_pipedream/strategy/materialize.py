@@ -36,6 +36,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class EmptyBuild:
         strategy: Any,
         empty_init: bool | None,
         whole: Callable[[bool | None], contextlib.AbstractContextManager[None]],
-    ) -> contextlib.AbstractContextManager[None]:
+    ) -> contextlib.AbstractContextManager[object]:
         """The strategy's ``tensor_init_context``: an empty, recorded build in
         ``configure_model()`` (Lightning passes ``empty_init=None`` there, with the module
         connected) and under ``trainer.init_module(empty_init=True)``; ``whole(empty_init)``,
@@ -108,7 +109,7 @@ class EmptyBuild:
 
     def note(self, operation: str, written: Tensor | None) -> None:
         """One initialising operation of the build, attributed to its outermost reset call."""
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         owner = None
         where = None
         while frame is not None:

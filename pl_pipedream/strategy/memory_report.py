@@ -214,7 +214,8 @@ class StageMemory:
     @property
     def estimate_total(self) -> float | None:
         parts = (self.estimate_weights, self.estimate_stashed, self.estimate_activations)
-        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[misc]
+        known = [p for p in parts if p is not None]
+        return sum(known) if len(known) == len(parts) else None
 
 
 def estimate(
@@ -282,8 +283,8 @@ def of_fit(strategy: Any) -> list[StageMemory]:
     if runner is None or local is None or plan is None:
         return []
     executor = runner.executor
-    measured = (local.module, executor.stash.peak_bytes, executor.activations, strategy.optimizers)
-    measured += (strategy.root_device,)
+    measured: tuple[Any, ...] = (local.module, executor.stash.peak_bytes, executor.activations)
+    measured += (strategy.optimizers, strategy.root_device)
     return report(strategy.global_rank, plan, *measured, strategy.sync, strategy.microbatches)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -52,7 +52,7 @@ from pl_pipedream.strategy.arguments import (
 from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
 from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
 from pl_pipedream.strategy.collectives import CollectiveHooks
-from pl_pipedream.strategy.data import SameData, broadcast_seed, seed_loader
+from pl_pipedream.strategy.data import Fingerprints, SameData, broadcast_seed, seed_loader
 from pl_pipedream.strategy.divergence import (
     BadData,
     DivergenceWatch,
@@ -198,6 +198,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         DivergenceWatch(*self._divergence_rule)  # refuses bad thresholds now
         self._watch: DivergenceWatch | None = None  # this fit's, while it still watches
         self._finite_data = FiniteData()  # this fit's notes of the batches fed (while watched)
+        self._fingerprints = Fingerprints()  # the data check's weights, kept from batch to batch
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
@@ -229,8 +230,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
-    def is_distributed(self) -> bool:
+    def is_distributed(self) -> bool:  # read by Lightning's accelerator connector, not a hook
         return True
 
     @property
@@ -249,7 +249,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
                 self.cluster_environment, self.num_processes, self.num_nodes, self.timeout
             )
         else:
-            self._launcher = PipelineSpawnLauncher(self, start_method=self._start_method)
+            method = cast(Literal["spawn", "fork"], self._start_method)  # check_arguments saw it
+            self._launcher = PipelineSpawnLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:
@@ -275,8 +276,11 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
             self._unbound_cpus, self.cpu_binding = bound or (None, None)
         super().setup_environment()
 
+    # Lightning's @contextmanager types its return as a generator's; callers only enter it.
     @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+    def tensor_init_context(  # type: ignore[override]
+        self, empty_init: bool | None = None
+    ) -> AbstractContextManager[object]:
         """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
         setup creates this rank's stage only (``strategy.materialize``)."""
         return self.empty_build.context(self, empty_init, super().tensor_init_context)
@@ -401,7 +405,8 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
-        same = SameData(work.slices, describe, module.trainer.global_step, batch_idx)
+        step = module.trainer.global_step
+        same = SameData(work.slices, describe, step, batch_idx, self._fingerprints)
         drain = self._must_drain(module.trainer)
         if self._watch is not None:
             self._finite_data.note(self.runner.batches, batch, self.microbatches)

@@ -12,7 +12,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.strategy.data import PipelineDataError, SameData, fingerprint, seed_loader
+from pl_pipedream.strategy.data import (
+    Fingerprints,
+    PipelineDataError,
+    SameData,
+    fingerprint,
+    seed_loader,
+)
 from tests.strategy.test_lightning_features import Net
 
 SAMPLES = 16
@@ -99,10 +105,22 @@ def test_a_fingerprint_costs_two_tensor_operations_per_tensor_and_five_per_micro
             return func(*args, **(kwargs or {}))
 
     data = (torch.randn(8, 16), torch.randn(8, 16))
-    expected = fingerprint(data)  # the first call of a layout also builds its weights
+    fingerprints = Fingerprints()
+    expected = fingerprints(data)  # the first call of a layout also builds its weights
     with Count() as count:
-        assert fingerprint(data) == expected
+        assert fingerprints(data) == expected
     assert len(count.ops) <= 2 * 2 + 5, count.ops
+    assert fingerprint(data) == expected
+
+
+def test_the_weights_are_kept_per_fingerprints_not_per_process() -> None:
+    """Two strategies do not share weights, and ``keep`` bounds how many layouts one holds."""
+    first, second = Fingerprints(keep=2), Fingerprints(keep=2)
+    data = [torch.randn(4, 3), (torch.randn(5), torch.randn(2, 2)), torch.randn(7)]
+    values = [first(item) for item in data]
+    assert len(first._weights) == 1  # a third layout after two: built afresh
+    assert second._weights == {}
+    assert [second(item) for item in data] == values == [fingerprint(item) for item in data]
 
 
 def test_a_fingerprint_weighs_each_tensor_and_reads_large_integers_exactly() -> None:

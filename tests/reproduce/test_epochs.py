@@ -1,4 +1,4 @@
-"""``reproduce_epochs``: epoch times of DP, PipeDream and GPipe checked against hand arithmetic."""
+"""``reproduce.epochs``: epoch times of DP, PipeDream and GPipe checked against hand arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pl_pipedream.planner.optimize import plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
-from pl_pipedream.reproduce_epochs import assumptions, bar_chart, bubble, epochs, scale_profile
+from pl_pipedream.reproduce.epochs import bubble, epochs, scale_profile
 
 # Two layers of 10 ms (forward 4 + backward 6) and 5 ms, 1e8 and 2e8 parameter bytes, a 1e6-byte
 # activation between them; 2 workers at 1e9 bytes/s, and an epoch of 1000 samples of batch 10.
@@ -55,19 +55,3 @@ def test_scaling_a_one_sample_profile() -> None:
 def test_a_bad_epoch_is_refused() -> None:
     with pytest.raises(ValueError, match=r"\(samples: 0, batch: 10\)"):
         epochs(plan(TINY, FLAT), samples=0, batch=10)
-
-
-def test_the_chart_is_a_png(tmp_path) -> None:
-    path = tmp_path / "chart.png"
-    bar_chart(["a", "b"], {"paper": [2.0, None], "ours": [1.5, 3.0]}, path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_assumptions_mention_our_profile_only_when_it_was_used():
-    with_own = assumptions([], 140.0, None)
-    without = assumptions([], 140.0, None, own_profile=False)
-    assert "Our profile:" in with_own and "speed factor 140" in with_own
-    assert "Our profile:" not in without and "speed factor" not in without
-    assert without.splitlines() == [
-        line for line in with_own.splitlines() if "Our profile" not in line
-    ]

@@ -20,15 +20,15 @@ tens of thousands of minibatches per worker, too many actions to simulate one by
 
 ``scale_profile`` turns a one-sample profile measured on this CPU into a profile of the paper's
 per-GPU minibatch on the target GPU: times times ``batch / speed_factor``, activation bytes
-times ``batch``, parameter bytes as they are. ``bar_chart`` draws the speedups (matplotlib,
-imported only when a chart is asked for). No torch.
+times ``batch``, parameter bytes as they are. No torch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from types import MappingProxyType
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.profile.graph import Node, Profile
@@ -39,8 +39,6 @@ __all__ = [
     "EPOCH_SAMPLES",
     "PER_GPU_BATCH",
     "Epochs",
-    "assumptions",
-    "bar_chart",
     "bubble",
     "epochs",
     "gpipe_microbatches",
@@ -50,30 +48,34 @@ __all__ = [
 # The paper's per-GPU minibatch per model: read off PipeDream's published profiles (their
 # activation sizes over one sample's) where one exists, else the model paper's training setting
 # (AWD-LSTM: 80 on the Penn Treebank) or our choice (S2VT: 32).
-PER_GPU_BATCH = {
-    "VGG-16": 64,
-    "AlexNet": 256,
-    "ResNet-50": 128,
-    "GNMT-8": 64,
-    "GNMT-16": 64,
-    "AWD-LM": 80,
-    "S2VT": 32,
-}
+PER_GPU_BATCH: Mapping[str, int] = MappingProxyType(
+    {
+        "VGG-16": 64,
+        "AlexNet": 256,
+        "ResNet-50": 128,
+        "GNMT-8": 64,
+        "GNMT-16": 64,
+        "AWD-LM": 80,
+        "S2VT": 32,
+    }
+)
 # Samples per epoch: ImageNet's 1,281,167 training images; WMT16 En-De's 4,500,966 training
 # sentence pairs; the Penn Treebank's 929,589 training words in 70-word windows (13,280); MSVD's
 # 1,200 training videos with their 48,774 captions (one sample per caption).
-EPOCH_SAMPLES = {
-    "VGG-16": 1_281_167,
-    "AlexNet": 1_281_167,
-    "ResNet-50": 1_281_167,
-    "GNMT-8": 4_500_966,
-    "GNMT-16": 4_500_966,
-    "AWD-LM": 13_280,
-    "S2VT": 48_774,
-}
+EPOCH_SAMPLES: Mapping[str, int] = MappingProxyType(
+    {
+        "VGG-16": 1_281_167,
+        "AlexNet": 1_281_167,
+        "ResNet-50": 1_281_167,
+        "GNMT-8": 4_500_966,
+        "GNMT-16": 4_500_966,
+        "AWD-LM": 13_280,
+        "S2VT": 48_774,
+    }
+)
 # fp32 peak TFLOP/s of each cluster's GPU (V100: 15.7; Titan X, Pascal: 11.0). --speed-factor
 # is for a V100; cluster C's GPU is taken as 11.0 / 15.7 of that.
-DEVICE_TFLOPS = {"A": 15.7, "B": 15.7, "C": 11.0}
+DEVICE_TFLOPS: Mapping[str, float] = MappingProxyType({"A": 15.7, "B": 15.7, "C": 11.0})
 # A V100's 15.7 TFLOP/s over the ~112 GFLOP/s one thread of this machine's CPU reaches on an
 # fp32 1024x1024 matrix product (measured with every profile and printed under the table).
 DEFAULT_SPEED_FACTOR = 140.0
@@ -166,68 +168,3 @@ def scale_profile(profile: Profile, batch: int, speed_factor: float) -> Profile:
         for node in profile.nodes
     ]
     return Profile(tuple(nodes), profile.edges, batch, dict(profile.meta))
-
-
-def assumptions(
-    rates: list[str], speed_factor: float, microbatches: int | None, own_profile: bool = True
-) -> str:
-    """What the predictions assume, printed under the table (the line on our own profile only
-    when the table has its columns)."""
-    gpipe = "4 per stage" if microbatches is None else str(microbatches)
-    lines = [
-        "Paper config and paper speedup: PipeDream (SOSP 2019) Table 1, the paper's figures; "
-        "every other cell is computed here.",
-        "Predicted: one simulated epoch of data parallelism over one of PipeDream (1F1B steady "
-        "state plus one fill), both from the planner's cost model (DP all-reduce "
-        "4 (n-1)/n x bytes / bandwidth per level, not overlapped with compute).",
-        f"GPipe: the same stages, {gpipe} microbatches per flush, fill and drain every flush.",
-        f"Epoch: {_listing(EPOCH_SAMPLES)} samples.",
-    ]
-    if own_profile:
-        lines.insert(
-            3,
-            "Our profile: our model profiled here on one sample, one CPU thread, scaled to the "
-            f"per-GPU minibatch ({_listing(PER_GPU_BATCH)}) and divided by the speed factor "
-            f"{speed_factor:g} (a V100 over one thread of this CPU; x{DEVICE_TFLOPS['C']:g}/"
-            f"{DEVICE_TFLOPS['A']:g} for cluster C's Titan X).",
-        )
-    if rates:
-        lines.append(
-            f"This CPU's one-thread fp32 GEMM rate when profiled: {', '.join(rates)} GFLOP/s."
-        )
-    return "\n".join(lines)
-
-
-def _listing(values: dict[str, int]) -> str:
-    return ", ".join(f"{model} {value:,}" for model, value in values.items())
-
-
-def bar_chart(labels: list[str], series: dict[str, list[float | None]], path: Path) -> None:
-    """A PNG of grouped bars, one group per label, one bar per series (None: no bar).
-
-    matplotlib is imported here, with the file-only Agg backend, so that the rest of the
-    command does not need it.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    figure, axes = pyplot.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.0), dpi=80)
-    width = 0.8 / len(series)
-    for index, (name, values) in enumerate(series.items()):
-        offset = (index - (len(series) - 1) / 2) * width
-        axes.bar(
-            [x + offset for x in range(len(labels))],
-            [0.0 if v is None else v for v in values],
-            width,
-            label=name,
-        )
-    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
-    axes.axhline(1.0, color="grey", linewidth=0.8)
-    axes.set_ylabel("speedup over data parallelism")
-    axes.set_title("Table 1: the paper beside the planner (no bar: no figure)")
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    pyplot.close(figure)

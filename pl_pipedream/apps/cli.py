@@ -27,8 +27,8 @@ from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.planner.states import StateSpaceError
 from pl_pipedream.planner.topology import Topology, TopologyError
 from pl_pipedream.profile.graph import Profile, ProfileError
-from pl_pipedream.reproduce import add_arguments as add_reproduce_arguments
-from pl_pipedream.reproduce import run as run_reproduce
+from pl_pipedream.reproduce.command import add_arguments as add_reproduce_arguments
+from pl_pipedream.reproduce.command import run as run_reproduce
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
 __all__ = ["main"]

@@ -27,9 +27,7 @@ from hydra.utils import get_class, get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pl_pipedream import PipeDreamStrategy, Topology
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.topology import TopologyError
-from pl_pipedream.train import (
+from pl_pipedream.apps.train import (
     MachineError,
     _build_model,
     _git_commit,
@@ -39,8 +37,10 @@ from pl_pipedream.train import (
     topology_for_devices,
     write_results,
 )
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import TopologyError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "pl_pipedream" / "configs"
 GROUPS = ("data", "model", "cluster", "sync", "trainer")
 
@@ -452,7 +452,7 @@ def test_cpu_trainer_builds_with_the_strategy(tmp_path: Path) -> None:
 
 
 def test_main_is_a_hydra_app_over_the_package_configs() -> None:
-    main = get_method("pl_pipedream.train.main")
+    main = get_method("pl_pipedream.apps.train.main")
     assert callable(main)
     assert (CONFIGS / "train.yaml").is_file()
     assert (REPO / "configs" / "train.yaml").is_file()  # the top-level configs/ link
@@ -465,7 +465,7 @@ def run_app(*arguments: str, cwd: Path, timeout: float = 240) -> subprocess.Comp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("LOCAL_RANK", None)
     return subprocess.run(
-        [sys.executable, "-m", "pl_pipedream.train", *arguments],
+        [sys.executable, "-m", "pl_pipedream.apps.train", *arguments],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -556,7 +556,7 @@ def test_a_gpu_run_stops_before_any_rank_starts(tmp_path: Path) -> None:
 
 
 def test_ckpt_path_is_a_config_key_that_is_null_by_default(tmp_path: Path) -> None:
-    from pl_pipedream.train import checkpoint_to_resume
+    from pl_pipedream.apps.train import checkpoint_to_resume
 
     assert composed().ckpt_path is None
     assert checkpoint_to_resume(composed(output_dir=str(tmp_path))) is None
@@ -565,7 +565,7 @@ def test_ckpt_path_is_a_config_key_that_is_null_by_default(tmp_path: Path) -> No
 
 
 def test_ckpt_path_last_takes_the_newest_checkpoint_of_the_output_dir(tmp_path: Path) -> None:
-    from pl_pipedream.train import checkpoint_to_resume
+    from pl_pipedream.apps.train import checkpoint_to_resume
 
     cfg = composed("ckpt_path=last", output_dir=str(tmp_path))
     assert checkpoint_to_resume(cfg) is None  # a requeued job's first run starts afresh

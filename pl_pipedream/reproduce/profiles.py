@@ -1,14 +1,16 @@
 """Profiles of the paper's seven models, measured on this machine, for ``pl-pipedream reproduce``.
 
-``reproduce`` plans every Table 1 row twice: from PipeDream's published profile and from our own
-model (``pl_pipedream.models`` at full size) profiled here. This module does the second part's
-measuring, because ``reproduce`` itself stays free of torch: it builds the model, times its
-pipeline layers with ``profile.measure.profile_layers`` on a microbatch of ONE sample, on one
-CPU thread (the speed factor that ``reproduce`` applies is relative to one thread of this CPU),
-and caches the result as a JSON profile so a second run reads it instead of measuring.
+``reproduce.predict`` plans every Table 1 row twice: from PipeDream's published profile and from
+our own model (``pl_pipedream.models`` at full size) profiled here. This module does the second
+part's measuring, the one module of ``reproduce`` that imports torch (``predict`` imports it only
+when our profile is asked for): it builds the model, times its pipeline layers with
+``profile.measure.profile_layers`` on a microbatch of ONE sample, on one CPU thread (the speed
+factor applied to it is relative to one thread of this CPU), and caches the result as a JSON
+profile so a second run reads it instead of measuring.
 
 Activation and parameter bytes come from the tensors' shapes and are exact; times are this
-CPU's. Scaling to the paper's per-GPU minibatch and to the target GPU is ``reproduce``'s job.
+CPU's. Scaling to the paper's per-GPU minibatch and to the target GPU is
+``reproduce.epochs.scale_profile``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,11 +34,17 @@ __all__ = ["MODELS", "ModelSpec", "gemm_gflops", "own_profile"]
 CACHE_VERSION = "2"  # bump when what is measured changes, so old cache files are not read
 
 
+class Pipelined(Protocol):
+    """A model that lists its pipeline's layers (every model of ``pl_pipedream.models``)."""
+
+    def configure_pipeline(self) -> nn.Sequential: ...
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build one of the paper's models at full size and a one-sample input for it."""
 
-    build: Callable[[], nn.Module]
+    build: Callable[[], Pipelined]
     sample: Callable[[], Any]
     shape: str  # the one-sample input, for the cache key and the report
 

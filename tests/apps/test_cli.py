@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pl_pipedream.cli import main
+from pl_pipedream.apps.cli import main
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SYNC_MODES
 

@@ -1,4 +1,4 @@
-"""``reproduce_profiles``: a paper model profiled here, with exact bytes, cached on disk."""
+"""``reproduce.profiles``: a paper model profiled here, with exact bytes, cached on disk."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pl_pipedream.reproduce_profiles import CACHE_VERSION, MODELS, gemm_gflops, own_profile
+from pl_pipedream.reproduce.profiles import CACHE_VERSION, MODELS, gemm_gflops, own_profile
 
 
 def test_alexnet_is_profiled_once_then_read_from_the_cache(tmp_path) -> None:

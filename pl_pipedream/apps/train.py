@@ -3,8 +3,8 @@
 ``train(cfg)`` builds the data module, the model, the strategy and the Trainer from the composed
 config (each with ``_target_``), fits, validates and returns the final metrics; ``main`` only adds
 Hydra and the start of the other ranks (``pl_pipedream.hydra_ranks``). The configs live in
-``pl_pipedream/configs`` so that an installed package finds them; one group per swappable piece:
-``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
+the package ``pl_pipedream.configs`` so that an installed package finds them; one group per
+swappable piece: ``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
 
 ``ckpt_path`` resumes as ``trainer.fit(ckpt_path=...)`` does; ``ckpt_path=last`` takes the newest
 checkpoint under the run's output directory (``checkpoint_to_resume``), so a requeued job given
@@ -88,7 +88,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@hydra.main(version_base="1.3", config_path="pkg://pl_pipedream.configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Entry point of ``pl-pipedream-train``; returns ``val_acc`` for Hydra sweepers."""
     cfg = apply_smoke(cfg)

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pl_pipedream.cli import main
+from pl_pipedream.apps.cli import main
 from pl_pipedream.planner.optimize import plan
-from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.published import load_profile
-from pl_pipedream.reproduce import cluster_topology, read_table, render_config
-from pl_pipedream.reproduce_epochs import scale_profile
+from pl_pipedream.reproduce.epochs import scale_profile
+from pl_pipedream.reproduce.table import read_table
 
 CLUSTER_A_4X4 = Topology.from_lists([4, 4], [1.2e10, 1.25e9])  # PCIe in a server, 10 Gbps out
 
@@ -98,34 +97,6 @@ def test_a_missing_table_names_the_option(capsys, tmp_path) -> None:
     assert code == 2
     assert f"(--table: {missing})" in err
     assert "pass --table PATH" in err
-
-
-def test_the_rows_fill_their_clusters_innermost_first(tmp_path) -> None:
-    """A made-up table: 1 server of cluster A is PCIe only; cluster C is one flat level."""
-    table = tmp_path / "table1.csv"
-    table.write_text(
-        "# comment\n"
-        "model,task,dataset,target,cluster,servers,gpus_per_server,pipedream_config,"
-        "speedup_epoch_time,speedup_time_to_accuracy\n"
-        "Toy,x,y,z,A,1,4,,,\n"
-        "Toy,x,y,z,C,4,1,2-1-1,3,\n"
-    )
-    rows = read_table(table)
-    assert [row.id for row in rows[:2]] == ["toy_A_1x4", "toy_C_4x1"]
-    assert rows[0].config is None and rows[0].paper_speedup is None
-    assert rows[1].paper_speedup == (3.0, "epoch")
-    assert cluster_topology("A", 1, 4) == Topology.from_lists([4], [1.2e10])
-    assert cluster_topology("A", 4, 4) == CLUSTER_A_4X4
-    assert cluster_topology("B", 2, 8) == Topology.from_lists([8, 2], [1.5e11, 3.125e9])
-    assert cluster_topology("C", 4, 1) == Topology.from_lists([4], [5e9])
-
-
-@pytest.mark.parametrize(
-    ("balance", "replicas", "expected"),
-    [([3], [16], "16 (DP)"), ([1, 1, 1], [1, 1, 1], "straight"), ([2, 1], [15, 1], "15-1")],
-)
-def test_configs_are_written_as_the_paper_writes_them(balance, replicas, expected) -> None:
-    assert render_config(Plan.from_balance(balance, replicas=replicas)) == expected
 
 
 def test_our_own_profile_plans_a_row_and_the_png_and_json_carry_it(capsys, tmp_path) -> None:

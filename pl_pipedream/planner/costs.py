@@ -19,13 +19,13 @@ The arithmetic is kept in this order so that every caller gets the same bits.
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from typing import Any
 
 import numpy as np
 
 __all__ = ["fits", "fitting_time", "stage_time", "stashed_bytes"]
 
-Number = TypeVar("Number", float, np.ndarray)
+Number = Any  # a float, or a numpy array of candidates priced at once
 
 
 def stage_time(

@@ -1,10 +1,11 @@
-"""README "Errors you may see": every row of the table, each bad input given for real.
+"""docs/errors.md, "Errors you may see": every row of the table, each bad input given for real.
 
 One row per bad input (model, batch, config, CLI arguments, profile, plan, checkpoint): the
 input is built, handed to the public entry point a user calls, and the error's text must hold
 the row's key words (what rule was broken, the value, and the fix). Rows run in one process;
 a row whose error needs several ranks names the multi-process test that covers it instead.
-``python -m tests.test_bad_inputs`` prints each row's full message (to refresh the README).
+The table itself must list every row here, with the row's key words in its error column.
+``python -m tests.test_bad_inputs`` prints each row's full message (to refresh the table).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pl_pipedream.profile.graph import Profile
 from pl_pipedream.schedule import SegmentStream
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.stage import pipeline_layers
+
+ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
 NODE = (
     "{id} -- Linear(4, 4) -- forward_compute_time={f}, backward_compute_time=2.5, "
@@ -332,7 +335,7 @@ ROWS = {
     ),
 }
 
-# Rows whose error needs real ranks, covered by multi-process tests (listed in the README too):
+# Rows whose error needs real ranks, covered by multi-process tests (kind "run" in docs/errors.md):
 # a rank killed mid-run -> tests/strategy/test_errors.py::test_a_dead_rank_is_named_by_the_others;
 # devices unlike the plan -> tests/strategy/test_errors.py::test_devices_different_from_the_plan;
 # a rank failing after fit -> tests/strategy/test_exits.py.
@@ -362,7 +365,29 @@ def test_a_bad_input_gets_its_error(name: str, tmp_path: Path) -> None:
         assert word in text, (word, text)
 
 
-if __name__ == "__main__":  # print every row's message, for the README table
+def errors_table() -> list[tuple[str, str, str]]:
+    """docs/errors.md's table: (input, what is wrong, the error) per row."""
+    rows = []
+    for line in ERRORS_PAGE.read_text().splitlines():
+        if not line.startswith("| ") or line.startswith(("| input", "|---")):
+            continue
+        kind, bad, error = (cell.strip() for cell in line.strip().strip("|").split(" | ", 2))
+        rows.append((kind, bad, error))
+    return rows
+
+
+def test_the_errors_page_lists_every_row_with_its_key_words() -> None:
+    table = errors_table()
+    listed = {(kind, bad): error for kind, bad, error in table if kind != "run"}
+    assert list(listed) == [(row.kind, row.bad) for row in ROWS.values()]
+    for row in ROWS.values():
+        error = listed[(row.kind, row.bad)]
+        for word in row.words:
+            assert word in error, (row.bad, word, error)
+    assert sum(kind == "run" for kind, _, _ in table) == 3  # the multi-process rows above
+
+
+if __name__ == "__main__":  # print every row's message, for docs/errors.md
     import tempfile
 
     for row in ROWS.values():

@@ -200,8 +200,8 @@ def check_machine(
         "; smoke_settings must bring the run to this machine (trainer.accelerator: cpu, "
         "trainer.devices: 2, trainer.num_nodes: 1)"
         if cfg.get("smoke")
-        else "; run it on the cluster (README: Recipes) or add smoke=true for the recipe's "
-        "reduced CPU run"
+        else "; run it on the cluster (docs/reproducing.md: Recipes) or add smoke=true for the "
+        "recipe's reduced CPU run"
     )
     if gpus:
         if cuda_devices is None:

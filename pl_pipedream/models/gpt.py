@@ -35,8 +35,8 @@ class Embedding(nn.Module):
         """Small embeddings, as GPT-2 initialises them: the tied head then starts near uniform.
 
         A reset method of the module (not code in ``__init__``), so that the strategy can replay
-        it when the model is built empty (README: "Models larger than one process"); the draws
-        and their order are those of the whole build.
+        it when the model is built empty (docs/guide.md: "Models larger than one process"); the
+        draws and their order are those of the whole build.
         """
         nn.init.normal_(self.wte.weight, std=0.02)
         nn.init.normal_(self.wpe.weight, std=0.02)

@@ -24,7 +24,7 @@ optimizer breaks ties in the iteration order of Python sets, which varies betwee
 ties the two may print different shapes of the same time. Inner rows: a segment that starts
 after state ``a`` may only be split at states that follow ``a``; PipeDream's optimizer also tries
 states unrelated to ``a`` and can then under-price an inner segment (never seen to change a final
-answer). The README records how the DP's answers compare with PipeDream's own optimizer.
+answer). docs/planner.md records how the DP's answers compare with PipeDream's own optimizer.
 
 Solving the inner rows one by one repeats work: every row prices the same appended stages and
 gathers them anew. ``solve_row`` (one row with its choices, for the top level and for walking a

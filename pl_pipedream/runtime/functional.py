@@ -4,7 +4,7 @@ Every forward pass of the executor runs the stage on one weight version's tensor
 snapshot, a prediction) instead of the module's own parameters. ``torch.func.functional_call``
 does that, but per call it rebuilds the map of tied names, checks the keys and swaps through
 attribute lookups: about 0.1 ms per forward on this machine, measured, for any size of stage, a
-fixed cost per microbatch (README, "Pipeline throughput"). ``StageCall`` finds each parameter's
+fixed cost per microbatch (docs/performance.md). ``StageCall`` finds each parameter's
 slot (the module that owns it and its name there) once, with the names tied to it, and per call
 puts the given tensors in those slots, runs the module and puts the parameters back, even when
 the forward raises. As with ``functional_call(module, params, args, strict=False)``, a

@@ -35,7 +35,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   _current_fx``: the strategy logs ``train_loss`` at every step; after the first step of an
   epoch it updates the registered metric directly (``log_step_value``), which skips the
   per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
-  per step, measured; README, "Pipeline throughput").
+  per step, measured; docs/performance.md).
 * ``LightningModule.log`` (an instance attribute, while the strategy runs ``training_step`` on the
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).

@@ -15,7 +15,7 @@ that the signal ended, so the scheduler accounts the job as ended by it, not com
 with the run's ``hydra.run.dir``).
 
 Posting an all-reduce costs about 0.1-0.2 ms of CPU on a gloo group (measured on the project
-machine), which steps of a millisecond or two notice (README, "Pipeline throughput"). So a post
+machine), which steps of a millisecond or two notice (docs/performance.md). So a post
 happens every ``period`` steps, not every step: the all-reduce also carries each rank's time per
 step since its previous post, and the agreed (largest) one sets the next period to the steps that
 fill ``MIN_INTERVAL`` seconds, at most ``MAX_PERIOD``. Every rank reads the same agreed values at

@@ -280,7 +280,7 @@ def test_smoke_true_without_settings_changes_nothing() -> None:
             {"NODE_RANK": "0"},
             "this run needs 16 GPUs on 4 nodes (trainer.accelerator: gpu, trainer.num_nodes: 4, "
             "trainer.devices: 4) and this machine has no CUDA device; run it on the cluster "
-            "(README: Recipes) or add smoke=true",
+            "(docs/reproducing.md: Recipes) or add smoke=true",
         ),
         (
             ["trainer=gpu", "trainer.devices=4"],

@@ -135,9 +135,10 @@ class RankEnd:
 
     def order(self) -> tuple[int, float, int]:
         """Causes first (killed by a signal, its own error), then ranks that saw a peer stop,
-        then those stopped at a deadline with no error of their own; earliest first in each."""
+        then those stopped at a deadline with no error of their own; earliest first in each
+        (the stopped ones by rank)."""
         if self.kind is None and self.stopped is not None:
-            return (2, self.at, self.rank)
+            return (2, 0.0, self.rank)
         consequence = self.kind in _CONSEQUENCES or any(
             text in self.message for text in _CONSEQUENCE_TEXTS
         )
@@ -330,7 +331,7 @@ class RankProcesses:
     def _conclude(self) -> tuple[str, int]:
         """The report over every rank, this one included; the directory is removed."""
         agreed = self._agreed()
-        own = self._end(self.first_rank, 0)
+        own = self._end(self.first_rank, 1 if self.first_rank in self.stopped else 0)
         ends = [own, *(self._end(rank, proc.returncode) for rank, proc in self._ranked())]
         report = render(ends, agreed)
         os.environ.pop(ERRORS_VARIABLE, None)

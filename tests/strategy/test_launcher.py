@@ -16,6 +16,7 @@ import inspect
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,32 @@ def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def report_of(stderr: str) -> list[str]:
     """The report: the command's last lines, from the first ``pl-pipedream: rank`` line on."""
     return stderr[stderr.index("pl-pipedream: rank") :].splitlines()
+
+
+# ----- popen: who watches the ranks --------------------------------------------------------------
+
+
+def test_popen_starts_the_ranks_and_watches_them_without_lightnings_observer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lightning's ``child-process-observer`` thread SIGKILLs every rank within 5 s of one
+    failing, before any report: the popen launcher starts the ranks and its own watcher only."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from pl_pipedream.strategy import launcher as launcher_module
+
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launcher_module, "script_command", lambda: [sys.executable, "-c", "0"])
+    environment = LightningEnvironment()
+    assert not environment.creates_processes_externally
+    launcher = PipelineScriptLauncher(environment, num_processes=3, num_nodes=1, timeout=30)
+    assert launcher.launch(lambda: "fitted") == "fitted"
+    names = [thread.name for thread in threading.enumerate()]
+    assert "child-process-observer" not in names and "pl-pipedream-rank-watcher" in names
+    assert launcher.ranks is not None and len(launcher.procs) == 2
+    assert launcher.ranks.finish() == ("", 0)  # both ranks exited 0
+    assert [proc.returncode for proc in launcher.procs] == [0, 0]
 
 
 # ----- popen: how the command ends ----------------------------------------------------------------

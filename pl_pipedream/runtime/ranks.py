@@ -154,10 +154,10 @@ class RankEnd:
     def line(self, lead: bool) -> str:
         """This rank's line of the report (the first line when ``lead``)."""
         if self.kind is None and self.stopped is not None:
-            return (
-                f"rank {self.rank} was stopped at the deadline ({self.stopped}; {self.exit_text()})"
-            )
-        status = self.exit_text() if self.stopped is None else f"{self.stopped}: {self.exit_text()}"
+            return f"rank {self.rank} was stopped {self.stopped} ({self.exit_text()})"
+        status = self.exit_text()
+        if self.stopped is not None:
+            status = f"then stopped {self.stopped}: {status}"
         if lead:
             return f"rank {self.rank} failed ({status}); its error:"
         detail = status if self.kind is None else f"{self.kind}; {status}"
@@ -237,7 +237,7 @@ class RankProcesses:
         """Forward ``signum`` to every rank still running (they count as stopped by rank 0)."""
         for rank, proc in self._ranked():
             if proc.poll() is None:
-                why = f"sent {_signal_name(signum)} by rank {self.first_rank}"
+                why = f"with {_signal_name(signum)} from rank {self.first_rank}"
                 self.stopped.setdefault(rank, why)
                 proc.send_signal(signum)
 
@@ -252,7 +252,9 @@ class RankProcesses:
             failed_here = Path(self.directory, f"rank-{self.first_rank}.json").exists()
             wait = self.grace if failed_here else self.timeout + FINISH_MARGIN
             self._wait_all(time.monotonic() + wait)
-            self._stop_running(f"still running {wait:.0f} s after rank {self.first_rank} ended")
+            self._stop_running(
+                f"at the deadline, still running {wait:.0f} s after rank {self.first_rank} ended"
+            )
             self._result = self._conclude()
             return self._result
 
@@ -294,7 +296,7 @@ class RankProcesses:
                 if self._closing.is_set():
                     return  # this rank ended meanwhile: finish reports
                 self._closing.set()
-                late = f"still running {self.grace:.0f} s after a rank failed"
+                late = f"at the deadline, still running {self.grace:.0f} s after a rank failed"
                 self._stop_running(late)
                 self.stopped[self.first_rank] = late
                 _print_last(self._conclude()[0])

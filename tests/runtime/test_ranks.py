@@ -79,15 +79,15 @@ def test_the_report_leads_with_the_killed_rank_not_the_neighbour_that_saw_it_fir
         RankEnd(1, 1, 10.1, kind="PeerError", text="Traceback\nPeerError: from rank 2"),
         RankEnd(2, -9, 10.4),  # seen after its neighbour's error, yet the cause
         RankEnd(3, 1, 10.2, kind="RuntimeError", message="... Connection closed by peer ..."),
-        RankEnd(4, None, 10.0, stopped="still running 10 s after rank 0 ended"),
+        RankEnd(4, -15, 10.0, stopped="at the deadline, still running 10 s after rank 0 ended"),
     ]
     assert render(ends).splitlines() == [
         "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:",
         "  (no error recorded: it was killed, exited or hung; its output above says where)",
         "pl-pipedream: rank 1 failed as well (PeerError; exit code: 1)",
         "pl-pipedream: rank 3 failed as well (RuntimeError; exit code: 1)",
-        "pl-pipedream: rank 4 was stopped at the deadline (still running 10 s after rank 0 "
-        "ended; still running)",
+        "pl-pipedream: rank 4 was stopped at the deadline, still running 10 s after rank 0 "
+        "ended (killed by SIGTERM)",
     ]
 
 
@@ -110,11 +110,11 @@ def test_an_own_error_leads_by_time_and_its_last_lines_are_shown() -> None:
 
 
 def test_a_rank_that_failed_then_hung_on_its_way_out_counts_by_its_error() -> None:
-    end = RankEnd(3, -15, 1.0, kind="PeerError", stopped="still running 10 s after rank 0 ended")
+    end = RankEnd(3, -15, 1.0, kind="PeerError", stopped="at the deadline, still running 10 s")
     assert end.order()[0] == 1
     assert end.line(lead=False) == (
-        "rank 3 failed as well (PeerError; still running 10 s after rank 0 ended: killed by "
-        "SIGTERM)"
+        "rank 3 failed as well (PeerError; then stopped at the deadline, still running 10 s: "
+        "killed by SIGTERM)"
     )
 
 
@@ -166,8 +166,8 @@ def test_a_rank_still_running_after_the_deadline_fails_the_command() -> None:
     report, status = started.finish()
     assert status == 1 and time.monotonic() - began < 0.5 + ranks.FINISH_MARGIN + 5
     assert report.splitlines()[0] == (
-        "pl-pipedream: rank 1 was stopped at the deadline (still running 10 s after rank 0 "
-        "ended; killed by SIGTERM)"
+        "pl-pipedream: rank 1 was stopped at the deadline, still running 10 s after rank 0 "
+        "ended (killed by SIGTERM)"
     )
     assert started.procs[0].poll() is not None  # nothing left behind
     assert started.finish() == (report, status)  # once
@@ -191,8 +191,7 @@ def test_ranks_signalled_by_rank_0_are_listed_as_stopped() -> None:
     report, status = started.finish()
     assert status == 1
     assert report.splitlines()[0] == (
-        "pl-pipedream: rank 1 was stopped at the deadline (sent SIGTERM by rank 0; killed by "
-        "SIGTERM)"
+        "pl-pipedream: rank 1 was stopped with SIGTERM from rank 0 (killed by SIGTERM)"
     )
 
 
@@ -230,11 +229,11 @@ def test_a_failure_while_rank_0_is_blocked_ends_every_rank_and_names_the_killed_
     assert report[0] == "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:"
     assert report[2] == "pl-pipedream: rank 1 failed as well (PeerError; exit code: 1)"
     assert report[3] == (
-        "pl-pipedream: rank 0 was stopped at the deadline (still running 2 s after a rank failed; "
-        "exit code: 1)"
+        "pl-pipedream: rank 0 was stopped at the deadline, still running 2 s after a rank failed "
+        "(exit code: 1)"
     )
     assert report[4] == (
-        "pl-pipedream: rank 3 was stopped at the deadline (still running 2 s after a rank failed; "
-        "killed by SIGTERM)"
+        "pl-pipedream: rank 3 was stopped at the deadline, still running 2 s after a rank failed "
+        "(killed by SIGTERM)"
     )
     assert len(report) == 5

@@ -104,8 +104,8 @@ def test_a_rank_that_hangs_after_fit_fails_the_command_and_is_named(tmp_path: Pa
     result = run_script(tmp_path, "--fail", "hang-after-fit", "--timeout", "10")
     assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
     assert report_of(result.stderr)[0] == (
-        "pl-pipedream: rank 1 was stopped at the deadline (still running 20 s after rank 0 "
-        "ended; killed by SIGTERM)"
+        "pl-pipedream: rank 1 was stopped at the deadline, still running 20 s after rank 0 "
+        "ended (killed by SIGTERM)"
     )
 
 

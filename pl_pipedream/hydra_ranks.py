@@ -14,25 +14,18 @@ When ``LOCAL_RANK`` is already set (a child, or a run under torchrun or SLURM), 
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hydra.core.hydra_config import HydraConfig
 
-__all__ = ["child_command", "other_ranks"]
+from pl_pipedream.runtime.ranks import ERRORS_VARIABLE, RankProcesses, write_error
 
-log = logging.getLogger(__name__)
+__all__ = ["RankFailure", "child_command", "other_ranks"]
 
 # Hydra overrides a child must not inherit: they would make it sweep or move its output.
 _NOT_FORWARDED = (
@@ -59,33 +52,28 @@ def _slurm_tasks() -> int:
 
 
 @contextmanager
-def other_ranks(num_processes: int) -> Iterator[None]:
-    """Run ranks 1..n-1 of the current Hydra job for the duration of the block.
+def other_ranks(num_processes: int, timeout: float = 300.0) -> Iterator[None]:
+    """Run ranks 1..n-1 of the current Hydra job for the duration of the block, started, watched
+    and reported by ``runtime.ranks.RankProcesses`` (``timeout``: the strategy's, how long a
+    rank may wait for a peer).
 
-    On leaving the block normally, waits for every child and raises if one failed. If a child
-    fails while the block runs, rank 0 may be blocked on it inside a collective; the child's
-    error is logged, the other children are stopped and rank 0 is killed (as Lightning's own
-    launcher does), so a failure never hangs until the strategy's timeout. Either way the
-    failed child's own error (the last lines of its traceback, which each child records in a
-    directory named by ``PL_PIPEDREAM_ERRORS``) is in rank 0's last message.
+    On leaving the block, rank 0 waits for every child; if any rank failed, hung or was
+    stopped, it raises ``RankFailure`` whose message is the report, leading with the rank that
+    failed first. If a child fails while the block runs, every rank gets a grace to stop on its
+    own, then the ones still running, rank 0 included, are stopped, the report printed, and the
+    command exits 1. An exit every rank agreed on (a preemption) passes through unchanged.
     """
-    # strategy.exits is imported where needed: the strategy package loads Lightning, which
-    # train.py's checks run without.
     if num_processes <= 1 or "LOCAL_RANK" in os.environ or _slurm_tasks() > 1:
         # a launcher (torchrun, srun with a task per device, or rank 0 here) started every rank
         try:
             yield
-        except BaseException as error:
-            from pl_pipedream.strategy.exits import ERRORS_VARIABLE, write_error
-
+        except Exception as error:
             errors = os.environ.get(ERRORS_VARIABLE)
-            if errors and "LOCAL_RANK" in os.environ:  # for rank 0's report (Hydra prints it)
+            if errors and "LOCAL_RANK" in os.environ:  # for rank 0's report
                 write_error(errors, int(os.environ["LOCAL_RANK"]), error)
             raise
         return
-    from pl_pipedream.strategy.exits import ERRORS_VARIABLE
-
-    saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
+    saved = {name: os.environ.get(name) for name in (*_RANK_VARIABLES, ERRORS_VARIABLE)}
     shared = {
         "NODE_RANK": "0",
         "WORLD_SIZE": str(num_processes),
@@ -100,28 +88,40 @@ def other_ranks(num_processes: int) -> Iterator[None]:
         hydra.job.config_name,
         [s.path for s in hydra.runtime.config_sources if s.provider == "command-line"],
     )
-    errors = tempfile.mkdtemp(prefix="pl-pipedream-errors-")  # each child's error, if any
-    children = []
-    for rank in range(1, num_processes):
-        env = {**os.environ, **shared, "LOCAL_RANK": str(rank), ERRORS_VARIABLE: errors}
-        rank_command = [*command, f"hydra.job.name={hydra.job.name}_rank{rank}"]
-        children.append(subprocess.Popen(rank_command, env=env, cwd=hydra.runtime.cwd))
+    commands = [
+        [*command, f"hydra.job.name={hydra.job.name}_rank{rank}"]
+        for rank in range(1, num_processes)
+    ]
+    ranks = RankProcesses.start(commands, {**os.environ, **shared}, timeout, cwd=hydra.runtime.cwd)
     os.environ.update({**shared, "LOCAL_RANK": "0"})
-    watcher = _Watcher(children, errors=errors)
-    watcher.start()
     try:
-        yield
-        watcher.stop()
-        _wait(children, errors=errors)
+        try:
+            yield
+        except Exception as error:
+            write_error(ranks.directory, 0, error)
+            report, _ = ranks.finish()
+            if report:
+                raise RankFailure(report) from error
+            raise
+        except BaseException:  # an agreed exit (SystemExit) or Ctrl-C: this rank did not fail
+            report, _ = ranks.finish()
+            if report:
+                print(report, file=sys.stderr, flush=True)
+            raise
+        report, _ = ranks.finish()
+        if report:
+            raise RankFailure(report)
     finally:
-        watcher.stop()
-        _stop(children)
-        shutil.rmtree(errors, ignore_errors=True)
+        ranks.finish()  # (again: returns at once) every child has ended
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class RankFailure(RuntimeError):
+    """A rank of the job failed, hung or was stopped; the message is the report."""
 
 
 def child_command(
@@ -155,70 +155,3 @@ def _quoted(path: str) -> str:
     or at the end, so only those runs are doubled, and each quote gets its backslash."""
     doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, path)
     return "'" + doubled.replace("'", "\\'") + "'"
-
-
-def _failure(rank: int, code: int, errors: str | None) -> str:
-    """Rank ``rank``'s failure, with the last lines of its error when it recorded one."""
-    from pl_pipedream.strategy.exits import error_lines
-
-    if errors is None:
-        return f"rank {rank} failed (exit code: {code}); its error is printed above"
-    return "\n".join(
-        [f"rank {rank} failed (exit code: {code}); its error:", *error_lines(errors, rank)]
-    )
-
-
-def _wait(
-    children: list[subprocess.Popen[bytes]], timeout: float = 120.0, errors: str | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    for rank, child in enumerate(children, start=1):
-        try:
-            code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired as error:
-            raise RuntimeError(
-                f"rank {rank} did not finish within {timeout:.0f} s after rank 0 did (pid: "
-                f"{child.pid}); its output above says where it stopped"
-            ) from error
-        if code != 0:
-            raise RuntimeError(_failure(rank, code, errors))
-
-
-def _stop(children: list[subprocess.Popen[bytes]]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.terminate()
-    for child in children:
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
-class _Watcher(threading.Thread):
-    """Kills the job as soon as a child exits with an error (rank 0 may be blocked on it)."""
-
-    def __init__(
-        self,
-        children: list[subprocess.Popen[bytes]],
-        period: float = 1.0,
-        errors: str | None = None,
-    ) -> None:
-        super().__init__(daemon=True, name="pl-pipedream-rank-watcher")
-        self.children = children
-        self.errors = errors
-        self.period = period
-        self.stopped = threading.Event()
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.period):
-            for rank, child in enumerate(self.children, start=1):
-                code = child.poll()
-                if code not in (None, 0) and not self.stopped.is_set():
-                    _stop(self.children)
-                    log.error("%s\nstopping every rank", _failure(rank, code, self.errors))
-                    os.kill(os.getpid(), signal.SIGKILL)

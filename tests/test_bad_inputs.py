@@ -338,7 +338,7 @@ ROWS = {
 # Rows whose error needs real ranks, covered by multi-process tests (kind "run" in docs/errors.md):
 # a rank killed mid-run -> tests/strategy/test_errors.py::test_a_dead_rank_is_named_by_the_others;
 # devices unlike the plan -> tests/strategy/test_errors.py::test_devices_different_from_the_plan;
-# a rank failing after fit -> tests/strategy/test_exits.py.
+# a rank failing after fit -> tests/strategy/test_launcher.py.
 
 
 def message_of(row: Row, tmp: Path) -> str:

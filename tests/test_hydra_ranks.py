@@ -2,17 +2,15 @@
 
 The children here are tiny Python processes (``python -c``) that stand in for
 ``python -m pl_pipedream.apps.train``: they report the environment they were started with. Hydra's
-job state is faked; ``os.kill`` is replaced wherever a failing child would make the watcher kill
-rank 0 (here: pytest).
+job state is faked. How ranks are watched and reported is tested in tests/runtime/test_ranks.py;
+here, that the app's block ends with that report.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,24 +20,9 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from pl_pipedream import hydra_ranks
-from pl_pipedream.hydra_ranks import _free_port, _stop, _wait, _Watcher, child_command, other_ranks
+from pl_pipedream.hydra_ranks import RankFailure, _free_port, child_command, other_ranks
 
 RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def fake_kill(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Record signals sent to this process (pytest) instead of sending them; others go out."""
-    kills: list[tuple[int, int]] = []
-    real_kill = os.kill
-
-    def kill(pid: int, sig: int) -> None:
-        if pid == os.getpid():
-            kills.append((pid, sig))
-        else:
-            real_kill(pid, sig)  # Popen.terminate() and kill() of the children
-
-    monkeypatch.setattr(os, "kill", kill)
-    return kills
 
 
 def parsed(overrides: list[str]) -> dict[str, object]:
@@ -152,7 +135,6 @@ def hydra_job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple]:
         return [sys.executable, "-c", REPORT]
 
     monkeypatch.setattr(hydra_ranks, "child_command", command)
-    fake_kill(monkeypatch)
     return calls
 
 
@@ -205,79 +187,57 @@ def test_a_failed_child_fails_the_block(
     hydra_job: list[tuple], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EXIT_2", "3")
-    with pytest.raises(RuntimeError, match=r"rank 2 failed \(exit code: 3\)"):
+    with pytest.raises(RankFailure, match=r"^pl-pipedream: rank 2 failed \(exit code: 3\)"):
         with other_ranks(3):
             pass
     assert sorted(reports(tmp_path)) == ["job_rank1", "job_rank2"]
     assert "LOCAL_RANK" not in os.environ
 
 
-# ----- waiting, stopping, watching ----------------------------------------------------------------
+# ----- the report -------------------------------------------------------------------------------
+
+CHILD_RAISES = (
+    "from pl_pipedream.hydra_ranks import other_ranks\n"
+    "with other_ranks(2):\n"
+    "    raise ValueError('bad config on rank 1')\n"
+)
+CHILD_KILLED = "import os, time\ntime.sleep(0.5)\nos.kill(os.getpid(), 9)\n"
 
 
-def python(code: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code])
+class PeerError(RuntimeError):
+    """Stands in for the runtime's: a rank that only saw a peer stop."""
 
 
-def test_wait_names_the_failed_rank_and_the_late_one() -> None:
-    children = [python("pass"), python("raise SystemExit(2)")]
-    with pytest.raises(RuntimeError, match=r"rank 2 failed \(exit code: 2\)"):
-        _wait(children)
-    _wait([python("pass")])
-    late = python("import time; time.sleep(60)")
-    try:
-        with pytest.raises(RuntimeError, match=rf"rank 1 did not finish within 0 s .*{late.pid}"):
-            _wait([late], timeout=0.2)
-    finally:
-        _stop([late])
-    assert late.returncode == -signal.SIGTERM
-
-
-def test_a_childs_own_error_ends_rank_zeros_message(tmp_path: Path) -> None:
-    """A child (LOCAL_RANK set) whose block raises records its error; rank 0's failure message
-    ends with it, so the user reads it last, not buried above among the other ranks' output."""
-    code = (
-        "from pl_pipedream.hydra_ranks import other_ranks\n"
-        "with other_ranks(2):\n"
-        "    raise ValueError('bad config on rank 1')\n"
-    )
-    env = {**os.environ, "LOCAL_RANK": "1", "PL_PIPEDREAM_ERRORS": str(tmp_path)}
-    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
-    with pytest.raises(RuntimeError) as caught:
-        _wait([child], errors=str(tmp_path))
+def test_a_childs_own_error_ends_rank_zeros_message(
+    hydra_job: list[tuple], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child whose block raises records its error; rank 0's failure message ends with it, so
+    the user reads it last, not buried above among the other ranks' output."""
+    command = [sys.executable, "-c", CHILD_RAISES]
+    monkeypatch.setattr(hydra_ranks, "child_command", lambda *args: command)
+    with pytest.raises(RankFailure) as caught:
+        with other_ranks(2):
+            pass
     lines = str(caught.value).splitlines()
-    assert lines[0] == "rank 1 failed (exit code: 1); its error:"
+    assert lines[0] == "pl-pipedream: rank 1 failed (exit code: 1); its error:"
     assert lines[-1] == "  ValueError: bad config on rank 1"
-    killed = python("import os; os.kill(os.getpid(), 9)")
-    with pytest.raises(RuntimeError, match=r"\(exit code: -9\); its error:\n  \(none recorded"):
-        _wait([killed], errors=str(tmp_path / "none"))
 
 
-def test_the_watcher_stops_the_others_and_kills_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    kills = fake_kill(monkeypatch)
-    healthy, failing = python("import time; time.sleep(60)"), python("raise SystemExit(5)")
-    watcher = _Watcher([healthy, failing], period=0.05)
-    watcher.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not kills and time.monotonic() < deadline:
-            time.sleep(0.01)
-        healthy_when_killed = healthy.poll()
-    finally:
-        watcher.stop()
-        watcher.join(timeout=5)
-        _stop([healthy, failing])
-    assert kills[0] == (os.getpid(), signal.SIGKILL)
-    assert healthy_when_killed == -signal.SIGTERM  # stopped before rank 0 was killed
-
-
-def test_the_watcher_leaves_children_that_succeed(monkeypatch: pytest.MonkeyPatch) -> None:
-    kills = fake_kill(monkeypatch)
-    child = python("pass")
-    child.wait()
-    watcher = _Watcher([child], period=0.02)
-    watcher.start()
-    time.sleep(0.2)
-    watcher.stop()
-    watcher.join(timeout=5)
-    assert not watcher.is_alive() and kills == []
+def test_when_rank_0_fails_on_a_killed_child_the_report_leads_with_the_child(
+    hydra_job: list[tuple], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's block fails with a PeerError because rank 1 was SIGKILLed: the report, raised
+    from rank 0's error, names rank 1 first and rank 0 after it."""
+    command = [sys.executable, "-c", CHILD_KILLED]
+    monkeypatch.setattr(hydra_ranks, "child_command", lambda *args: command)
+    with pytest.raises(RankFailure) as caught:
+        with other_ranks(2):
+            time.sleep(1.5)
+            raise PeerError("rank 0 could not receive from rank 1")
+    assert isinstance(caught.value.__cause__, PeerError)
+    assert str(caught.value).splitlines() == [
+        "pl-pipedream: rank 1 failed (killed by SIGKILL); its error:",
+        "  (no error recorded: it was killed, exited or hung; its output above says where)",
+        "pl-pipedream: rank 0 failed as well (PeerError; exit code: 1)",
+    ]
+    assert "LOCAL_RANK" not in os.environ

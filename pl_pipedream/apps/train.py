@@ -99,7 +99,8 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(2) from None
     # Several nodes need a launcher per node (torchrun, SLURM); one node starts its own ranks.
     single_node = int(cfg.trainer.get("num_nodes") or 1) == 1
-    with other_ranks(num_processes(cfg.trainer) if single_node else 1):
+    timeout = float(cfg.strategy.get("timeout") or 300)  # how long a rank waits for a peer
+    with other_ranks(num_processes(cfg.trainer) if single_node else 1, timeout):
         _log_once()  # after the start of the other ranks: they import Lightning meanwhile
         try:
             metrics = train(cfg)

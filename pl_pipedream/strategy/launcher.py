@@ -1,8 +1,14 @@
-"""The spawn launcher, returning the whole trained model to the launching process.
+"""The launchers of ``PipeDreamStrategy``.
 
-Lightning's spawn launcher sends rank 0's ``state_dict`` back to the parent. Under
-``PipeDreamStrategy`` rank 0 holds only its own stage, so every rank contributes its stage first
-and the parent receives all of them merged under the LightningModule's names.
+``start_method="popen"``: rank 0 starts the other ranks by re-running the user's script, as
+Lightning's script launcher does, but watches them and reports how they ended itself
+(``runtime.ranks``): Lightning's observer thread, which SIGKILLs every rank within 5 s of one
+failing and leaves the command with status 137 and no report, is never started.
+
+``start_method="spawn"`` (or ``"fork"``): Lightning's spawn launcher sends rank 0's
+``state_dict`` back to the parent. Under ``PipeDreamStrategy`` rank 0 holds only its own stage,
+so every rank contributes its stage first and the parent receives all of them merged under the
+LightningModule's names.
 """
 
 from __future__ import annotations
@@ -17,39 +23,72 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from pl_pipedream.runtime.ranks import RankProcesses, record_uncaught_errors, script_command
 from pl_pipedream.strategy.checkpoint import merge_states
-from pl_pipedream.strategy.exits import ExitReport, record_uncaught_errors
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
     WorkerOutput,
+    hydra_child_command,
+    set_num_threads,
 )
 
 __all__ = ["PipelineScriptLauncher", "PipelineSpawnLauncher"]
 
 
 class PipelineScriptLauncher(SubprocessScriptLauncher):
-    """``start_method="popen"``: Lightning's script launcher, plus the exit report
-    (``strategy.exits``): the launching command exits 1 when any rank failed, even after rank 0
-    finished, and prints the first failed rank's error once at the end."""
+    """``start_method="popen"``: the other ranks of this node re-run the script, started,
+    watched and reported by ``runtime.ranks.RankProcesses``; the command exits 1 when any rank
+    failed, hung or was stopped, and its last lines name the rank that failed first."""
 
     def __init__(
         self, cluster_environment: Any, num_processes: int, num_nodes: int, timeout: float
     ):
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.timeout = timeout
+        self.ranks: RankProcesses | None = None
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if self.cluster_environment.creates_processes_externally:
-            record_uncaught_errors(int(os.environ.get("LOCAL_RANK", "0")))
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        environment = self.cluster_environment
+        environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if environment.creates_processes_externally:
+            record_uncaught_errors(self._first_rank() + environment.local_rank())
+        else:
+            self._start_other_ranks()
+        set_num_threads(self.num_processes)
+        return function(*args, **kwargs)
 
     @override
-    def _call_children_scripts(self) -> None:
-        report = ExitReport(self.timeout)
-        super()._call_children_scripts()
-        report.watch(self.procs)
+    def kill(self, signum: Any) -> None:
+        if self.ranks is not None:
+            self.ranks.send_signal(signum)
+
+    def _first_rank(self) -> int:
+        return self.cluster_environment.node_rank() * self.num_processes
+
+    def _start_other_ranks(self) -> None:
+        environment = self.cluster_environment
+        if self.ranks is not None or environment.local_rank() != 0:
+            raise RuntimeError(
+                "only local rank 0 starts the other ranks, once (local rank: "
+                f"{environment.local_rank()}); check that LOCAL_RANK is not set by hand"
+            )
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        os.environ["NODE_RANK"] = str(environment.node_rank())
+        os.environ["LOCAL_RANK"] = "0"
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        commands, cwd = [], None
+        for local_rank in range(1, self.num_processes):
+            hydra = hydra_child_command(local_rank)  # a Hydra script: Lightning's command
+            command, cwd = hydra if hydra is not None else (script_command(), None)
+            commands.append(command)
+        self.ranks = RankProcesses.start(
+            commands, os.environ, self.timeout, cwd=cwd, first_rank=self._first_rank()
+        )
+        self.procs = self.ranks.procs
+        self.ranks.report_at_exit()
 
 
 class PipelineSpawnLauncher(MultiProcessingLauncher):

@@ -11,8 +11,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   every training step; that collective would put every stage in lock-step. Each rank checks its
   own flag instead, and runs the preemption check there (``strategy.preemption``).
 * Preemption: ``_SignalConnector._slurm_sigusr_handler_fn`` (Lightning's SLURM requeue, run at
-  the agreed step rather than in the handler) and the launcher's ``procs`` and its thread named
-  ``child-process-observer``, which would kill rank 0 once a child exits with a non-zero code.
+  the agreed step rather than in the handler).
 * ``_LoggerConnector.update_eval_epoch_metrics``: metrics are logged on the last stage only; every
   rank must see them, since callbacks monitor them on every rank.
 * ``Precision.clip_grad_by_norm`` (an instance attribute over the plugin's method): Lightning
@@ -43,20 +42,25 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   refused before launch, ``strategy.arguments``), ``_FitLoop._data_source`` (the first
   training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
   epoch's last step drains).
-* Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
-  ``_MultiProcessingLauncher`` and ``_WorkerOutput`` (launchers), ``_init_dist_connection``.
+* Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
+  launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
+  replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
+  ``_WorkerOutput`` (the spawn launcher), ``_hydra_subprocess_cmd`` (a Hydra script's child
+  command), ``_set_num_threads_if_needed``, ``_init_dist_connection``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
+from lightning.fabric.utilities.distributed import (
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+)
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
@@ -83,8 +87,8 @@ __all__ = [
     "is_last_batch",
     "check_sigterm_per_rank",
     "slurm_requeue",
-    "stop_child_observer",
-    "wait_for_child_ranks",
+    "hydra_child_command",
+    "set_num_threads",
     "keep_user_samplers",
     "layer_sync",
     "patch_for_pipeline",
@@ -181,26 +185,26 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
 
 
-def stop_child_observer() -> None:
-    """Stop Lightning's launcher thread ``child-process-observer``, which kills this rank
-    (SIGKILL) once a child rank exits non-zero, by leaving it no processes to watch (its check
-    of an empty list finishes the thread). Called when rank 0 is about to end on purpose."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []  # noqa: SLF001 - Lightning's private observer
+def hydra_child_command(local_rank: int) -> tuple[list[str], str] | None:
+    """The command and working directory of local rank ``local_rank`` of a script that runs
+    under Hydra, as Lightning's script launcher builds them (``lightning.fabric.strategies.
+    launchers.subprocess_script._hydra_subprocess_cmd``: the same run directory, no second
+    config copy); None when Hydra is not running."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None
+    if not HydraConfig.initialized():
+        return None
+    command, cwd = _hydra_subprocess_cmd(local_rank)
+    return list(command), cwd
 
 
-def wait_for_child_ranks(strategy: Any, timeout: float) -> None:
-    """On the rank that launched the others (``launcher.procs``): stop Lightning's observer
-    (``stop_child_observer``), then wait up to ``timeout`` s for the children, so that the
-    launching command ends after every rank."""
-    procs = getattr(getattr(strategy, "_launcher", None), "procs", None) or []
-    if not procs:
-        return
-    stop_child_observer()
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=timeout)
+def set_num_threads(num_processes: int) -> None:
+    """Share the CPU's threads among ``num_processes`` ranks when ``OMP_NUM_THREADS`` is unset,
+    as Lightning's launchers do (``lightning.fabric.utilities.distributed.
+    _set_num_threads_if_needed``)."""
+    _set_num_threads_if_needed(num_processes=num_processes)
 
 
 def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], None]) -> None:

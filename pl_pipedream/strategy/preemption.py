@@ -43,7 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.strategy import exits, lightning_patches
+from pl_pipedream.runtime import ranks
+from pl_pipedream.strategy import lightning_patches
 
 __all__ = ["Preempted", "Preemption", "checkpoint_path", "exit_code", "parse_signals"]
 
@@ -189,6 +190,5 @@ def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
     strategy.drain()
     trainer.save_checkpoint(path)
     lightning_patches.slurm_requeue(trainer, signum)
-    lightning_patches.wait_for_child_ranks(strategy, strategy.timeout)
-    exits.plan_exit(exit_code(signum))  # the other ranks' equal status is no failure
+    ranks.agree_exit(exit_code(signum))  # the report counts this status as no failure
     raise Preempted(exit_code(signum))

@@ -1,13 +1,17 @@
 """A pipelined run that goes wrong on purpose: ``--fail nan`` (the loss becomes NaN on step 2),
-``--fail die`` (the last stage's process exits in step 2) or ``--fail after-fit`` (rank 1 raises
-in the user's code after ``trainer.fit`` returned, when rank 0 has finished); ``--divergence`` is
-the strategy's option of that name. Used by test_errors.py and test_exits.py."""
+``--fail die`` (the last stage's process exits in step 2), ``--fail after-fit`` (rank 1 raises
+in the user's code after ``trainer.fit`` returned, when rank 0 has finished), ``--fail
+hang-after-fit`` (rank 1 never ends after ``fit``) or ``--fail kill`` (rank ``--rank`` SIGKILLs
+itself in step ``--at``); ``--devices`` ranks (2 or 4); ``--divergence`` and ``--timeout`` are
+the strategy's options of those names. Used by test_errors.py and test_launcher.py."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -19,9 +23,11 @@ from tests.strategy.test_lightning_features import Net, loader, trainer  # noqa:
 
 
 class Failing(Net):
-    def __init__(self, fail: str) -> None:
+    def __init__(self, fail: str, rank: int = -1, at: int = 2) -> None:
         super().__init__(optimizer="sgd")
         self.fail = fail
+        self.kill_rank = rank
+        self.kill_at = at
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         loss = super().training_step(batch, batch_idx)
@@ -31,19 +37,33 @@ class Failing(Net):
             os._exit(3)
         return loss
 
+    def on_train_batch_start(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if self.fail == "kill" and batch_idx == self.kill_at:
+            if self.trainer.global_rank == self.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fail", choices=["nan", "die", "after-fit"], required=True)
+    fails = ["nan", "die", "after-fit", "hang-after-fit", "kill"]
+    parser.add_argument("--fail", choices=fails, required=True)
     parser.add_argument("--divergence", default="error")
+    parser.add_argument("--devices", type=int, choices=[2, 4], default=2)
+    parser.add_argument("--timeout", type=float, default=20)
+    parser.add_argument("--rank", type=int, default=-1)
+    parser.add_argument("--at", type=int, default=2)
     args = parser.parse_args()
     strategy = PipeDreamStrategy(
-        sync="async", balance=[3, 3], microbatches=2, timeout=20, divergence=args.divergence
+        sync="async",
+        balance=[3, 3] if args.devices == 2 else [2, 2, 1, 1],
+        microbatches=2,
+        timeout=args.timeout,
+        divergence=args.divergence,
     )
-    fitter = trainer(devices=2, strategy=strategy)
-    fitter.fit(Failing(args.fail), loader(2))
+    fitter = trainer(devices=args.devices, strategy=strategy)
+    fitter.fit(Failing(args.fail, args.rank, args.at), loader(2))
     if args.fail == "after-fit" and fitter.global_rank == 1:
-        import time
-
         time.sleep(2.0)  # rank 0 has finished by now
         raise RuntimeError("the user's code failed on rank 1 after fit")
+    if args.fail == "hang-after-fit" and fitter.global_rank == 1:
+        time.sleep(3600)

@@ -1,7 +1,10 @@
-"""The spawn launcher: every stage's state reaches the launching process.
+"""The launchers: the popen launcher's exit status and report; every stage's state reaches the
+process that spawned the ranks.
 
-Here: the Lightning internals the launcher overrides and builds, the launcher chosen by
-``start_method``, and the gather of every rank's stage over gloo. End to end, every spawn test
+Here: the popen launcher run end to end (``failing_script.py``: a rank failing or hanging after
+``fit``, a SIGKILL of a middle rank on 4 processes), the Lightning internals the spawn launcher
+overrides and builds, the launcher chosen by ``start_method``, and the gather of every rank's
+stage over gloo. End to end, every spawn test
 in ``test_lightning_features.py`` compares the launching process's model with the oracle, which
 only this launcher's gather fills (Lightning loads the returned weights with ``strict=False``,
 so a stage missing from them would otherwise go unnoticed).
@@ -10,6 +13,11 @@ so a stage missing from them would otherwise go unnoticed).
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +35,91 @@ from pl_pipedream.strategy.lightning_patches import (
     WorkerOutput,
 )
 from tests.runtime.distributed import run
+
+SCRIPT = Path(__file__).with_name("failing_script.py")
+
+
+def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def report_of(stderr: str) -> list[str]:
+    """The report: the command's last lines, from the first ``pl-pipedream: rank`` line on."""
+    return stderr[stderr.index("pl-pipedream: rank") :].splitlines()
+
+
+# ----- popen: who watches the ranks --------------------------------------------------------------
+
+
+def test_popen_starts_the_ranks_and_watches_them_without_lightnings_observer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lightning's ``child-process-observer`` thread SIGKILLs every rank within 5 s of one
+    failing, before any report: the popen launcher starts the ranks and its own watcher only."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from pl_pipedream.strategy import launcher as launcher_module
+
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launcher_module, "script_command", lambda: [sys.executable, "-c", "0"])
+    environment = LightningEnvironment()
+    assert not environment.creates_processes_externally
+    launcher = PipelineScriptLauncher(environment, num_processes=3, num_nodes=1, timeout=30)
+    assert launcher.launch(lambda: "fitted") == "fitted"
+    names = [thread.name for thread in threading.enumerate()]
+    assert "child-process-observer" not in names and "pl-pipedream-rank-watcher" in names
+    assert launcher.ranks is not None and len(launcher.procs) == 2
+    assert launcher.ranks.finish() == ("", 0)  # both ranks exited 0
+    assert [proc.returncode for proc in launcher.procs] == [0, 0]
+
+
+# ----- popen: how the command ends ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_rank_failing_after_rank_0_finished_fails_the_command(tmp_path: Path) -> None:
+    """Rank 1 raises after ``fit``, when rank 0 has returned: the command exits 1 and its last
+    lines are rank 1's error, printed once."""
+    result = run_script(tmp_path, "--fail", "after-fit")
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    tail = result.stderr.rstrip().splitlines()
+    start = max(i for i, line in enumerate(tail) if line.startswith("pl-pipedream: rank"))
+    assert tail[start] == "pl-pipedream: rank 1 failed (exit code: 1); its error:", tail[start:]
+    assert tail[-1].strip() == "RuntimeError: the user's code failed on rank 1 after fit"
+    assert result.stderr.count("pl-pipedream: rank 1 failed") == 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_after_fit_fails_the_command_and_is_named(tmp_path: Path) -> None:
+    """Rank 1 never ends after ``fit``: rank 0 waits its timeout plus a margin, stops it, and
+    the command exits 1 naming it (it exited 0 and named nothing)."""
+    result = run_script(tmp_path, "--fail", "hang-after-fit", "--timeout", "10")
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert report_of(result.stderr)[0] == (
+        "pl-pipedream: rank 1 was stopped at the deadline, still running 20 s after rank 0 "
+        "ended (killed by SIGTERM)"
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_middle_rank_is_named_first_and_the_command_exits_1(tmp_path: Path) -> None:
+    """Rank 2 of 4 is SIGKILLed in step 2: its neighbours fail with a PeerError naming it, and
+    the report leads with rank 2 itself; the command exits 1, not Lightning's 137 (its observer
+    SIGKILLed every rank within 5 s, leaving no report)."""
+    result = run_script(tmp_path, "--fail", "kill", "--devices", "4", "--rank", "2", "--at", "2")
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "Forcefully terminating" not in result.stderr
+    report = report_of(result.stderr)
+    assert report[0] == "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:", report
+    assert len([line for line in report if line.startswith("pl-pipedream: rank")]) == 4
 
 
 def test_lightning_collects_each_workers_results_through_the_overridden_method() -> None:
@@ -62,7 +155,7 @@ def test_popen_launches_like_ddp() -> None:
     strategy = PipeDreamStrategy(balance=[1, 1], start_method="popen")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert isinstance(trainer.strategy.launcher, SubprocessScriptLauncher)
-    assert type(trainer.strategy.launcher) is PipelineScriptLauncher  # adds the exit report
+    assert type(trainer.strategy.launcher) is PipelineScriptLauncher  # watches the ranks itself
 
 
 class StageStates:

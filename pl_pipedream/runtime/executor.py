@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, Link, Message, PeerError
 from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
@@ -53,6 +53,7 @@ from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pl_pipedream.runtime.boundary import map_tensors
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.step_logs import StepLogCapture
 

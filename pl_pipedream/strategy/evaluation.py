@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import ExecutorError
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
 from pl_pipedream.strategy.stage import LocalStage
 

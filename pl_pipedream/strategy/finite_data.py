@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pl_pipedream.runtime.boundary import map_tensors
+from pl_pipedream.runtime.trees import map_tensors
 
 __all__ = ["FiniteData"]
 

@@ -50,6 +50,7 @@ from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read_later, settle
+from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -58,9 +59,6 @@ from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 
 __all__ = ["ExecutorError", "Feed", "StageExecutor", "Update"]
-
-TAG_ACTIVATION = 1
-TAG_GRAD = 2
 
 
 class Update(Protocol):
@@ -253,7 +251,7 @@ class StageExecutor:
 
     def _recv_activation(self, action: Action) -> None:
         self._received[_minibatch(action)] = self.channel.recv(
-            _peer(action), TAG_ACTIVATION, f"the activations of minibatch {_minibatch(action)}"
+            _peer(action), Tag.ACTIVATION, f"the activations of minibatch {_minibatch(action)}"
         )
 
     def _send_activation(self, action: Action) -> None:
@@ -261,7 +259,7 @@ class StageExecutor:
         self.channel.send(
             Message(flight.outputs, fingerprint=flight.fingerprint, structure=flight.structure),
             _peer(action),
-            TAG_ACTIVATION,
+            Tag.ACTIVATION,
             f"the activations of minibatch {_minibatch(action)}",
         )
         if flight.replay is not None:  # recompute: the backward pass makes them again
@@ -269,7 +267,7 @@ class StageExecutor:
 
     def _recv_grad(self, action: Action) -> None:
         self._gradients[_minibatch(action)] = self.channel.recv(
-            _peer(action), TAG_GRAD, f"the gradients of minibatch {_minibatch(action)}"
+            _peer(action), Tag.GRAD, f"the gradients of minibatch {_minibatch(action)}"
         )
 
     def _send_grad(self, action: Action) -> None:
@@ -280,7 +278,7 @@ class StageExecutor:
         self.channel.send(
             Message(grads, self.losses.of(_batch(action))),
             _peer(action),
-            TAG_GRAD,
+            Tag.GRAD,
             f"the gradients of minibatch {_minibatch(action)}",
         )
 
@@ -467,7 +465,7 @@ class StageExecutor:
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _NO_GRADIENT = torch.zeros(0)
-_TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
+_TAGS = {ActionKind.RECV_ACTIVATION: Tag.ACTIVATION, ActionKind.RECV_GRAD: Tag.GRAD}
 
 
 def _minibatch(action: Action) -> int:

@@ -36,7 +36,8 @@ from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
 from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
+from pl_pipedream.runtime.tags import tie_tag
+from pl_pipedream.runtime.tied_versions import HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
@@ -118,7 +119,7 @@ class PipelineRunner:
         # ahead: a send this many messages old on its link has certainly been received.
         channel.max_pending = (2 * plan.num_stages + 4) * microbatches
         held = [
-            HeldTie(t.local_name, t.ranks, TAG_TIED + k, t.label)
+            HeldTie(t.local_name, t.ranks, tie_tag(k), t.label)
             for k, t in enumerate(ties)
             if versioned and rank in t.ranks and t.local_name is not None
         ]

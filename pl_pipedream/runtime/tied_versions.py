@@ -39,9 +39,7 @@ from torch import nn
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.gradient_sums import GradientSums
 
-__all__ = ["TAG_TIED", "HeldTie", "TiedVersions"]
-
-TAG_TIED = 16  # + the tie's index in the pipeline's list of ties
+__all__ = ["HeldTie", "TiedVersions"]
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.streams import SideStreams, read_done, upload
 
 __all__ = ["SUPPORTED_DTYPES", "Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
@@ -282,7 +283,7 @@ class Channel:
         self.rank = rank
         self.device = device
         self.timeout = timeout
-        self.describe = describe or f"rank {rank}"
+        self.describe = describe or ranks.describe(rank)
         self.group = group
         self.max_pending: int | None = None  # per link; None: kept until ``flush`` (gloo)
         self._pending: dict[Link, collections.deque[_Sent]] = {}
@@ -421,7 +422,7 @@ class Channel:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         start = (
             f"{self.describe} could not {verb} {what} {'to' if verb == 'send' else 'from'} "
-            f"rank {peer}"
+            f"{ranks.describe(peer)}"
         )
         if waited is not None and waited >= 0.95 * self.timeout:
             return PeerError(

@@ -45,6 +45,7 @@ from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.precision import StagePrecision
+from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
@@ -143,7 +144,7 @@ class StageExecutor:
         self.loss_scale = settings.loss_scale
         self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.device = device or torch.device("cpu")
-        self.describe = f"rank {rank} (stage {stage})"
+        self.describe = describe(rank, stage)
         tied = tied_versions.names if tied_versions else set()
         self.stash = WeightStash(module, self.describe, tied)
         self._call = StageCall(module)  # the module's forward on a version's tensors

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
 from pl_pipedream.runtime.losses import Logged
@@ -113,7 +114,7 @@ class PipelineRunner:
         versioned = sync.updates_per_minibatch
         tied = TiedGradients.create(() if versioned else ties, rank)
         stage = plan.stage_of_rank(rank)
-        describe = f"rank {rank} (stage {stage.index})"
+        describe = ranks.describe(rank, stage.index)
         channel = Channel(rank, device, timeout, describe, messages)
         # A peer runs at most a few batches behind on a link (1F1B), and posts its receives
         # ahead: a send this many messages old on its link has certainly been received.

@@ -88,7 +88,7 @@ class TrainingBatch:
     ) -> None:
         self.module = module
         self.batch_idx = batch_idx
-        self.describe = describe  # "rank 1, stage 1", for errors
+        self.describe = describe  # "rank 1 (stage 1)", for errors
         self.slices = slice_batch(batch, microbatches)
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
         self.logs = StepLogCapture()

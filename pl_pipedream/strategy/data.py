@@ -146,7 +146,7 @@ class SameData:
         fingerprints: Fingerprints | None = None,
     ) -> None:
         self.slices = slices
-        self.describe = describe  # "rank 1, stage 1"
+        self.describe = describe  # "rank 1 (stage 1)"
         self.step = step
         self.batch_idx = batch_idx
         self.fingerprints = fingerprints or Fingerprints()

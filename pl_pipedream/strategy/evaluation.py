@@ -23,6 +23,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import ExecutorError
+from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
@@ -101,7 +102,7 @@ class EvaluationPipe:
         try:
             tensors, structure = flatten(value)
         except CrossingError as error:
-            where = f"rank {self.rank} (stage {self.local.stage.index})"
+            where = describe(self.rank, self.local.stage.index)
             raise ExecutorError(explain(error, self.local.module, where)) from None
         return Message(tensors, structure=structure)
 

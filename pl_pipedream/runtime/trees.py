@@ -29,8 +29,15 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors inside ``value``, in the order ``map_tensors`` visits them."""
-    found: list[torch.Tensor] = []
-    map_tensors(found.append, value)
-    return found
+def tensors(value: Any, sort_keys: bool = False) -> list[torch.Tensor]:
+    """The tensors inside ``value``, in the order ``map_tensors`` visits them; with
+    ``sort_keys``, a dict's in the order of its keys (as strings), whatever order it was built
+    in (for a fingerprint that two ranks compare)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        keys = sorted(value, key=str) if sort_keys else value
+        return [t for key in keys for t in tensors(value[key], sort_keys)]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors(item, sort_keys)]
+    return []

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
+from pl_pipedream.runtime.trees import tensors
+
 __all__ = [
     "Fingerprints",
     "PipelineDataError",
@@ -87,7 +89,7 @@ class Fingerprints:
         total = 0.0
         samples: list[Tensor] = []
         layout: list[tuple[int, int]] = []  # (tensor index, samples taken) of each sampled tensor
-        for index, tensor in enumerate(_tensors(data)):
+        for index, tensor in enumerate(tensors(data, sort_keys=True)):
             total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
             flat = tensor.detach().reshape(-1)
             if flat.numel() == 0:
@@ -120,16 +122,6 @@ class Fingerprints:
 def fingerprint(data: Any) -> float:
     """``Fingerprints.__call__`` of ``data``, its weights built for this call alone."""
     return Fingerprints(keep=1)(data)
-
-
-def _tensors(data: Any) -> list[Tensor]:
-    if isinstance(data, Tensor):
-        return [data]
-    if isinstance(data, dict):
-        return [t for key in sorted(data, key=str) for t in _tensors(data[key])]
-    if isinstance(data, (tuple, list)):
-        return [t for item in data for t in _tensors(item)]
-    return []
 
 
 class SameData:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,21 +56,11 @@ from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 
-__all__ = ["ExecutorError", "Feed", "StageExecutor", "Update"]
-
-
-class Update(Protocol):
-    """Applies one update of a stage: ``gradients`` by parameter name (the mean over the
-    update's minibatches) and ``storage``: for each parameter that a kept weight version
-    shares, the tensor that must receive its new values and become its storage
-    (``runtime.update.step`` does both). Returns the bytes it copied to do so."""
-
-    def __call__(
-        self, gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]
-    ) -> int: ...
+__all__ = ["ExecutorError", "Feed", "StageExecutor"]
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,14 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.runtime.tags import tie_tag
 from pl_pipedream.runtime.tied_versions import HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream

@@ -37,11 +37,11 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.affinity import bind_threads
-from pl_pipedream.runtime.executor import Update
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pl_pipedream.runtime.channel import SUPPORTED_DTYPES
+from pl_pipedream.runtime.frames import SUPPORTED_DTYPES
 
 __all__ = ["CrossingError", "explain", "flatten", "unflatten"]
 

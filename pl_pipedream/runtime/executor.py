@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
-from pl_pipedream.runtime.channel import Channel, Link, Message, PeerError
+from pl_pipedream.runtime.channel import Channel, Link, PeerError
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums

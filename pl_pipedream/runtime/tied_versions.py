@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.update import Update
 

@@ -21,8 +21,9 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import ExecutorError
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.trees import map_tensors

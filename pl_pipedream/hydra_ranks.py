@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from hydra.core.hydra_config import HydraConfig
 
-from pl_pipedream.runtime.ranks import ERRORS_VARIABLE, RankProcesses, write_error
+from pl_pipedream.runtime.processes import ERRORS_VARIABLE, RankProcesses, write_error
 
 __all__ = ["RankFailure", "child_command", "other_ranks"]
 
@@ -54,7 +54,7 @@ def _slurm_tasks() -> int:
 @contextmanager
 def other_ranks(num_processes: int, timeout: float = 300.0) -> Iterator[None]:
     """Run ranks 1..n-1 of the current Hydra job for the duration of the block, started, watched
-    and reported by ``runtime.ranks.RankProcesses`` (``timeout``: the strategy's, how long a
+    and reported by ``runtime.processes.RankProcesses`` (``timeout``: the strategy's, how long a
     rank may wait for a peer).
 
     On leaving the block, rank 0 waits for every child; if any rank failed, hung or was

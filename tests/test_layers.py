@@ -299,3 +299,100 @@ def test_lightning_in_a_lower_layer_is_caught() -> None:
     for line in ("import lightning.pytorch as pl", "from lightning_fabric import Fabric"):
         roots = roots_imported(imports(line, "pl_pipedream.runtime.executor"))
         assert roots & LIGHTNING
+
+
+# ----- cycles between modules -------------------------------------------------------------------
+
+
+def module_of(name: str, modules: set[str]) -> str | None:
+    """The package's module that an imported name refers to: the longest prefix that is one
+    (``pl_pipedream.runtime.boundary.flatten`` -> ``pl_pipedream.runtime.boundary``)."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in modules:
+            return prefix
+    return None
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules it imports, wherever the import sits
+    (module level, inside a function, under ``TYPE_CHECKING``). ``from a import b`` counts as
+    an import of ``a.b`` when that is a module, else of ``a``; a package's ``__init__`` that a
+    submodule's import passes through is not counted (Python runs it first either way)."""
+    files = {dotted_name(path): path for path in python_files()}
+    modules = set(files)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        names = imports_of(path)
+        resolved = {name: module_of(name, modules) for name in names}
+        targets = {
+            found
+            for name, found in resolved.items()
+            if found is not None
+            # ``from a import b`` yields ``a`` and ``a.b``: when ``a.b`` is a module, only it.
+            and not any(
+                other.startswith(name + ".") and resolved[other] != found for other in names
+            )
+        }
+        graph[module] = targets - {module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Lazy imports included: a cycle hidden inside a function is a cycle all the same."""
+    found = cycles(module_graph())
+    assert found == [], "import cycles between modules:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
+def test_a_cycle_hidden_in_a_function_is_caught() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_module_graph_counts_imports_inside_functions() -> None:
+    graph = module_graph()
+    assert "pl_pipedream.runtime.boundary" in graph["pl_pipedream.runtime.executor"]
+    assert "pl_pipedream.runtime" not in graph["pl_pipedream.runtime.executor"]
+    hidden = PACKAGE / "runtime" / "streams.py"
+    source = hidden.read_text() + "\ndef later():\n    from pl_pipedream.runtime import channel\n"
+    names = imports(source, dotted_name(hidden))
+    assert "pl_pipedream.runtime.channel" in names

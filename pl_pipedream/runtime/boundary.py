@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from pl_pipedream.runtime.channel import SUPPORTED_DTYPES
+from pl_pipedream.runtime.frames import SUPPORTED_DTYPES
 
-__all__ = ["CrossingError", "explain", "flatten", "map_tensors", "unflatten"]
+__all__ = ["CrossingError", "explain", "flatten", "unflatten"]
 
 _SCALARS = (int, float, bool, str)
 
@@ -72,19 +72,6 @@ def unflatten(tensors: list[torch.Tensor], structure: bytes | None) -> Any:
         return tensors[0]
     feed = iter(tensors)
     return _build(_parse(structure), feed)
-
-
-def map_tensors(function: Any, value: Any) -> Any:
-    """``value`` with ``function`` applied to every tensor inside it; the rest is kept."""
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(map_tensors(function, item) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(function, item) for item in value)
-    if isinstance(value, dict):
-        return type(value)((key, map_tensors(function, item)) for key, item in value.items())
-    return value
 
 
 def _check_tensor(tensor: torch.Tensor, where: str) -> None:

@@ -1,18 +1,6 @@
 """Point-to-point messages between pipeline ranks over torch.distributed.
 
-A message is a list of tensors whose shapes and dtypes may change from one minibatch to the next,
-plus, on the way back to the first stage, the losses its sender knows of the batch of the
-minibatch whose gradients it carries (each an index and a value, two float64 scalars in the
-frame; ``runtime.losses``) with the values logged beside each (a minibatch, a key's index and a
-value, three float64 scalars each; the keys, opaque strings, travel once per frame as JSON), on
-the way forward the fingerprint of the microbatch's data that stage 0 fed in (one more float64
-scalar), which every later stage compares with its own microbatch's, and, when what crosses the
-boundary is more than one tensor, its structure (bytes that ``runtime.boundary`` writes and
-reads). It travels as one *frame*, a byte tensor: a fixed-size int64 header that says how many
-of each the frame holds and describes the tensors (and whether each asks for a gradient), then
-each tensor's bytes, then the scalars, then the structure, then the keys. One transfer per
-message matters: a gloo send moves no data until its receive is posted, so every extra transfer
-is one more round trip between the ranks.
+A message and its frame are ``runtime.frames``; this module moves frames between ranks.
 
 A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
 remember the link's frame size, and the receiver posts a receive of that size. A message that
@@ -45,223 +33,29 @@ and come out on a side stream once the receive has completed (``runtime.streams`
 from __future__ import annotations
 
 import collections
-import json
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.runtime.streams import SideStreams, read_done, upload
+from pl_pipedream.runtime import ranks
+from pl_pipedream.runtime.frames import (
+    HEADER_BYTES,
+    RESIZE,
+    Message,
+    PeerError,
+    layout_of,
+    notice,
+    pack,
+    unpack,
+)
+from pl_pipedream.runtime.streams import SideStreams, read_done
 
-__all__ = ["SUPPORTED_DTYPES", "Channel", "Link", "Message", "MinibatchLoss", "PeerError"]
+__all__ = ["Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
 
-HEADER_SIZE = 64  # int64 values
-HEADER_BYTES = HEADER_SIZE * 8
-MAX_DIMS = 8
-ALIGNMENT = 64  # bytes; every tensor in a frame starts at a multiple of this
-DATA, RESIZE = 1, 2  # the first header value: a message, or the size of the link's next frame
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-SUPPORTED_DTYPES = frozenset(_DTYPES)
-REQUIRES_GRAD = 256  # added to a tensor's dtype code: the receiver's view asks for a gradient
 Link = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
 _Sent = tuple[dist.Work, int, str, torch.Tensor]  # a send under way: work, peer, what, frame
-
-
-class PeerError(RuntimeError):
-    """A message did not arrive (or could not leave) in time: the peer is named."""
-
-
-class MinibatchLoss(NamedTuple):
-    """The training loss of one minibatch, as the last stage computed it, and what else its
-    loss function logged: (key, value) pairs, the keys opaque to the runtime."""
-
-    minibatch: int
-    value: float
-    logged: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass
-class Message:
-    """The tensors crossing one stage boundary, the losses that ride back with gradients, the
-    fingerprint of the data stage 0 fed in that rides forward with activations, and the
-    structure the tensors sit in (``None``: the message is one tensor, or plain tensors). A
-    tensor that requires grad arrives as a view that requires grad."""
-
-    tensors: list[torch.Tensor]
-    losses: tuple[MinibatchLoss, ...] = ()
-    fingerprint: float | None = None
-    structure: bytes | None = None
-
-
-class _Layout(NamedTuple):
-    """Where a message goes in a frame: the tensors' byte offsets, where the scalars start, the
-    bytes the frame needs, the header, the scalars and the keys (UTF-8 JSON, or empty)."""
-
-    offsets: list[int]
-    end: int
-    needed: int
-    header: list[int]
-    scalars: list[float]
-    keys: bytes
-
-
-def _scalars(message: Message) -> tuple[list[float], list[str], int]:
-    """What the frame carries after the tensors: each loss's minibatch and value, then each
-    logged value's minibatch, key index and value, then the fingerprint, if any; the keys
-    in the order of their indices, and how many logged values there are."""
-    values = [x for loss in message.losses for x in (float(loss.minibatch), loss.value)]
-    keys: dict[str, int] = {}
-    count = 0
-    for loss in message.losses:
-        for key, value in loss.logged:
-            index = keys.setdefault(key, len(keys))
-            values += [float(loss.minibatch), float(index), value]
-            count += 1
-    if message.fingerprint is not None:
-        values.append(message.fingerprint)
-    return values, list(keys), count
-
-
-def _header(message: Message, logged: int = 0, keys: int = 0) -> list[int]:
-    structure = -1 if message.structure is None else len(message.structure)
-    fingerprint = int(message.fingerprint is not None)
-    losses = len(message.losses)
-    values = [DATA, len(message.tensors), losses, logged, fingerprint, structure, keys]
-    for tensor in message.tensors:
-        if tensor.dtype not in _CODES:
-            raise PeerError(
-                f"pipeline messages carry {', '.join(str(d) for d in _DTYPES)} tensors "
-                f"(dtype: {tensor.dtype}); convert the stage's output"
-            )
-        if tensor.dim() > MAX_DIMS:
-            raise PeerError(
-                f"pipeline messages carry tensors of at most {MAX_DIMS} dimensions "
-                f"(shape: {tuple(tensor.shape)}); reshape the stage's output"
-            )
-        code = _CODES[tensor.dtype] + (REQUIRES_GRAD if tensor.requires_grad else 0)
-        values += [code, tensor.dim(), *tensor.shape]
-    if len(values) > HEADER_SIZE:
-        raise PeerError(
-            f"a pipeline message describes at most {HEADER_SIZE} header values (needed: "
-            f"{len(values)}); send fewer or flatter tensors between stages"
-        )
-    return values + [0] * (HEADER_SIZE - len(values))
-
-
-def _layout(specs: list[tuple[torch.dtype, list[int]]]) -> tuple[list[int], int]:
-    """Byte offsets of the tensors in a frame, and where the scalars start."""
-    offsets, position = [], HEADER_BYTES
-    for dtype, shape in specs:
-        offsets.append(position)
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        position += -(-nbytes // ALIGNMENT) * ALIGNMENT
-    return offsets, position
-
-
-def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    return frame[offset : offset + nbytes].view(dtype).view(shape)
-
-
-def _layout_of(message: Message) -> _Layout:
-    """Where ``message``'s tensors, scalars and keys go in a frame, and the bytes it needs."""
-    offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
-    scalars, keys, logged = _scalars(message)
-    blob = json.dumps(keys).encode() if keys else b""
-    header = _header(message, logged, len(blob))
-    structure = 0 if message.structure is None else len(message.structure)
-    needed = end + 8 * len(scalars) + structure + len(blob)
-    # whole 8-byte words: views of any dtype load back
-    return _Layout(offsets, end, -(-needed // 8) * 8, header, scalars, blob)
-
-
-def _pack(message: Message, layout: _Layout, size: int, device: torch.device) -> torch.Tensor:
-    """A frame of ``size`` bytes holding the header, every tensor, the scalars, the structure
-    and the keys."""
-    offsets, end = layout.offsets, layout.end
-    frame = torch.empty(size, dtype=torch.uint8, device=device)
-    upload(frame[:HEADER_BYTES].view(torch.int64), torch.tensor(layout.header))
-    for tensor, offset in zip(message.tensors, offsets, strict=True):
-        _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
-    position = end + 8 * len(layout.scalars)
-    if layout.scalars:
-        scalars = torch.tensor(layout.scalars, dtype=torch.float64)
-        upload(frame[end:position].view(torch.float64), scalars)
-    for blob in (message.structure, layout.keys):
-        if blob:
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            upload(frame[position : position + len(blob)], data)
-            position += len(blob)
-    return frame
-
-
-def _notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
-    """A frame of ``size`` bytes that only says the link's next frame has ``new_size``."""
-    frame = torch.zeros(size, dtype=torch.uint8)
-    frame[:16].view(torch.int64).copy_(torch.tensor([RESIZE, new_size]))
-    return frame.to(device)
-
-
-def _unpack(frame: torch.Tensor, header: list[int], side: SideStreams | None = None) -> Message:
-    """The message in ``frame``; its tensors are views of the frame's bytes."""
-    count, num_losses, num_logged, fingerprinted, structure_bytes, key_bytes = header[1:7]
-    specs, grads = [], []
-    position = 7
-    for _ in range(count):
-        code, ndim = header[position], header[position + 1]
-        specs.append((_DTYPES[code % REQUIRES_GRAD], header[position + 2 : position + 2 + ndim]))
-        grads.append(code >= REQUIRES_GRAD)
-        position += 2 + ndim
-    offsets, end = _layout(specs)
-    tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
-    for tensor, grad in zip(tensors, grads, strict=True):
-        if grad:
-            tensor.requires_grad_(True)
-    num_scalars = 2 * num_losses + 3 * num_logged + fingerprinted
-    scalars_end = end + 8 * num_scalars
-    structure = None
-    if structure_bytes >= 0:
-        structure = (
-            read_done(frame[scalars_end : scalars_end + structure_bytes], side).numpy().tobytes()
-        )
-    if not num_scalars:
-        return Message(tensors, structure=structure)
-    scalars = read_done(frame[end:scalars_end].view(torch.float64), side).tolist()
-    fingerprint = scalars.pop() if fingerprinted else None
-    pairs = scalars[: 2 * num_losses]
-    losses = [
-        MinibatchLoss(int(i), value) for i, value in zip(pairs[::2], pairs[1::2], strict=True)
-    ]
-    if num_logged:
-        start = scalars_end + max(structure_bytes, 0)
-        keys = json.loads(read_done(frame[start : start + key_bytes], side).numpy().tobytes())
-        losses = _with_logged(losses, scalars[2 * num_losses :], keys)
-    return Message(tensors, tuple(losses), fingerprint, structure)
-
-
-def _with_logged(
-    losses: list[MinibatchLoss], triples: list[float], keys: list[str]
-) -> list[MinibatchLoss]:
-    """``losses`` with the logged values of ``triples`` (minibatch, key index, value)."""
-    logged: dict[int, list[tuple[str, float]]] = {}
-    for i, key, value in zip(triples[::3], triples[1::3], triples[2::3], strict=True):
-        logged.setdefault(int(i), []).append((keys[int(key)], value))
-    return [loss._replace(logged=tuple(logged.get(loss.minibatch, ()))) for loss in losses]
 
 
 class Channel:
@@ -282,7 +76,7 @@ class Channel:
         self.rank = rank
         self.device = device
         self.timeout = timeout
-        self.describe = describe or f"rank {rank}"
+        self.describe = describe or ranks.describe(rank)
         self.group = group
         self.max_pending: int | None = None  # per link; None: kept until ``flush`` (gloo)
         self._pending: dict[Link, collections.deque[_Sent]] = {}
@@ -298,12 +92,12 @@ class Channel:
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
-        layout = _layout_of(message)
+        layout = layout_of(message)
         needed = layout.needed
         if not size // 2 < needed <= size:
-            self._isend(_notice(size, needed, self._wire), peer, tag, what)
+            self._isend(notice(size, needed, self._wire), peer, tag, what)
             self._send_sizes[(peer, tag)] = size = needed
-        self._isend(_pack(message, layout, size, self._wire), peer, tag, what)
+        self._isend(pack(message, layout, size, self._wire), peer, tag, what)
         self._reap((peer, tag))
 
     @property
@@ -339,7 +133,7 @@ class Channel:
             self._wait(work, peer, what)
             header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
             if header[0] != RESIZE:
-                return self._on_device(_unpack(frame, header, self._side))
+                return self._on_device(unpack(frame, header, self._side))
             self._recv_sizes[(peer, tag)] = header[1]
 
     def _on_device(self, message: Message) -> Message:
@@ -421,7 +215,7 @@ class Channel:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         start = (
             f"{self.describe} could not {verb} {what} {'to' if verb == 'send' else 'from'} "
-            f"rank {peer}"
+            f"{ranks.describe(peer)}"
         )
         if waited is not None and waited >= 0.95 * self.timeout:
             return PeerError(

@@ -33,44 +33,44 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
-from pl_pipedream.runtime.channel import Channel, Link, Message, PeerError
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
+from pl_pipedream.runtime.channel import Channel, PeerError
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.functional import StageCall
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
+from pl_pipedream.runtime.lookahead import (
+    ExecutorError,
+    batch_of,
+    last_uses,
+    minibatch_of,
+    peer_of,
+    receives_ahead,
+    version_of,
+)
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.precision import StagePrecision
+from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read_later, settle
+from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 
-__all__ = ["ExecutorError", "Feed", "StageExecutor", "Update"]
-
-TAG_ACTIVATION = 1
-TAG_GRAD = 2
-
-
-class Update(Protocol):
-    """Applies one update of a stage: ``gradients`` by parameter name (the mean over the
-    update's minibatches) and ``storage``: for each parameter that a kept weight version
-    shares, the tensor that must receive its new values and become its storage
-    (``runtime.update.step`` does both). Returns the bytes it copied to do so."""
-
-    def __call__(
-        self, gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]
-    ) -> int: ...
+__all__ = ["ExecutorError", "Feed", "StageExecutor"]
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,6 @@ class Feed:
     loss: Callable[[Any, int], torch.Tensor]
     fingerprint: Callable[[int, float | None], float] | None = None
     logged: Callable[[int], tuple[tuple[str, Any], ...]] | None = None
-
-
-class ExecutorError(RuntimeError):
-    """A stage could not run an action; the message names the rank, stage and action."""
 
 
 @dataclass
@@ -144,7 +140,7 @@ class StageExecutor:
         self.loss_scale = settings.loss_scale
         self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.device = device or torch.device("cpu")
-        self.describe = f"rank {rank} (stage {stage})"
+        self.describe = describe(rank, stage)
         tied = tied_versions.names if tied_versions else set()
         self.stash = WeightStash(module, self.describe, tied)
         self._call = StageCall(module)  # the module's forward on a version's tensors
@@ -194,17 +190,12 @@ class StageExecutor:
     def _run(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
         self.actions = tuple(actions)
         ahead = (*self.actions, *lookahead)
-        self._last_use = {}
-        for index, action in enumerate(ahead):
-            if action.kind in _COMPUTE and action.version is not None:
-                self._last_use[action.version] = index
-                if self.weight_prediction and action.kind is ActionKind.FORWARD:
-                    self._last_use[action.version - 1] = index  # W_(v-1) of the prediction
-        first, following = _receives_ahead(ahead)
+        self._last_use = last_uses(ahead, self.weight_prediction)
+        first, following = receives_ahead(ahead)
         for link in first:
             self.channel.expect(*link)
         if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
-            forwards = [_minibatch(a) for a in self.actions if a.kind is ActionKind.FORWARD]
+            forwards = [minibatch_of(a) for a in self.actions if a.kind is ActionKind.FORWARD]
             self._ahead = prefetch_each(forwards, self._feed.inputs, self.device, self._side)
         for position, action in enumerate(self.actions):
             self.position = position
@@ -251,42 +242,42 @@ class StageExecutor:
     # ----- messages ---------------------------------------------------------------------------
 
     def _recv_activation(self, action: Action) -> None:
-        self._received[_minibatch(action)] = self.channel.recv(
-            _peer(action), TAG_ACTIVATION, f"the activations of minibatch {_minibatch(action)}"
+        self._received[minibatch_of(action)] = self.channel.recv(
+            peer_of(action), Tag.ACTIVATION, f"the activations of minibatch {minibatch_of(action)}"
         )
 
     def _send_activation(self, action: Action) -> None:
-        flight = self._flight[_minibatch(action)]
+        flight = self._flight[minibatch_of(action)]
         self.channel.send(
             Message(flight.outputs, fingerprint=flight.fingerprint, structure=flight.structure),
-            _peer(action),
-            TAG_ACTIVATION,
-            f"the activations of minibatch {_minibatch(action)}",
+            peer_of(action),
+            Tag.ACTIVATION,
+            f"the activations of minibatch {minibatch_of(action)}",
         )
         if flight.replay is not None:  # recompute: the backward pass makes them again
             flight.outputs = []
 
     def _recv_grad(self, action: Action) -> None:
-        self._gradients[_minibatch(action)] = self.channel.recv(
-            _peer(action), TAG_GRAD, f"the gradients of minibatch {_minibatch(action)}"
+        self._gradients[minibatch_of(action)] = self.channel.recv(
+            peer_of(action), Tag.GRAD, f"the gradients of minibatch {minibatch_of(action)}"
         )
 
     def _send_grad(self, action: Action) -> None:
-        flight = self._flight.pop(_minibatch(action))
+        flight = self._flight.pop(minibatch_of(action))
         # One entry per tensor received; an empty one where no gradient flows (integer
         # tensors, tensors that did not ask for one, or that the stage did not use).
         grads = [t.grad if t.grad is not None else _NO_GRADIENT for t in flight.inputs]
         self.channel.send(
-            Message(grads, self.losses.of(_batch(action))),
-            _peer(action),
-            TAG_GRAD,
-            f"the gradients of minibatch {_minibatch(action)}",
+            Message(grads, self.losses.of(batch_of(action))),
+            peer_of(action),
+            Tag.GRAD,
+            f"the gradients of minibatch {minibatch_of(action)}",
         )
 
     # ----- compute ----------------------------------------------------------------------------
 
     def _forward(self, action: Action) -> None:
-        i, version = _minibatch(action), _version(action)
+        i, version = minibatch_of(action), version_of(action)
         inputs: list[torch.Tensor] = []
         if self.stage == 0:
             if self._feed is None:
@@ -329,7 +320,7 @@ class StageExecutor:
         else:
             flight.loss = loss
             logged = self._feed.logged(i) if self._feed and self._feed.logged is not None else ()
-            self.losses.add_later(_batch(action), i, read_later(loss), logged)  # GPU: no wait
+            self.losses.add_later(batch_of(action), i, read_later(loss), logged)  # GPU: no wait
         if replay is not None:  # keep the input only; the outputs go once sent, graph now
             flight.outputs = detached(flight.outputs)
         self._flight[i] = flight
@@ -352,7 +343,7 @@ class StageExecutor:
         return nullcontext() if stats is None else stats.forward(minibatch)
 
     def _backward(self, action: Action) -> None:
-        i = _minibatch(action)
+        i = minibatch_of(action)
         flight = self._flight[i]
         if flight.version != action.version:
             raise ExecutorError(
@@ -368,7 +359,7 @@ class StageExecutor:
             roots, grads = [flight.loss], [self.precision.seed(flight.loss, self.loss_scale)]
         else:
             message = self._gradients.pop(i)
-            self.losses.add(_batch(action), message.losses)
+            self.losses.add(batch_of(action), message.losses)
             pairs = [
                 (out, grad)
                 for out, grad in zip(flight.outputs, message.tensors, strict=True)
@@ -464,51 +455,4 @@ class StageExecutor:
     }
 
 
-_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _NO_GRADIENT = torch.zeros(0)
-_TAGS = {ActionKind.RECV_ACTIVATION: TAG_ACTIVATION, ActionKind.RECV_GRAD: TAG_GRAD}
-
-
-def _minibatch(action: Action) -> int:
-    """The minibatch of a message or compute action (the schedule gives every one of them)."""
-    return _given(action.minibatch, "minibatch", action)
-
-
-def _peer(action: Action) -> int:
-    """The other rank of a message action."""
-    return _given(action.peer, "peer", action)
-
-
-def _batch(action: Action) -> int:
-    """The Lightning batch a message or compute action belongs to."""
-    return _given(action.batch, "batch", action)
-
-
-def _version(action: Action) -> int:
-    """The weights' version a compute action uses."""
-    return _given(action.version, "version", action)
-
-
-def _given(value: int | None, field: str, action: Action) -> int:
-    if value is None:
-        raise ExecutorError(
-            f"a {action.kind.name} action must name its {field} (action: {action}); "
-            "run a schedule made by schedule.build"
-        )
-    return value
-
-
-def _receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Link]]:
-    """The links (peer, tag) that ``actions`` receive from, and, for each receive that has a
-    successor on its link, that link keyed by the receive's position: once a receive is
-    done, the next one on its link can be posted. A posted receive takes the link's next
-    message, whichever action awaits it, so posting early never changes what is received."""
-    last: dict[Link, int] = {}
-    following: dict[int, Link] = {}
-    for position, action in enumerate(actions):
-        if action.kind in _TAGS:
-            link = (_peer(action), _TAGS[action.kind])
-            if link in last:
-                following[last[link]] = link
-            last[link] = position
-    return list(last), following

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.runtime.channel import MinibatchLoss
+from pl_pipedream.runtime.frames import MinibatchLoss
 from pl_pipedream.runtime.streams import HostValue
 
 __all__ = ["LossBook", "Logged"]

@@ -31,13 +31,16 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor, Update
+from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.runtime.tied_versions import TAG_TIED, HeldTie, TiedVersions
+from pl_pipedream.runtime.tags import tie_tag
+from pl_pipedream.runtime.tied_versions import HeldTie, TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
@@ -112,13 +115,13 @@ class PipelineRunner:
         versioned = sync.updates_per_minibatch
         tied = TiedGradients.create(() if versioned else ties, rank)
         stage = plan.stage_of_rank(rank)
-        describe = f"rank {rank} (stage {stage.index})"
+        describe = ranks.describe(rank, stage.index)
         channel = Channel(rank, device, timeout, describe, messages)
         # A peer runs at most a few batches behind on a link (1F1B), and posts its receives
         # ahead: a send this many messages old on its link has certainly been received.
         channel.max_pending = (2 * plan.num_stages + 4) * microbatches
         held = [
-            HeldTie(t.local_name, t.ranks, TAG_TIED + k, t.label)
+            HeldTie(t.local_name, t.ranks, tie_tag(k), t.label)
             for k, t in enumerate(ties)
             if versioned and rank in t.ranks and t.local_name is not None
         ]

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from pl_pipedream.runtime.trees import tensors
+
 __all__ = ["Activations", "Replay", "rng_state", "set_rng_state"]
 
 
@@ -66,13 +68,7 @@ class Replay:
 def _versions(value: Any) -> list[int]:
     """The version counters of ``value``'s tensors (autograd bumps one at every write in place),
     in the structure's order."""
-    if isinstance(value, torch.Tensor):
-        return [value._version]
-    if isinstance(value, (tuple, list)):
-        return [v for item in value for v in _versions(item)]
-    if isinstance(value, dict):
-        return [v for item in value.values() for v in _versions(item)]
-    return []
+    return [tensor._version for tensor in tensors(value)]
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -84,15 +80,10 @@ def _count(seen: dict[int, int], tensor: Any) -> None:
     """Add ``tensor``'s bytes under its address, each address once (its largest view): a
     microbatch is a view of its batch, and only its own rows count. A structure (tuple, list,
     dict) counts its tensors."""
-    if isinstance(tensor, (tuple, list)):
-        for item in tensor:
-            _count(seen, item)
-    elif isinstance(tensor, dict):
-        for item in tensor.values():
-            _count(seen, item)
-    elif isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-        size = tensor.numel() * tensor.element_size()
-        seen[tensor.data_ptr()] = max(seen.get(tensor.data_ptr(), 0), size)
+    for found in tensors(tensor):
+        if found.device.type != "meta":
+            size = found.numel() * found.element_size()
+            seen[found.data_ptr()] = max(seen.get(found.data_ptr(), 0), size)
 
 
 class Activations:

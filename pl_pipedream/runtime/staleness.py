@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.rules import update_delay
 
@@ -112,17 +113,14 @@ def warmup_factor(update: int, steps: int) -> float:
     return 1.0 if steps <= 0 else min(1.0, update / steps)
 
 
-Apply = Callable[[dict[str, Tensor], dict[str, Tensor]], int]
-
-
 class WarmedUpdate:
-    """An ``Update`` (``runtime.executor``) whose learning rates ramp up: the u-th call runs
+    """An ``Update`` (``runtime.update``) whose learning rates ramp up: the u-th call runs
     ``update`` with every param group's ``lr`` of ``optimizers()`` times
     ``warmup_factor(u, steps)``, then puts back the values it found (a learning-rate scheduler
     sets them between updates and keeps doing so). Updates are counted across drains, from the
     start of training."""
 
-    def __init__(self, update: Apply, optimizers: Callable[[], list[Optimizer]], steps: int):
+    def __init__(self, update: Update, optimizers: Callable[[], list[Optimizer]], steps: int):
         self.update = update
         self.optimizers = optimizers
         self.steps = steps

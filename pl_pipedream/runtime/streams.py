@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from pl_pipedream.runtime.trees import map_tensors
+
 __all__ = [
     "Ahead",
     "HostValue",
@@ -99,11 +101,9 @@ class Ahead:
 
 
 def prefetch(value: Any, device: torch.device, side: SideStreams | None = None) -> Ahead:
-    """Start copying the tensors of ``value`` (any structure, ``runtime.boundary.map_tensors``) to
+    """Start copying the tensors of ``value`` (any structure, ``runtime.trees.map_tensors``) to
     ``device``. On CUDA, host tensors are copied on the device's side stream from pinned memory;
     tensors already on the device are kept. Elsewhere the copy is ``tensor.to(device)``, now."""
-    from pl_pipedream.runtime.boundary import map_tensors  # boundary imports channel, channel this
-
     if device.type != "cuda":
         return Ahead(map_tensors(lambda t: t.to(device), value))
     device = _indexed(device)

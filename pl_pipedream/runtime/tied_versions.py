@@ -30,18 +30,18 @@ replicas; the strategy refuses ties with them in these modes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.gradient_sums import GradientSums
+from pl_pipedream.runtime.update import Update
 
-__all__ = ["TAG_TIED", "HeldTie", "TiedVersions"]
-
-TAG_TIED = 16  # + the tie's index in the pipeline's list of ties
+__all__ = ["HeldTie", "TiedVersions"]
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,6 @@ class HeldTie:
     ranks: tuple[int, ...]
     tag: int
     label: str = ""
-
-
-Apply = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], int]
 
 
 class TiedVersions:
@@ -89,7 +86,7 @@ class TiedVersions:
                 if peer != self.rank:
                     self.channel.expect(peer, tie.tag)
 
-    def params_for(self, i: int, update: Apply | None) -> dict[str, torch.Tensor]:
+    def params_for(self, i: int, update: Update | None) -> dict[str, torch.Tensor]:
         """The tied parameters minibatch i uses: version max(0, i - delay), applying the updates
         still owed up to it first (``update``: the stage's ``Update``)."""
         self._expect()
@@ -118,7 +115,7 @@ class TiedVersions:
         self._own[i] = own
         self.contributed += 1
 
-    def finish(self, update: Apply | None) -> None:
+    def finish(self, update: Update | None) -> None:
         """At a drain: apply every update owed (one per backward pass run in this run)."""
         self._apply_to(self.contributed, update)
 
@@ -130,7 +127,7 @@ class TiedVersions:
             )
         self.version = self.contributed = 0
 
-    def _apply_to(self, version: int, update: Apply | None) -> None:
+    def _apply_to(self, version: int, update: Update | None) -> None:
         while self.version < version:
             u = self.version
             own = self._own.pop(u, None)

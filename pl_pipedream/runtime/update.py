@@ -14,6 +14,7 @@ gradients, first gets the live values copied into the new tensors and steps in p
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -21,6 +22,17 @@ from torch.optim import optimizer as optim_base
 from torch.optim.optimizer import Optimizer
 
 __all__ = ["has_out_of_place_step", "move_storage", "step"]
+
+
+class Update(Protocol):
+    """Applies one update of a stage: ``gradients`` by parameter name (the mean over the
+    update's minibatches) and ``storage``: for each parameter that a kept weight version
+    shares, the tensor that must receive its new values and become its storage
+    (``step`` does both). Returns the bytes it copied to do so."""
+
+    def __call__(
+        self, gradients: dict[str, torch.Tensor], storage: dict[str, torch.Tensor]
+    ) -> int: ...
 
 
 def step(optimizer: Optimizer, new_storage: Mapping[Tensor, Tensor]) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pl_pipedream.runtime.boundary import map_tensors
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.step_logs import StepLogCapture
 
@@ -88,7 +88,7 @@ class TrainingBatch:
     ) -> None:
         self.module = module
         self.batch_idx = batch_idx
-        self.describe = describe  # "rank 1, stage 1", for errors
+        self.describe = describe  # "rank 1 (stage 1)", for errors
         self.slices = slice_batch(batch, microbatches)
         self._inputs = [first_stage_input(module, piece) for piece in self.slices]
         self.logs = StepLogCapture()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.strategy.atomic import (
     RETIRED,
     fsync_dir,
@@ -74,7 +75,6 @@ Shards = tuple[dict[str, Any], list[dict[str, Any]]]  # the description and ever
 
 META_FILE = "pipeline.json"
 FORMAT = "pl-pipedream sharded checkpoint"
-SAVE_TAG = 0x5AFE  # the tag of the save's messages on the default process group
 
 
 class CheckpointError(ValueError):
@@ -297,13 +297,13 @@ class SaveExchange:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for tensor in (size, data):
-            self._wait(dist.isend(tensor, peer, tag=SAVE_TAG), peer, "send to")
+            self._wait(dist.isend(tensor, peer, tag=Tag.SAVE), peer, "send to")
 
     def _recv(self, peer: int, what: str) -> Any:
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(dist.irecv(size, peer, tag=SAVE_TAG), peer, f"receive {what} from")
+        self._wait(dist.irecv(size, peer, tag=Tag.SAVE), peer, f"receive {what} from")
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(dist.irecv(data, peer, tag=SAVE_TAG), peer, f"receive {what} from")
+        self._wait(dist.irecv(data, peer, tag=Tag.SAVE), peer, f"receive {what} from")
         return pickle.loads(data.numpy().tobytes())
 
     def _wait(self, work: Any, peer: int, what: str) -> None:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
+from pl_pipedream.runtime.trees import tensors
+
 __all__ = [
     "Fingerprints",
     "PipelineDataError",
@@ -87,7 +89,7 @@ class Fingerprints:
         total = 0.0
         samples: list[Tensor] = []
         layout: list[tuple[int, int]] = []  # (tensor index, samples taken) of each sampled tensor
-        for index, tensor in enumerate(_tensors(data)):
+        for index, tensor in enumerate(tensors(data, sort_keys=True)):
             total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
             flat = tensor.detach().reshape(-1)
             if flat.numel() == 0:
@@ -122,16 +124,6 @@ def fingerprint(data: Any) -> float:
     return Fingerprints(keep=1)(data)
 
 
-def _tensors(data: Any) -> list[Tensor]:
-    if isinstance(data, Tensor):
-        return [data]
-    if isinstance(data, dict):
-        return [t for key in sorted(data, key=str) for t in _tensors(data[key])]
-    if isinstance(data, (tuple, list)):
-        return [t for item in data for t in _tensors(item)]
-    return []
-
-
 class SameData:
     """``Feed.fingerprint`` for one Lightning batch: the fingerprint of microbatch ``j`` of
     ``slices``, checked against stage 0's when one arrived. ``fingerprints`` keeps the weights
@@ -146,7 +138,7 @@ class SameData:
         fingerprints: Fingerprints | None = None,
     ) -> None:
         self.slices = slices
-        self.describe = describe  # "rank 1, stage 1"
+        self.describe = describe  # "rank 1 (stage 1)"
         self.step = step
         self.batch_idx = batch_idx
         self.fingerprints = fingerprints or Fingerprints()

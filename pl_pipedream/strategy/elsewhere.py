@@ -24,6 +24,7 @@ from torch.overrides import resolve_name
 from torch.utils._pytree import tree_leaves
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.ranks import describe
 
 __all__ = ["HeldElsewhere", "OtherStageParameterError", "mark_other_stages"]
 
@@ -84,7 +85,7 @@ def mark_other_stages(module: nn.Module, layers: nn.Sequential, plan: Plan, rank
     Returns how many parameters were marked."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     here = plan.stage_of_rank(rank)
-    describe_here = f"rank {rank} (stage {here.index})"
+    describe_here = describe(rank, here.index)
     marked: dict[int, HeldElsewhere] = {}
     for index, layer in enumerate(layers):
         stage = next(s for s in plan.stages if str(index) in s.nodes)

@@ -20,16 +20,17 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
+from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import ExecutorError
+from pl_pipedream.runtime.frames import Message
+from pl_pipedream.runtime.ranks import describe
+from pl_pipedream.runtime.tags import Tag
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
 from pl_pipedream.strategy.stage import LocalStage
 
 __all__ = ["EvaluationPipe"]
-
-TAG_EVALUATION = 3
-TAG_PREDICTIONS = 4
 
 
 class EvaluationPipe:
@@ -67,14 +68,14 @@ class EvaluationPipe:
                 value = first_stage_input(module, batch)
             else:
                 source = self.plan.stages[stage.index - 1].ranks[0]
-                message = self.channel.recv(source, TAG_EVALUATION, what)
+                message = self.channel.recv(source, Tag.EVALUATION, what)
                 value = unflatten(message.tensors, message.structure)
             with context():
                 output = self.local.module(value)  # one argument, as nn.Sequential passes it on
             if stage.index < self.plan.num_stages - 1:
                 message = self._message(output)  # fails here, before anything is sent
                 target = self.plan.stages[stage.index + 1].ranks[0]
-                self.channel.send(message, target, TAG_EVALUATION, what)
+                self.channel.send(message, target, Tag.EVALUATION, what)
                 return None
             with context(), forward_returns(module, output):
                 return getattr(module, hook)(batch, batch_idx, *rest, **kwargs)
@@ -91,9 +92,9 @@ class EvaluationPipe:
         if self.rank == last:
             message = self._message(result)
             for rank in others:
-                self.channel.send(message, rank, TAG_PREDICTIONS, what)
+                self.channel.send(message, rank, Tag.PREDICTIONS, what)
             return result
-        message = self.channel.recv(last, TAG_PREDICTIONS, what)
+        message = self.channel.recv(last, Tag.PREDICTIONS, what)
         # the user keeps predictions: copies, not views that hold on to the whole frame
         return map_tensors(torch.clone, unflatten(message.tensors, message.structure))
 
@@ -102,7 +103,7 @@ class EvaluationPipe:
         try:
             tensors, structure = flatten(value)
         except CrossingError as error:
-            where = f"rank {self.rank} (stage {self.local.stage.index})"
+            where = describe(self.rank, self.local.stage.index)
             raise ExecutorError(explain(error, self.local.module, where)) from None
         return Message(tensors, structure=structure)
 

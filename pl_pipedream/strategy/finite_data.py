@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pl_pipedream.runtime.boundary import map_tensors
+from pl_pipedream.runtime.trees import tensors
 
 __all__ = ["FiniteData"]
 
@@ -53,9 +53,7 @@ def _finite_slices(data: Any, microbatches: int) -> Tensor | None:
     """Per slice of ``data``, whether its floating-point tensors are finite (a bool tensor of
     ``microbatches`` on the first tensor's device); None when there is no such tensor (integer
     tensors are always finite)."""
-    found: list[Tensor] = []
-    map_tensors(found.append, data)
-    floating = [t for t in found if t.dim() and (t.is_floating_point() or t.is_complex())]
+    floating = [t for t in tensors(data) if t.dim() and (t.is_floating_point() or t.is_complex())]
     checks = [torch.isfinite(t.reshape(microbatches, -1)).all(1) for t in floating]
     if not checks:
         return None

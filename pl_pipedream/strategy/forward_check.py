@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = ["check_forward", "forward_difference", "forward_is_checked"]
@@ -131,10 +132,4 @@ def _kind(value: Any) -> str:
 def _to(value: Any, device: torch.device) -> Any:
     """A copy of ``value`` on ``device``: a first layer that changes its input in place (``x.mul_``)
     must see the same input in both runs, and leave the caller's sample (planning's) as it was."""
-    if isinstance(value, Tensor):
-        return value.to(device, copy=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.to(device, copy=True), value)

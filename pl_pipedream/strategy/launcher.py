@@ -2,7 +2,7 @@
 
 ``start_method="popen"``: rank 0 starts the other ranks by re-running the user's script, as
 Lightning's script launcher does, but watches them and reports how they ended itself
-(``runtime.ranks``): Lightning's observer thread, which SIGKILLs every rank within 5 s of one
+(``runtime.processes``): Lightning's observer thread, which SIGKILLs every rank within 5 s of one
 failing and leaves the command with status 137 and no report, is never started.
 
 ``start_method="spawn"`` (or ``"fork"``): Lightning's spawn launcher sends rank 0's
@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from pl_pipedream.runtime.ranks import RankProcesses, record_uncaught_errors, script_command
+from pl_pipedream.runtime.processes import RankProcesses, record_uncaught_errors, script_command
 from pl_pipedream.strategy.checkpoint import merge_states
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,
@@ -38,7 +38,7 @@ __all__ = ["PipelineScriptLauncher", "PipelineSpawnLauncher"]
 
 class PipelineScriptLauncher(SubprocessScriptLauncher):
     """``start_method="popen"``: the other ranks of this node re-run the script, started,
-    watched and reported by ``runtime.ranks.RankProcesses``; the command exits 1 when any rank
+    watched and reported by ``runtime.processes.RankProcesses``; the command exits 1 when any rank
     failed, hung or was stopped, and its last lines name the rank that failed first."""
 
     def __init__(

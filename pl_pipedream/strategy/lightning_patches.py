@@ -72,6 +72,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.runtime.trees import map_tensors
 
 __all__ = [
     "MultiProcessingLauncher",
@@ -352,10 +353,4 @@ def is_last_batch(trainer: Any) -> bool:
 
 
 def _cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cpu(v) for v in value)
-    return value
+    return map_tensors(lambda t: t.detach().cpu(), value)

@@ -35,12 +35,13 @@ from typing_extensions import override
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.affinity import bind_threads
-from pl_pipedream.runtime.executor import Update
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
+from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
@@ -401,7 +402,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         assert self.runner is not None and self.local_stage is not None
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         module = self.lightning_module
-        describe = f"rank {self.global_rank}, stage {self.local_stage.stage.index}"
+        describe = ranks.describe(self.global_rank, self.local_stage.stage.index)
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
         work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)

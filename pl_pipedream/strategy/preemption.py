@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.runtime import ranks
+from pl_pipedream.runtime import processes
 from pl_pipedream.strategy import lightning_patches
 
 __all__ = ["Preempted", "Preemption", "checkpoint_path", "exit_code", "parse_signals"]
@@ -190,5 +190,5 @@ def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
     strategy.drain()
     trainer.save_checkpoint(path)
     lightning_patches.slurm_requeue(trainer, signum)
-    ranks.agree_exit(exit_code(signum))  # the report counts this status as no failure
+    processes.agree_exit(exit_code(signum))  # the report counts this status as no failure
     raise Preempted(exit_code(signum))

@@ -44,7 +44,7 @@ __all__ = [
 
 
 class StageUpdates:
-    """The ``Update`` of a stage (``runtime.executor.Update``) and its part in Lightning's
+    """The ``Update`` of a stage (``runtime.update.Update``) and its part in Lightning's
     ``backward``. ``optimizers`` gives the strategy's optimizers, set up after the pipeline."""
 
     steps_in_pipeline: bool

@@ -22,8 +22,9 @@ from pl_pipedream.data.sequences import PAD, SequenceDataModule
 from pl_pipedream.models.seq2seq import Seq2Seq
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, flatten, unflatten
-from pl_pipedream.runtime.channel import Channel, Message, _layout_of, _pack, _unpack
+from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
+from pl_pipedream.runtime.frames import Message, layout_of, pack, unpack
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
@@ -39,10 +40,10 @@ def roundtrip(value: Any) -> Any:
     """``value`` through flatten, a frame and unflatten, as a receiving stage gets it."""
     tensors, structure = flatten(value)
     message = Message(tensors, structure=structure)
-    layout = _layout_of(message)
+    layout = layout_of(message)
     assert layout[2] % 8 == 0  # whole words: a view of any dtype can be saved and loaded back
-    frame = _pack(message, layout, layout[2], torch.device("cpu"))
-    received = _unpack(frame, frame[:512].view(torch.int64).tolist())
+    frame = pack(message, layout, layout[2], torch.device("cpu"))
+    received = unpack(frame, frame[:512].view(torch.int64).tolist())
     return unflatten(received.tensors, received.structure)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from pl_pipedream.runtime.channel import MinibatchLoss
+from pl_pipedream.runtime.frames import MinibatchLoss
 from pl_pipedream.runtime.losses import LossBook
 from tests.runtime import distributed
 

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.channel import Channel, Message
+from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.streams import (
     HostValue,
@@ -135,7 +136,7 @@ def test_a_loss_read_later_is_the_gpus_value_and_the_book_reads_it_when_asked() 
 @pytest.mark.gpu
 @needs_gpu
 def test_values_logged_beside_a_loss_are_read_when_asked_and_cross_a_gpu_frame() -> None:
-    from pl_pipedream.runtime.channel import HEADER_BYTES, MinibatchLoss, _layout_of, _pack, _unpack
+    from pl_pipedream.runtime.frames import HEADER_BYTES, MinibatchLoss, layout_of, pack, unpack
 
     device = torch.device("cuda", 0)
     busy = _busy(device)
@@ -145,10 +146,10 @@ def test_values_logged_beside_a_loss_are_read_when_asked_and_cross_a_gpu_frame()
     expected = (("acc", busy.double().abs().max().item()), ("n", 4.0))
     assert book.logged(0, 1) == (expected,)
     message = Message([busy[:2, :3]], book.of(0), fingerprint=1.5)
-    layout = _layout_of(message)
-    frame = _pack(message, layout, layout.needed, device)
+    layout = layout_of(message)
+    frame = pack(message, layout, layout.needed, device)
     torch.cuda.current_stream(device).synchronize()
-    back = _unpack(frame, read_done(frame[:HEADER_BYTES].view(torch.int64)).tolist())
+    back = unpack(frame, read_done(frame[:HEADER_BYTES].view(torch.int64)).tolist())
     assert back.losses == (MinibatchLoss(0, busy.double().mean().item(), expected),)
     assert back.fingerprint == 1.5 and torch.equal(back.tensors[0], busy[:2, :3])
 

@@ -110,3 +110,22 @@ def test_no_new_storage_steps_in_place() -> None:
         param.grad = torch.ones_like(param)
     assert update.step(optimizer, {}) == 0
     assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def test_one_name_for_the_update_protocol() -> None:
+    """``Update`` is declared once, in ``runtime/update.py``: no alias beside it (``Apply =
+    Callable[...]``) and no second protocol; every module imports that one."""
+    import ast
+    from pathlib import Path
+
+    package = Path(update.__file__).resolve().parents[1]
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            alias = isinstance(node, ast.Assign) and ast.unparse(node.value).startswith(
+                "Callable[[dict[str"
+            )
+            protocol = isinstance(node, ast.ClassDef) and node.name == "Update"
+            if alias or protocol:
+                found.append(str(path.relative_to(package)))
+    assert found == ["runtime/update.py"]

@@ -99,14 +99,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_training_batch_gives_each_microbatchs_inputs() -> None:
     batch = _batch()
-    work = TrainingBatch(Regression(), batch, 0, 2, "rank 0, stage 0")
+    work = TrainingBatch(Regression(), batch, 0, 2, "rank 0 (stage 0)")
     assert torch.equal(work.inputs(1), batch[0][2:])
 
 
 @pytest.mark.parametrize("returns", ["loss", "dict"])
 def test_loss_runs_training_step_with_self_x_returning_the_output(returns: str) -> None:
     batch = _batch()
-    work = TrainingBatch(_attached(Regression(returns)), batch, 7, 2, "rank 1, stage 1")
+    work = TrainingBatch(_attached(Regression(returns)), batch, 7, 2, "rank 1 (stage 1)")
     output = torch.tensor([[1.0], [5.0]])  # microbatch 1 has targets 3 and 4
     loss = work.loss(output, 1)
     assert loss.item() == pytest.approx(((1.0 - 3.0) ** 2 + (5.0 - 4.0) ** 2) / 2)
@@ -114,19 +114,19 @@ def test_loss_runs_training_step_with_self_x_returning_the_output(returns: str) 
 
 
 def test_loss_must_be_a_tensor() -> None:
-    work = TrainingBatch(_attached(Regression("float")), _batch(), 0, 2, "rank 1, stage 1")
+    work = TrainingBatch(_attached(Regression("float")), _batch(), 0, 2, "rank 1 (stage 1)")
     with pytest.raises(ValueError, match=r"return the loss tensor .* \(returned: float\)"):
         work.loss(torch.zeros(2, 1), 0)
 
 
 def test_a_nan_loss_travels_on_unread() -> None:
     """The divergence watch acts on the logged mean (strategy.divergence), on every rank."""
-    work = TrainingBatch(_attached(Regression("nan")), _batch(), 0, 2, "rank 1, stage 1")
+    work = TrainingBatch(_attached(Regression("nan")), _batch(), 0, 2, "rank 1 (stage 1)")
     assert torch.isnan(work.loss(torch.zeros(2, 1), 0))
 
 
 def test_log_loss_returns_nan_unlogged_while_no_batch_has_finished() -> None:
-    work = TrainingBatch(Regression(), _batch(), 0, 2, "rank 0, stage 0")
+    work = TrainingBatch(Regression(), _batch(), 0, 2, "rank 0 (stage 0)")
     assert torch.isnan(work.log_loss(None, torch.device("cpu")))
 
 
@@ -161,5 +161,5 @@ class OnDevice(Regression):
 
 
 def test_a_loss_on_a_device_is_not_read_per_microbatch() -> None:
-    work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1, stage 1")
+    work = TrainingBatch(_attached(OnDevice()), _batch(), 0, 2, "rank 1 (stage 1)")
     assert work.loss(torch.zeros(2, 1), 0).device.type == "meta"  # returned unread

@@ -135,12 +135,12 @@ def test_a_fingerprint_weighs_each_tensor_and_reads_large_integers_exactly() -> 
 
 
 def test_a_microbatch_that_differs_from_stage_zeros_names_rank_stage_step_and_the_fix() -> None:
-    same = SameData([torch.ones(2)], "rank 1, stage 1", step=7, batch_idx=3)
+    same = SameData([torch.ones(2)], "rank 1 (stage 1)", step=7, batch_idx=3)
     assert same(0, None) == same(0, fingerprint(torch.ones(2))) == fingerprint(torch.ones(2))
     with pytest.raises(PipelineDataError) as error:
         same(0, fingerprint(torch.zeros(2)))
     text = str(error.value)
-    assert "(rank 1, stage 1, global step 7, batch 3, microbatch 0:" in text
+    assert "(rank 1 (stage 1), global step 7, batch 3, microbatch 0:" in text
     assert "give every rank an identical DataLoader" in text
 
 
@@ -199,6 +199,6 @@ def test_a_rank_with_other_data_stops_at_the_first_step_naming_the_fix(tmp_path:
     with pytest.raises(Exception) as error:
         fit(tmp_path, 2, False, data=RankDependent())
     assert (
-        "every rank must train on the same batches in the same order (rank 1, stage 1, "
+        "every rank must train on the same batches in the same order (rank 1 (stage 1), "
         "global step 0, batch 0, microbatch 0" in str(error.value)
     )

@@ -68,6 +68,26 @@ def seed_loader(loader: Any, seed: int) -> Any:
     return loader
 
 
+class LoaderSeeds:
+    """One strategy's loaders seeded alike on every rank: a seed agreed at setup
+    (``broadcast_seed``), and for the n-th loader seen ``seed + 2 n`` (``seed_loader``)."""
+
+    def __init__(self) -> None:
+        self.seed: int | None = None  # the same on every rank once agreed
+        self.loaders = 0
+
+    def agree(self) -> None:
+        """Agree the seed (every rank must call it)."""
+        self.seed = broadcast_seed()
+
+    def seed_loader(self, loader: Any) -> Any:
+        """``loader`` seeded with the next seed; as it is before the seed is agreed."""
+        if self.seed is None:
+            return loader
+        self.loaders += 1
+        return seed_loader(loader, self.seed + 2 * self.loaders)
+
+
 class Fingerprints:
     """``fingerprint`` with the weights of each layout kept (a microbatch's shapes repeat): a
     few tensor operations per microbatch, not seven per tensor. One per strategy; the weights

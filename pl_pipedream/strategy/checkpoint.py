@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import PeerError
 from pl_pipedream.strategy.atomic import (
@@ -51,10 +52,8 @@ from pl_pipedream.strategy.atomic import (
     staging_dir,
     write_file,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = [
-    "CheckpointError",
     "SaveExchange",
     "check_layout",
     "consolidate_checkpoint",
@@ -76,10 +75,6 @@ Shards = tuple[dict[str, Any], list[dict[str, Any]]]  # the description and ever
 META_FILE = "pipeline.json"
 FORMAT = "pl-pipedream sharded checkpoint"
 SAVE_TAG = 0x5AFE  # the tag of the save's messages on the default process group
-
-
-class CheckpointError(ValueError):
-    """A path that is not a complete PipeDream checkpoint."""
 
 
 def shard_name(stage: int) -> str:

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
+from pl_pipedream.core.errors import PipelineDataError
+
 __all__ = [
     "Fingerprints",
-    "PipelineDataError",
     "SameData",
     "broadcast_seed",
     "fingerprint",
@@ -36,10 +37,6 @@ __all__ = [
 
 SAMPLES = 256  # elements read per tensor, at most
 _SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
-
-
-class PipelineDataError(ValueError):
-    """The ranks do not train on the same data."""
 
 
 def broadcast_seed() -> int:

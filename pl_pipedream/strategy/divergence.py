@@ -37,10 +37,8 @@ from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
-    "BadData",
     "Divergence",
     "DivergenceWatch",
-    "TrainingDiverged",
     "bad_data_message",
     "describe_optimizer",
     "divergence_message",
@@ -53,14 +51,6 @@ DIVERGENCE_ACTIONS = ("error", "strict", "warn", "off")
 NOISE_MARGIN = 4.0  # progress counts once it clears this many median step-to-step changes
 NOISE_STEPS = 100  # the changes between the last this many logged losses measure the noise
 MIN_RISE = 0.2  # without progress, a climb above the start must also be this share of it
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss diverged (raised on every rank at the same step, with one message)."""
-
-
-class BadData(TrainingDiverged):
-    """The training loss is not finite because a batch's data hold NaN or inf values."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.core.errors import PipelineSetupError
 
 __all__ = ["check_forward", "forward_difference", "forward_is_checked"]
 

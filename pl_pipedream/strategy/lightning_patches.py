@@ -67,6 +67,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
+from pl_pipedream.core.errors import LightningChangedError
 from pl_pipedream.runtime.channel import PeerError
 
 __all__ = [
@@ -76,7 +77,6 @@ __all__ = [
     "call_hook",
     "capture_logs",
     "WorkerOutput",
-    "LightningChangedError",
     "clip_by_global_norm",
     "first_training_batch",
     "init_dist_connection",
@@ -99,10 +99,6 @@ WorkerOutput = _WorkerOutput
 init_dist_connection = _init_dist_connection
 
 SUPPORTED = "lightning>=2.6,<2.7"
-
-
-class LightningChangedError(RuntimeError):
-    """The installed Lightning lacks an internal the strategy relies on."""
 
 
 def _require(owner: Any, attribute: str, where: str) -> Any:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.ties import with_tied_traffic
@@ -35,7 +36,7 @@ from pl_pipedream.strategy.forward_check import check_forward, forward_is_checke
 from pl_pipedream.strategy.lightning_patches import first_training_batch
 from pl_pipedream.strategy.materialize import loaded, model_tensors
 from pl_pipedream.strategy.memory_report import gather_memory, plan_within
-from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
+from pl_pipedream.strategy.stage import find_ties, pipeline_layers
 
 __all__ = [
     "SetupPlanner",

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.strategy.atomic import leftovers, retired_dir
 from pl_pipedream.strategy.checkpoint import (
-    CheckpointError,
     check_layout,
     consolidate_checkpoint,
     is_sharded,
@@ -32,7 +32,6 @@ from pl_pipedream.strategy.checkpoint import (
     write_description,
     write_shard,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
 from tests.runtime.test_executor import NUM_BATCHES
 
 PLAN = Plan.from_balance([2, 1], replicas=[2, 1])  # stage 0 on ranks 0 and 1, stage 1 on rank 2

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_pipedream.core.errors import LightningChangedError
 from pl_pipedream.strategy import lightning_patches as patches
 from pl_pipedream.strategy.batches import shape_forward
 from tests.runtime.distributed import run
@@ -60,13 +61,13 @@ class Model(LightningModule):
 
 
 def test_require_names_the_missing_attribute_and_the_supported_versions() -> None:
-    with pytest.raises(patches.LightningChangedError) as error:
+    with pytest.raises(LightningChangedError) as error:
         patches._require(object(), "_gone", "_SomeLoop")
     assert "(_SomeLoop._gone); install lightning>=2.6,<2.7" in str(error.value)
 
 
 def test_a_patch_checks_before_it_patches() -> None:
-    with pytest.raises(patches.LightningChangedError, match=r"\(object\.clip_grad_by_norm\)"):
+    with pytest.raises(LightningChangedError, match=r"\(object\.clip_grad_by_norm\)"):
         patches.clip_by_global_norm(object(), lambda optimizer, clip: None)
 
 
@@ -180,7 +181,7 @@ def test_call_hook_and_before_optimizer_step_call_hooks_as_lightning_does() -> N
 def test_before_optimizer_step_checks_the_precision_plugin() -> None:
     run = trainer()
     run.strategy._precision_plugin = object()
-    with pytest.raises(patches.LightningChangedError, match=r"\(object\._after_closure\)"):
+    with pytest.raises(LightningChangedError, match=r"\(object\._after_closure\)"):
         patches.before_optimizer_step(run, None)
 
 
@@ -228,7 +229,7 @@ def test_keep_user_samplers_stops_lightning_from_injecting_a_distributed_sampler
     assert connector.use_distributed_sampler is False
     loader = DataLoader(TensorDataset(torch.zeros(4, 4)), shuffle=False)
     assert run_trainer._data_connector._requires_distributed_sampler(loader) is False
-    with pytest.raises(patches.LightningChangedError, match="_AcceleratorConnector"):
+    with pytest.raises(LightningChangedError, match="_AcceleratorConnector"):
         patches.keep_user_samplers(type("T", (), {"_accelerator_connector": object()})())
 
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.strategy.materialize import EmptyBuild, materialize
-from pl_pipedream.strategy.stage import PipelineSetupError
 
 SCRIPT = Path(__file__).with_name("big_script.py")
 

@@ -251,9 +251,9 @@ RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
     "line",
     [
         "from pl_pipedream.strategy import stage",
-        "from pl_pipedream.strategy.stage import LocalStage",
-        "import pl_pipedream.strategy.stage",
-        "import pl_pipedream.strategy.stage as stage",
+        "from pl_pipedream.core.stage import LocalStage",
+        "import pl_pipedream.core.stage",
+        "import pl_pipedream.core.stage as stage",
         "from pl_pipedream import strategy",
         "from pl_pipedream import PipeDreamStrategy",
         "import pl_pipedream",
@@ -262,7 +262,7 @@ RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
         "from .. import strategy",
         "from ..models import MLP",
         "def later():\n    from pl_pipedream.apps.train import train",
-        "if TYPE_CHECKING:\n    from pl_pipedream.strategy.stage import LocalStage",
+        "if TYPE_CHECKING:\n    from pl_pipedream.core.stage import LocalStage",
     ],
 )
 def test_an_upward_import_in_a_runtime_module_is_caught(line: str) -> None:
@@ -302,7 +302,7 @@ def test_models_and_data_do_not_import_each_other_but_the_apps_may() -> None:
 
 
 def test_relative_imports_resolve_from_modules_and_packages() -> None:
-    assert imports("from ..runtime import x", "pl_pipedream.strategy.stage") == {
+    assert imports("from ..runtime import x", "pl_pipedream.core.stage") == {
         "pl_pipedream.runtime",
         "pl_pipedream.runtime.x",
     }

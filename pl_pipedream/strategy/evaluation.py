@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, map_tensors, unflatten
 from pl_pipedream.runtime.channel import Channel, Message
 from pl_pipedream.runtime.executor import ExecutorError
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
-from pl_pipedream.strategy.stage import LocalStage
 
 __all__ = ["EvaluationPipe", "evaluation_step"]
 

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from pl_pipedream.strategy.checkpoint import merge_states
+from pl_pipedream.core.checkpoint import merge_states
 from pl_pipedream.strategy.exits import ExitReport, record_uncaught_errors
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,

@@ -30,7 +30,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 * ``_AcceleratorConnector.use_distributed_sampler`` (which ``_DataConnector.
   _requires_distributed_sampler`` reads): Lightning would replace each DataLoader's sampler by a
   ``DistributedSampler`` that shuffles every training loader; every stage must see the batches
-  the user's own sampler gives, as one device would (``strategy.data``).
+  the user's own sampler gives, as one device would (``core.data``).
 * ``_ResultCollection.update_metrics`` (``trainer._results``) and ``_LoggerConnector.
   _current_fx``: the strategy logs ``train_loss`` at every step; after the first step of an
   epoch it updates the registered metric directly (``log_step_value``), which skips the
@@ -40,7 +40,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused before launch, ``strategy.arguments``), ``_FitLoop._data_source`` (the first
+  refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
   training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
   epoch's last step drains).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,

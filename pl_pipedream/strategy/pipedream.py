@@ -27,22 +27,23 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from pl_pipedream.core import checkpoint as sharded
+from pl_pipedream.core import collectives
+from pl_pipedream.core.arguments import check_arguments, check_layer_sync, check_memory_layout
+from pl_pipedream.core.data import LoaderSeeds
+from pl_pipedream.core.materialize import EmptyBuild
+from pl_pipedream.core.placement import move_to_device
+from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import checkpoint as sharded
-from pl_pipedream.strategy import collectives, lightning_patches, memory_report
-from pl_pipedream.strategy.arguments import check_arguments, check_layer_sync, check_memory_layout
-from pl_pipedream.strategy.data import LoaderSeeds
+from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
-from pl_pipedream.strategy.materialize import EmptyBuild
-from pl_pipedream.strategy.placement import move_to_device
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
-from pl_pipedream.strategy.stage import LocalStage
 from pl_pipedream.strategy.step import TrainingSteps, backward
 from pl_pipedream.strategy.updates import StageUpdates
 
@@ -70,7 +71,7 @@ class PipeDreamStrategy(ParallelStrategy):
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
             linearly over this many updates per update of its delay (0: no warm-up).
         divergence: what a diverging training loss does, judged on every rank at the same step
-            (``strategy.divergence``, docs/divergence.md): ``"error"`` (default) stops on a
+            (``core.divergence``, docs/divergence.md): ``"error"`` (default) stops on a
             non-finite loss (``TrainingDiverged``; ``BadData`` when the batch held a NaN or inf)
             and warns once on a loss that gave back its progress; ``"strict"`` stops on both;
             ``"warn"`` warns on either; ``"off"`` watches nothing, as one device.
@@ -150,7 +151,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
         self._resume: sharded.Shards | None = None
-        self.loader_seeds = LoaderSeeds()  # agreed at setup (strategy.data)
+        self.loader_seeds = LoaderSeeds()  # agreed at setup (core.data)
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute = bool(recompute)
@@ -203,7 +204,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self, empty_init: bool | None = None
     ) -> AbstractContextManager[object]:
         """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
-        setup creates this rank's stage only (``strategy.materialize``)."""
+        setup creates this rank's stage only (``core.materialize``)."""
         return self.empty_build.context(self, empty_init, super().tensor_init_context)
 
     @override
@@ -272,7 +273,7 @@ class PipeDreamStrategy(ParallelStrategy):
     def on_predict_start(self) -> None:
         self.drain()
 
-    # ----- checkpoints: one shard per stage (strategy.checkpoint) -----------------------------
+    # ----- checkpoints: one shard per stage (core.checkpoint) -----------------------------
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -312,7 +313,7 @@ class PipeDreamStrategy(ParallelStrategy):
         if self.global_rank == 0:
             sharded.remove(filepath)
 
-    # ----- collectives: every rank of the pipeline (strategy.collectives) ---------------------
+    # ----- collectives: every rank of the pipeline (core.collectives) ---------------------
 
     @override
     def barrier(self, name: str | None = None) -> None:

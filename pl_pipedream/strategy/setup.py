@@ -20,6 +20,15 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_pipedream.core.elsewhere import mark_other_stages
+from pl_pipedream.core.materialize import materialize
+from pl_pipedream.core.placement import (
+    bind_to_cpu_share,
+    keep_local_parameters,
+    move_to_device,
+    process_group_backend,
+)
+from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.executor import Update
@@ -29,15 +38,7 @@ from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stag
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.batches import shape_forward
-from pl_pipedream.strategy.elsewhere import mark_other_stages
 from pl_pipedream.strategy.evaluation import EvaluationPipe
-from pl_pipedream.strategy.materialize import materialize
-from pl_pipedream.strategy.placement import (
-    bind_to_cpu_share,
-    keep_local_parameters,
-    move_to_device,
-    process_group_backend,
-)
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.precision import (
     check_optimizers,
@@ -45,7 +46,6 @@ from pl_pipedream.strategy.precision import (
     convert_stage,
     stage_precision,
 )
-from pl_pipedream.strategy.stage import cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
 
 __all__ = ["build_pipeline", "end_fit", "set_up", "set_up_environment", "tear_down"]

@@ -17,19 +17,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from pl_pipedream.core.errors import BadData, TrainingDiverged
-from pl_pipedream.schedule import rules
-from pl_pipedream.strategy import lightning_patches
-from pl_pipedream.strategy.batches import TrainingBatch
-from pl_pipedream.strategy.data import Fingerprints, SameData
-from pl_pipedream.strategy.divergence import (
+from pl_pipedream.core.data import Fingerprints, SameData
+from pl_pipedream.core.divergence import (
     DivergenceWatch,
     bad_data_message,
     describe_optimizer,
     divergence_message,
     stops,
 )
-from pl_pipedream.strategy.finite_data import FiniteData
+from pl_pipedream.core.errors import BadData, TrainingDiverged
+from pl_pipedream.core.finite_data import FiniteData
+from pl_pipedream.schedule import rules
+from pl_pipedream.strategy import lightning_patches
+from pl_pipedream.strategy.batches import TrainingBatch
 from pl_pipedream.strategy.step_logs import log_finished
 
 __all__ = ["TrainingSteps", "backward", "must_drain"]

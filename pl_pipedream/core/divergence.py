@@ -5,7 +5,7 @@ one, so every rank decides the same at the same step without a message) and retu
 verdicts:
 
 * the loss is not finite. What the strategy then says depends on the data: the batch's inputs
-  and targets are checked on every rank (``strategy.finite_data``), so a NaN that came with the
+  and targets are checked on every rank (``core.finite_data``), so a NaN that came with the
   data is reported as bad data, not as training gone wrong.
 * the loss has given back its progress: the median of the last ``window`` logged losses lies
   above best + rise x (start - best) for ``patience`` logged losses in a row, where start is the

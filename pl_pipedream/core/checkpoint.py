@@ -40,10 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.channel import PeerError
-from pl_pipedream.strategy.atomic import (
+from pl_pipedream.core.atomic import (
     RETIRED,
     fsync_dir,
     leftovers,
@@ -52,6 +49,9 @@ from pl_pipedream.strategy.atomic import (
     staging_dir,
     write_file,
 )
+from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import PeerError
 
 __all__ = [
     "SaveExchange",

@@ -41,8 +41,8 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
   refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
-  training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
-  epoch's last step drains).
+  training batch, to plan with) and ``LightningModule._trainer`` (whether a module being torn
+  down is attached to a trainer that was interrupted; ``.trainer`` raises when it is not).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher``,
   ``_MultiProcessingLauncher`` and ``_WorkerOutput`` (launchers), ``_init_dist_connection``.
 """
@@ -72,6 +72,7 @@ from pl_pipedream.runtime.channel import PeerError
 
 __all__ = [
     "MultiProcessingLauncher",
+    "attached_trainer",
     "SubprocessScriptLauncher",
     "before_optimizer_step",
     "call_hook",
@@ -80,7 +81,6 @@ __all__ = [
     "clip_by_global_norm",
     "first_training_batch",
     "init_dist_connection",
-    "is_last_batch",
     "check_sigterm_per_rank",
     "slurm_requeue",
     "stop_child_observer",
@@ -171,7 +171,7 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
     saved by every rank, ``scontrol requeue`` from rank 0) on every rank; else nothing."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = trainer.strategy.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         connector = trainer._signal_connector
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
@@ -337,10 +337,10 @@ def first_training_batch(trainer: Any) -> Any | None:
     return next(iter(source.dataloader()))
 
 
-def is_last_batch(trainer: Any) -> bool:
-    """Whether the running training step is its epoch's last
-    (``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``)."""
-    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+def attached_trainer(module: Any) -> Any | None:
+    """The trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public
+    ``trainer`` property raises on a module without one)."""
+    return getattr(module, "_trainer", None)
 
 
 def _cpu(value: Any) -> Any:

@@ -176,7 +176,7 @@ def tear_down(strategy: Any) -> None:
     """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
     pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
     rank's cores given back."""
-    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    trainer = lightning_patches.attached_trainer(strategy.lightning_module)
     failed = trainer is not None and trainer.interrupted
     strategy.preemption.finish(failed)
     if strategy.runner is not None:

@@ -28,7 +28,6 @@ from pl_pipedream.core.divergence import (
 from pl_pipedream.core.errors import BadData, TrainingDiverged
 from pl_pipedream.core.finite_data import FiniteData
 from pl_pipedream.schedule import rules
-from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.batches import TrainingBatch
 from pl_pipedream.strategy.step_logs import log_finished
 
@@ -106,7 +105,7 @@ class TrainingSteps:
 def must_drain(sync: Any, trainer: pl.Trainer) -> bool:
     """Whether this step ends with the pipeline drained: in the flushed modes, at the end of an
     epoch and at ``max_steps``."""
-    if sync.flushes or lightning_patches.is_last_batch(trainer):
+    if sync.flushes or trainer.is_last_batch:
         return True
     return 0 < trainer.max_steps <= trainer.global_step + 1
 

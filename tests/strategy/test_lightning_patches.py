@@ -233,7 +233,7 @@ def test_keep_user_samplers_stops_lightning_from_injecting_a_distributed_sampler
         patches.keep_user_samplers(type("T", (), {"_accelerator_connector": object()})())
 
 
-# ----- _FitLoop._data_source and batch_progress.is_last_batch ---------------------------------
+# ----- _FitLoop._data_source, and the public trainer.is_last_batch ----------------------------
 
 
 class Record(Callback):
@@ -244,13 +244,20 @@ class Record(Callback):
         self.last = []
 
     def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
-        self.last.append(patches.is_last_batch(trainer))
+        self.last.append(trainer.is_last_batch)
 
 
-def test_lightning_keeps_the_data_source_and_the_last_batch_flag_on_the_loops() -> None:
+def test_lightning_keeps_the_data_source_on_the_fit_loop() -> None:
     fit_loop = trainer().fit_loop
     assert isinstance(fit_loop, _FitLoop) and "_data_source" in vars(fit_loop)
-    assert fit_loop.epoch_loop.batch_progress.is_last_batch is False
+    assert trainer().is_last_batch is False
+
+
+def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
+    module, run_trainer = Model(), trainer()
+    assert patches.attached_trainer(module) is None and patches.attached_trainer(None) is None
+    module.trainer = run_trainer
+    assert patches.attached_trainer(module) is run_trainer
 
 
 def test_outside_fit_there_is_no_first_training_batch() -> None:

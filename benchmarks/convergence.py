@@ -322,7 +322,7 @@ def flagged_at(losses: list[float]) -> tuple[int, bool] | None:
     """The step at which the strategy's default divergence rule reports on these logged losses
     (NaN entries before the first finite one are steps with nothing logged yet), and whether
     the default stops there (True) or warns (False); None if it never reports."""
-    from pl_pipedream.strategy.divergence import DivergenceWatch, stops
+    from pl_pipedream.core.divergence import DivergenceWatch, stops
 
     watch = DivergenceWatch()
     logged = False

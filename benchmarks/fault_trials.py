@@ -66,9 +66,9 @@ def run_worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pl_pipedream import PipeDreamStrategy
+    from pl_pipedream.core import checkpoint
     from pl_pipedream.data import DigitsDataModule
     from pl_pipedream.models import MLP
-    from pl_pipedream.strategy import checkpoint
 
     def die(point: str) -> None:
         record = {"rank": rank, "phase": args.phase, "point": point, "time": time.time()}

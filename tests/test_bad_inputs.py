@@ -23,12 +23,12 @@ from torch import nn
 from pl_pipedream import PipeDreamStrategy, Topology, consolidate_checkpoint
 from pl_pipedream.apps.cli import main as cli
 from pl_pipedream.apps.train import apply_smoke, check_machine, num_processes
+from pl_pipedream.core.stage import pipeline_layers
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.schedule import SegmentStream
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
-from pl_pipedream.strategy.stage import pipeline_layers
 
 ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 

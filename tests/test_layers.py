@@ -1,7 +1,8 @@
 """The package's layering, read from the source (AST): a lower layer never imports a higher one.
 
 Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
-cells; configs: the Hydra configs) < planner < schedule < runtime < strategy < the example models
+cells; configs: the Hydra configs) < planner < schedule < runtime < core (what any front end
+needs, free of Lightning) < strategy < the example models
 and data modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train,
 hydra_ranks, the package's own ``__init__``). A unit may import itself and any lower layer;
 models and data, though on one layer, do not import each other; the apps may import one another.
@@ -34,6 +35,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"planner"}),
     frozenset({"schedule"}),
     frozenset({"runtime"}),
+    frozenset({"core"}),
     frozenset({"strategy"}),
     frozenset({"models", "data"}),
     frozenset({"reproduce"}),
@@ -184,6 +186,31 @@ def test_pure_layers_import_no_torch_or_lightning(part: str) -> None:
     assert {f: roots for f, roots in offenders.items() if roots} == {}
 
 
+def test_the_core_imports_no_lightning() -> None:
+    """``core`` is what other front ends reuse: it must stay free of Lightning."""
+    files = sorted((PACKAGE / "core").rglob("*.py"))
+    assert files
+    offenders = {
+        str(f.relative_to(PACKAGE)): roots_imported(imports_of(f)) & LIGHTNING for f in files
+    }
+    assert {f: roots for f, roots in offenders.items() if roots} == {}
+
+
+def test_the_strategy_and_its_core_define_their_errors_in_one_module() -> None:
+    """Every exception class of ``strategy`` and ``core`` lives in ``core/errors.py``."""
+    elsewhere = []
+    for path in [*(PACKAGE / "strategy").rglob("*.py"), *(PACKAGE / "core").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(b, ast.Name) and (b.id.endswith(("Error", "Exception", "Diverged")))
+                for b in node.bases
+            ):
+                elsewhere.append(f"{path.relative_to(PACKAGE)}: {node.name}")
+    errors = PACKAGE / "core" / "errors.py"
+    assert [e for e in elsewhere if not e.startswith("core/errors.py")] == []
+    assert errors.is_file()
+
+
 @pytest.mark.parametrize("part", NOT_LIGHTNING)
 def test_the_command_line_app_imports_no_lightning(part: str) -> None:
     assert roots_imported(imports_of(PACKAGE / part)) & LIGHTNING == set()
@@ -224,9 +251,9 @@ RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
     "line",
     [
         "from pl_pipedream.strategy import stage",
-        "from pl_pipedream.strategy.stage import LocalStage",
-        "import pl_pipedream.strategy.stage",
-        "import pl_pipedream.strategy.stage as stage",
+        "from pl_pipedream.core.stage import LocalStage",
+        "import pl_pipedream.core.stage",
+        "import pl_pipedream.core.stage as stage",
         "from pl_pipedream import strategy",
         "from pl_pipedream import PipeDreamStrategy",
         "import pl_pipedream",
@@ -235,7 +262,7 @@ RUNTIME_MODULE = PACKAGE / "runtime" / "executor.py"
         "from .. import strategy",
         "from ..models import MLP",
         "def later():\n    from pl_pipedream.apps.train import train",
-        "if TYPE_CHECKING:\n    from pl_pipedream.strategy.stage import LocalStage",
+        "if TYPE_CHECKING:\n    from pl_pipedream.core.stage import LocalStage",
     ],
 )
 def test_an_upward_import_in_a_runtime_module_is_caught(line: str) -> None:
@@ -275,7 +302,7 @@ def test_models_and_data_do_not_import_each_other_but_the_apps_may() -> None:
 
 
 def test_relative_imports_resolve_from_modules_and_packages() -> None:
-    assert imports("from ..runtime import x", "pl_pipedream.strategy.stage") == {
+    assert imports("from ..runtime import x", "pl_pipedream.core.stage") == {
         "pl_pipedream.runtime",
         "pl_pipedream.runtime.x",
     }

@@ -134,7 +134,7 @@ def _written(path: Path) -> float | None:
     staging or retired directory, a directory without a description)."""
     if path.is_file():
         return path.stat().st_mtime
-    description = path / "pipeline.json"  # strategy.checkpoint.META_FILE, written last
+    description = path / "pipeline.json"  # core.checkpoint.META_FILE, written last
     return description.stat().st_mtime if description.is_file() else None
 
 

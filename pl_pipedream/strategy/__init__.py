@@ -5,7 +5,7 @@ The only package that imports Lightning.
 
 from __future__ import annotations
 
-from pl_pipedream.strategy.checkpoint import consolidate_checkpoint
+from pl_pipedream.core.checkpoint import consolidate_checkpoint
 from pl_pipedream.strategy.pipedream import PipeDreamStrategy
 
 __all__ = ["PipeDreamStrategy", "consolidate_checkpoint", "register"]

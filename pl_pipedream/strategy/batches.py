@@ -76,7 +76,7 @@ class TrainingBatch:
     stage, and its loss from the user's ``training_step`` on the last stage. The loss is not read
     here (on a GPU that would make the host wait for the device after every forward); a
     non-finite loss travels on and the strategy's divergence watch acts on the logged mean
-    (``strategy.divergence``)."""
+    (``core.divergence``)."""
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel
@@ -28,9 +29,8 @@ from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
-from pl_pipedream.strategy.stage import LocalStage
 
-__all__ = ["EvaluationPipe"]
+__all__ = ["EvaluationPipe", "evaluation_step"]
 
 
 class EvaluationPipe:
@@ -113,30 +113,20 @@ class EvaluationPipe:
         return self.plan.stages[-1].ranks[0]
 
 
-class EvaluationHooks:
-    """The strategy's evaluation steps (mixed into ``PipeDreamStrategy`` ahead of Lightning's
-    ``ParallelStrategy``): each runs through the ``EvaluationPipe`` built at setup."""
-
-    evaluation: EvaluationPipe | None
-    lightning_module: Any
-    precision_plugin: Any
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", *args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", *args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.evaluation is not None
-        result = self._evaluate("predict_step", *args, **kwargs)
-        return self.evaluation.predictions_to_every_rank(result, args[1] if len(args) > 1 else 0)
-
-    def _evaluate(self, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kw: Any) -> Any:
-        assert self.evaluation is not None
-        context = getattr(self.precision_plugin, _CONTEXTS[hook])  # as Lightning's own steps
-        module = self.lightning_module
-        return self.evaluation.run(module, hook, batch, batch_idx, *rest, context=context, **kw)
+def evaluation_step(
+    strategy: Any, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kwargs: Any
+) -> Any:
+    """The strategy's ``validation_step``, ``test_step`` or ``predict_step`` (``hook``): the
+    batch through the ``EvaluationPipe`` built at setup, in the precision plugin's step context
+    as in Lightning's own steps; predictions reach every rank."""
+    pipe: EvaluationPipe | None = strategy.evaluation
+    assert pipe is not None
+    context = getattr(strategy.precision_plugin, _CONTEXTS[hook])
+    module = strategy.lightning_module
+    result = pipe.run(module, hook, batch, batch_idx, *rest, context=context, **kwargs)
+    if hook == "predict_step":
+        return pipe.predictions_to_every_rank(result, batch_idx)
+    return result
 
 
 _CONTEXTS = {

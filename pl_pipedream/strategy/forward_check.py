@@ -22,8 +22,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.runtime.trees import map_tensors
-from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = ["check_forward", "forward_difference", "forward_is_checked"]
 

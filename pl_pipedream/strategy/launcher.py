@@ -23,8 +23,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from pl_pipedream.core.checkpoint import merge_states
 from pl_pipedream.runtime.processes import RankProcesses, record_uncaught_errors, script_command
-from pl_pipedream.strategy.checkpoint import merge_states
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,

@@ -29,7 +29,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 * ``_AcceleratorConnector.use_distributed_sampler`` (which ``_DataConnector.
   _requires_distributed_sampler`` reads): Lightning would replace each DataLoader's sampler by a
   ``DistributedSampler`` that shuffles every training loader; every stage must see the batches
-  the user's own sampler gives, as one device would (``strategy.data``).
+  the user's own sampler gives, as one device would (``core.data``).
 * ``_ResultCollection.update_metrics`` (``trainer._results``) and ``_LoggerConnector.
   _current_fx``: the strategy logs ``train_loss`` at every step; after the first step of an
   epoch it updates the registered metric directly (``log_step_value``), which skips the
@@ -39,9 +39,9 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused before launch, ``strategy.arguments``), ``_FitLoop._data_source`` (the first
-  training batch, to plan with) and ``_TrainingEpochLoop.batch_progress.is_last_batch`` (an
-  epoch's last step drains).
+  refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
+  training batch, to plan with) and ``LightningModule._trainer`` (whether a module being torn
+  down is attached to a trainer that was interrupted; ``.trainer`` raises when it is not).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
@@ -71,21 +71,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
+from pl_pipedream.core.errors import LightningChangedError
 from pl_pipedream.runtime.channel import PeerError
 from pl_pipedream.runtime.trees import map_tensors
 
 __all__ = [
     "MultiProcessingLauncher",
+    "attached_trainer",
     "SubprocessScriptLauncher",
     "before_optimizer_step",
     "call_hook",
     "capture_logs",
     "WorkerOutput",
-    "LightningChangedError",
     "clip_by_global_norm",
     "first_training_batch",
     "init_dist_connection",
-    "is_last_batch",
     "check_sigterm_per_rank",
     "slurm_requeue",
     "hydra_child_command",
@@ -104,10 +104,6 @@ WorkerOutput = _WorkerOutput
 init_dist_connection = _init_dist_connection
 
 SUPPORTED = "lightning>=2.6,<2.7"
-
-
-class LightningChangedError(RuntimeError):
-    """The installed Lightning lacks an internal the strategy relies on."""
 
 
 def _require(owner: Any, attribute: str, where: str) -> Any:
@@ -180,7 +176,7 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
     saved by every rank, ``scontrol requeue`` from rank 0) on every rank; else nothing."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = trainer.strategy.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         connector = trainer._signal_connector
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
@@ -346,10 +342,10 @@ def first_training_batch(trainer: Any) -> Any | None:
     return next(iter(source.dataloader()))
 
 
-def is_last_batch(trainer: Any) -> bool:
-    """Whether the running training step is its epoch's last
-    (``trainer.fit_loop.epoch_loop.batch_progress.is_last_batch``)."""
-    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+def attached_trainer(module: Any) -> Any | None:
+    """The trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public
+    ``trainer`` property raises on a module without one)."""
+    return getattr(module, "_trainer", None)
 
 
 def _cpu(value: Any) -> Any:

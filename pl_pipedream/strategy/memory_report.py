@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.costs import stashed_bytes
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.runtime.recompute import Activations
 from pl_pipedream.schedule.memory import activations_kept, stage_bytes, versions_kept
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.stage import PipelineSetupError
 
 __all__ = [
     "StageMemory",

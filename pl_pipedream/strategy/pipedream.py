@@ -2,14 +2,11 @@
 
 Every rank runs its own Lightning loop over the same batches. In each training step the rank
 runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
-the activations and gradients they exchange. The losses exist on the last stage; they travel back
-with the gradients, so every rank (rank 0 with the progress bar and the loggers included) logs
-the same ``train_loss``, a finished batch's mean, without a collective (``runtime.losses``).
+the activations and gradients they exchange, and every rank logs the same ``train_loss``.
 
-This class is the Lightning-shaped shell: ``setup`` chooses the plan (``planning``), cuts this
-rank's stage (``stage``), places it (``placement``) and builds the pipeline; each hook delegates
-to the module that does the job: ``updates`` (who applies updates, per sync mode), ``batches``
-(microbatches, ``self(x)``), ``evaluation``, ``checkpoint``, and ``lightning_patches`` for every
+The class holds Lightning's hooks in the order Lightning calls them, each delegating to the
+module that does the job: ``setup`` (environment, plan, stage, pipeline, teardown), ``step``,
+``updates``, ``evaluation``, ``checkpoint``, ``collectives``; ``lightning_patches`` holds every
 Lightning internal touched.
 """
 
@@ -18,7 +15,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -28,74 +24,33 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from pl_pipedream.core import checkpoint as sharded
+from pl_pipedream.core import collectives
+from pl_pipedream.core.arguments import check_arguments, check_layer_sync, check_memory_layout
+from pl_pipedream.core.data import LoaderSeeds
+from pl_pipedream.core.materialize import EmptyBuild
+from pl_pipedream.core.placement import move_to_device
+from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.runtime import ranks
-from pl_pipedream.runtime.affinity import bind_threads
-from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
-from pl_pipedream.runtime.timeline import gather_trace
-from pl_pipedream.runtime.update import Update
-from pl_pipedream.schedule import rules
+from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
-from pl_pipedream.strategy.arguments import (
-    check_arguments,
-    check_layer_sync,
-    check_memory_layout,
-)
-from pl_pipedream.strategy.batches import TrainingBatch, shape_forward
-from pl_pipedream.strategy.checkpoint import ShardedCheckpointHooks
-from pl_pipedream.strategy.collectives import CollectiveHooks
-from pl_pipedream.strategy.data import Fingerprints, SameData, broadcast_seed, seed_loader
-from pl_pipedream.strategy.divergence import (
-    BadData,
-    DivergenceWatch,
-    TrainingDiverged,
-    bad_data_message,
-    describe_optimizer,
-    divergence_message,
-    stops,
-)
-from pl_pipedream.strategy.elsewhere import mark_other_stages
-from pl_pipedream.strategy.evaluation import EvaluationHooks, EvaluationPipe
-from pl_pipedream.strategy.finite_data import FiniteData
+from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
-from pl_pipedream.strategy.materialize import EmptyBuild, materialize
-from pl_pipedream.strategy.placement import (
-    bind_to_cpu_share,
-    keep_local_parameters,
-    move_to_device,
-    process_group_backend,
-)
-from pl_pipedream.strategy.planning import SetupPlanner
-from pl_pipedream.strategy.precision import (
-    check_optimizers,
-    check_precision,
-    convert_stage,
-    stage_precision,
-)
 from pl_pipedream.strategy.preemption import Preemption, parse_signals
-from pl_pipedream.strategy.stage import LocalStage, cut_stage, pipeline_layers
-from pl_pipedream.strategy.step_logs import log_finished
-from pl_pipedream.strategy.updates import (
-    StageUpdates,
-    TrainerUpdates,
-    check_ties,
-    check_trainer,
-    stage_updates,
-)
+from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
+from pl_pipedream.strategy.step import TrainingSteps, backward
+from pl_pipedream.strategy.updates import StageUpdates
 
 __all__ = ["PipeDreamStrategy"]
 
 
-class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks, ParallelStrategy):
+class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
@@ -105,39 +60,29 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         balance: layers per stage of a straight pipeline (``len(balance)`` stages).
         plan: a ``Plan`` (replicated stages) over the pipeline indices "0", "1", ... With neither
             ``balance`` nor ``plan``, rank 0 profiles and plans at setup (``strategy.planning``).
-        topology: the cluster the planner optimises for; by default one level whose bandwidth
-            is measured between ranks 0 and 1 at setup.
+        topology: the cluster the planner optimises for; by default one level, measured.
         timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
-        timeline: a path for a Chrome trace of every executed action, written by rank 0 at the
-            end of training with the measured bubble per rank (``runtime.timeline``).
+        timeline: a path for a Chrome trace of every action, with the bubble per rank.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
-        retain_freed_memory: on CPU with glibc, keep freed memory in the process
-            (``runtime.memory``); ``False`` leaves the allocator alone.
-        bind_cpus: on CPU, bind each rank to its own share of the cores from setup to teardown
-            (``strategy.placement``); ``False`` leaves placement to the kernel.
+        retain_freed_memory: on CPU with glibc, keep freed memory (``runtime.memory``).
+        bind_cpus: on CPU, bind each rank to its own share of the cores (``placement``).
         weight_prediction: in ``async`` and ``vertical_sync``, run each minibatch on its stale
             weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
             linearly over this many updates per update of its delay (0: no warm-up).
-        divergence: what a diverging training loss does (``strategy.divergence``), judged on
-            every rank at the same step. ``"error"`` (default): a non-finite loss stops every
-            rank with ``TrainingDiverged`` (``BadData`` when the batch's data held a NaN or
-            inf), and a loss that gave back its progress warns once and trains on; ``"strict"``
-            stops on both; ``"warn"`` warns once on either and trains on; ``"off"`` watches
-            nothing, as one device. The messages name the sync mode, the optimizer's settings
-            and the remedies, and speak of stale weights (with the stage delays) only in
-            ``async``, ``vertical_sync`` and ``2bw``.
-        divergence_rise, divergence_patience, divergence_window: when a loss gave back its
-            progress: the median of the last ``window`` logged losses above best + ``rise`` x
-            (start - best) for ``patience`` logged losses in a row (start: the first window's
-            median, best: the lowest; progress within the batch noise does not count), from the
-            20th logged loss on; the defaults separate measured healthy and diverging runs
-            (docs/divergence.md).
-        preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved and
-            exit status 128 + signal (``strategy.preemption``); ``()`` leaves them to Lightning.
+        divergence: what a diverging training loss does, judged on every rank at the same step
+            (``core.divergence``, docs/divergence.md): ``"error"`` (default) stops on a
+            non-finite loss (``TrainingDiverged``; ``BadData`` when the batch held a NaN or inf)
+            and warns once on a loss that gave back its progress; ``"strict"`` stops on both;
+            ``"warn"`` warns on either; ``"off"`` watches nothing, as one device.
+        divergence_rise, divergence_patience, divergence_window: a loss gave back its progress
+            when the median of the last ``window`` logged losses stays above best + ``rise`` x
+            (start - best) for ``patience`` logged losses in a row (docs/divergence.md).
+        preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
+            (``strategy.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
         memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
-            memory by default. A fit's memory per stage: ``memory_report``, printed at its end.
+            memory by default (``memory_report``).
     """
 
     strategy_name = "pipedream"
@@ -195,30 +140,24 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self.retain_freed_memory = retain_freed_memory
         self.bind_cpus = bind_cpus
         self.divergence = divergence
-        self._divergence_rule = (divergence_rise, divergence_patience, divergence_window)
-        DivergenceWatch(*self._divergence_rule)  # refuses bad thresholds now
-        self._watch: DivergenceWatch | None = None  # this fit's, while it still watches
-        self._finite_data = FiniteData()  # this fit's notes of the batches fed (while watched)
-        self._fingerprints = Fingerprints()  # the data check's weights, kept from batch to batch
+        rule = (divergence_rise, divergence_patience, divergence_window)
+        self.steps = TrainingSteps(divergence, rule)  # refuses bad thresholds now
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
         self.num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
-        self.local_stage: LocalStage | None = None
+        self.local_stage: LocalStage | None = None  # these four: set up by setup.set_up
         self.runner: PipelineRunner | None = None
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
-        self._resume: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
-        self._data_seed: int | None = None  # the same on every rank (strategy.data)
-        self._loaders_seeded = 0
+        self._resume: sharded.Shards | None = None
+        self.loader_seeds = LoaderSeeds()  # agreed at setup (core.data)
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute = bool(recompute)
         self.memory = memory_report.parse_memory(memory)
         check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
-
-    # ----- the launch -------------------------------------------------------------------------
 
     @property
     @override
@@ -256,25 +195,7 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
     @override
     def setup_environment(self) -> None:
         reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(
-            self.node_rank * self.num_processes + self.local_rank
-        )
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        on_cpu = self.root_device.type == "cpu"
-        backend = process_group_backend(self.root_device, self._process_group_backend)
-        self._process_group_backend = backend
-        if self.retain_freed_memory and on_cpu:
-            retain_freed_memory()
-        lightning_patches.init_dist_connection(
-            self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
-        )
-        if self.bind_cpus and on_cpu:
-            node = range(
-                self.node_rank * self.num_processes, (self.node_rank + 1) * self.num_processes
-            )
-            bound = bind_to_cpu_share(self.global_rank, self.world_size, node)
-            self._unbound_cpus, self.cpu_binding = bound or (None, None)
+        set_up_environment(self)
         super().setup_environment()
 
     # Lightning's @contextmanager types its return as a generator's; callers only enter it.
@@ -283,112 +204,19 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         self, empty_init: bool | None = None
     ) -> AbstractContextManager[object]:
         """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
-        setup creates this rank's stage only (``strategy.materialize``)."""
+        setup creates this rank's stage only (``core.materialize``)."""
         return self.empty_build.context(self, empty_init, super().tensor_init_context)
-
-    # ----- setup ------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
-        check_trainer(self.sync, trainer)
-        check_precision(self.precision_plugin, self.sync)
-        layers = pipeline_layers(module)
-        self._data_seed = broadcast_seed()
-        resumed = Plan.from_dict(self._resume[0]["plan"]) if self._resume else None
-        planner = SetupPlanner(
-            self._given_plan,
-            self.balance,
-            self.plan,
-            resumed,
-            self.topology,
-            self.microbatches,
-            self.world_size,
-            self.batch_to_device,
-            self.memory,
-            self.recompute,
-            sync=self.sync,
-        )
-        self.plan = planner.plan(trainer, module, layers)
-        self.setup_seconds = planner.seconds or self.setup_seconds
-        self.local_stage = cut_stage(module, layers, self.plan, self.global_rank)
-        local = [int(node) for node in self.local_stage.stage.nodes]
-        materialize(module, layers, local, self.root_device, self.empty_build)
-        convert_stage(self.precision_plugin, module)  # the true precisions: the stage's dtype
-        replicas = [s.replicas for s in self.plan.stages]
-        ties = [tie.describe() for tie in self.local_stage.ties]
-        check_ties(self.sync, ties, replicas)
-        check_corrections(self.sync, self.weight_prediction, self.lr_warmup_per_delay, ties)
-        mark_other_stages(module, layers, self.plan, self.global_rank)
-        move_to_device(module, self.root_device)
-        self._build_pipeline(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            check_optimizers(self.precision_plugin, self.optimizers)
-            on = self.divergence != "off"
-            self._watch = DivergenceWatch(*self._divergence_rule) if on else None
-            self._finite_data = FiniteData()
-            keep_local_parameters(module, self.optimizers)
-        self.setup_precision_plugin()
-        assert self.evaluation is not None and self.runner is not None
-        clip = self.updates.clip_global_norm if isinstance(self.updates, TrainerUpdates) else None
-        lightning_patches.patch_for_pipeline(
-            trainer,
-            module,
-            shape_forward(layers),
-            self.precision_plugin,
-            clip,
-            self.evaluation.metrics_source,
-            self.runner.executor.channel.flush,
-            lambda: self.preemption.at_step(trainer, self),
-        )
-
-    def _build_pipeline(self, trainer: pl.Trainer) -> None:
-        """The stage's updates, the pipeline that runs it, the evaluation pipe."""
-        assert self.local_stage is not None and self.plan is not None
-        stage, module = self.local_stage.stage, self.local_stage.module
-        optimizers = lambda: self.optimizers  # noqa: E731 - set up after the pipeline
-        self.updates = stage_updates(
-            self.sync,
-            module,
-            optimizers,
-            trainer,
-            stage.replicas,
-            self.root_device,
-            self.local_stage.ties_counted_elsewhere(),
-        )
-        apply: Update = self.updates
-        if self.lr_warmup_per_delay:  # (the per-minibatch modes only: checked at __init__)
-            steps = self.lr_warmup_per_delay * stage_delay(self.plan, self.sync, stage.index)
-            apply = WarmedUpdate(self.updates, optimizers, steps)
-        self.runner = PipelineRunner.create(
-            self.plan,
-            self.sync,
-            self.microbatches,
-            module,
-            self.global_rank,
-            apply,
-            self.root_device,
-            self.timeout,
-            record_timeline=self.timeline is not None,
-            ties=self.local_stage.tied_groups(),
-            weight_prediction=self.weight_prediction,
-            recompute=self.recompute,
-            precision=stage_precision(self.precision_plugin, self.root_device),
-        )
-        channel = self.runner.executor.channel
-        self.evaluation = EvaluationPipe(self.plan, self.local_stage, channel, self.global_rank)
+        set_up(self, trainer)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """Every rank's loader draws the same order (``data.seed_loader``)."""
-        if self._data_seed is None:
-            return dataloader
-        self._loaders_seeded += 1
-        return seed_loader(dataloader, self._data_seed + 2 * self._loaders_seeded)
+        return self.loader_seeds.seed_loader(dataloader)
 
     @override
     def model_to_device(self) -> None:
@@ -399,70 +227,12 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        assert self.runner is not None and self.local_stage is not None
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        module = self.lightning_module
-        describe = ranks.describe(self.global_rank, self.local_stage.stage.index)
-        # A non-finite loss travels on like any other: every rank sees it logged and all act
-        # alike (divergence=...), knowing whether the batch's data were finite.
-        work = TrainingBatch(module, batch, batch_idx, self.microbatches, describe)
-        step = module.trainer.global_step
-        same = SameData(work.slices, describe, step, batch_idx, self._fingerprints)
-        drain = self._must_drain(module.trainer)
-        if self._watch is not None:
-            self._finite_data.note(self.runner.batches, batch, self.microbatches)
-        self.runner.train_batch(
-            work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
-        )
-        loss = work.log_loss(self.runner.loss, self.root_device)
-        log_finished(module, self.runner.take_logged(), self.root_device)
-        if self._watch is not None and self.runner.loss is not None:
-            self._check_divergence(self._watch, self.runner.loss, module.trainer.global_step)
-        return loss
-
-    def _check_divergence(self, watch: DivergenceWatch, loss: float, step: int) -> None:
-        """Every rank sees the same logged losses and holds the same batches, so every rank
-        decides alike, at one step, with one message."""
-        assert self.plan is not None and self.runner is not None
-        verdict = watch.observe(loss)
-        batch = self.runner.loss_batch
-        if verdict is None:
-            if batch is not None:
-                self._finite_data.forget_through(batch)
-            return
-        bad = None if verdict.finite or batch is None else self._finite_data.first_bad(batch)
-        if bad is not None:
-            message = bad_data_message(loss, step, *bad)
-            error: TrainingDiverged = BadData(message)
-        else:
-            stages = range(len(self.plan.stages))
-            delays = [rules.update_delay(self.plan, self.sync, s) for s in stages]
-            groups = [g for optimizer in self.optimizers for g in optimizer.param_groups]
-            optimizer = describe_optimizer(groups)
-            message = divergence_message(verdict.reason, step, self.sync, delays, optimizer)
-            error = TrainingDiverged(message)
-        if stops(self.divergence, verdict):
-            self.drain()  # every rank stops at this step: the messages in flight arrive first
-            raise error
-        rank_zero_warn(message + " (not checked again in this fit)")
-        self._watch = None
-
-    def _must_drain(self, trainer: pl.Trainer) -> bool:
-        if self.sync.flushes or lightning_patches.is_last_batch(trainer):
-            return True
-        return 0 < trainer.max_steps <= trainer.global_step + 1
+        return self.steps.run(self, batch, batch_idx)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward of a step: the pipeline ran it. In the flushed modes this is
-        where the batch's gradient reaches ``.grad``, between ``on_before_backward`` and
-        ``on_after_backward`` as on one device; the other modes run their hooks per update."""
-        if self.updates is None or self.updates.steps_in_pipeline:
-            return closure_loss
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        closure_loss = self.updates.backward(closure_loss)
-        return self.precision_plugin.post_backward(closure_loss, module)
+        return backward(self, closure_loss)
 
     @override
     def optimizer_step(
@@ -477,34 +247,94 @@ class PipeDreamStrategy(EvaluationHooks, ShardedCheckpointHooks, CollectiveHooks
         if self.runner is not None:
             self.runner.drain()
 
+    # ----- evaluation: forward only, on drained weights ---------------------------------------
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return evaluation_step(self, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return evaluation_step(self, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return evaluation_step(self, "predict_step", *args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_test_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.drain()
+
+    # ----- checkpoints: one shard per stage (core.checkpoint) -----------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's state under the LightningModule's names (drains first)."""
+        self.drain()
+        assert self.local_stage is not None and self.lightning_module is not None
+        return self.local_stage.state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        assert self.plan is not None
+        args = (self.global_rank, self.plan, self.sync, self.microbatches, self.timeout)
+        sharded.save(checkpoint, filepath, *args)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not sharded.is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._resume = sharded.read_shards(checkpoint_path)
+        return sharded.merged_checkpoint(self._resume[1])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes the optimizer state its own stage saved."""
+        if self._resume is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        assert self.local_stage is not None and self.plan is not None
+        stage = self.local_stage.stage.index
+        sharded.load_optimizer_states(self._resume, self.plan, stage, self.optimizers)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.global_rank == 0:
+            sharded.remove(filepath)
+
+    # ----- collectives: every rank of the pipeline (core.collectives) ---------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        collectives.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return collectives.reduce(tensor, group, reduce_op)
+
     @override
     def on_train_end(self) -> None:
         self.drain()
-        self.memory_report = memory_report.of_fit(self)  # printed by rank 0
-        if self.timeline is not None and self.runner is not None:
-            self.bubbles = gather_trace(self.runner.executor.timeline, self.timeline) or {}
-            if self.bubbles:
-                summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in self.bubbles.items())
-                rank_zero_info(f"PipeDream timeline written to {self.timeline}; bubble {summary}")
-
-    # Evaluation runs on drained weights.
-    on_validation_start = on_test_start = on_predict_start = drain
-
-    # ----- teardown ---------------------------------------------------------------------------
+        end_fit(self)
 
     @override
     def teardown(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        failed = trainer is not None and trainer.interrupted
-        self.preemption.finish(failed)
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            runner.close(failed=failed)
-        if self.lightning_module is not None:
-            move_to_device(self.lightning_module, torch.device("cpu"))
-        if self._unbound_cpus is not None:
-            bind_threads(self._unbound_cpus)
-            self._unbound_cpus = self.cpu_binding = None
+        tear_down(self)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -7,7 +7,7 @@ module's ``example_input_array``), so the profile measures what one minibatch co
 topology, the link between ranks 0 and 1 is measured with a few round trips and the cluster is
 taken as one level of that bandwidth. Rank 0 sends the plan (or its error) to the others, so a
 failure on rank 0 stops every rank with the same message instead of a hang. A model built empty
-(``strategy.materialize``) is profiled one layer at a time, each created, timed and freed.
+(``core.materialize``) is profiled one layer at a time, each created, timed and freed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.materialize import loaded, model_tensors
+from pl_pipedream.core.stage import find_ties, pipeline_layers
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.ties import with_tied_traffic
@@ -33,9 +36,7 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.batches import first_stage_input, slice_batch
 from pl_pipedream.strategy.forward_check import check_forward, forward_is_checked
 from pl_pipedream.strategy.lightning_patches import first_training_batch
-from pl_pipedream.strategy.materialize import loaded, model_tensors
 from pl_pipedream.strategy.memory_report import gather_memory, plan_within
-from pl_pipedream.strategy.stage import PipelineSetupError, find_ties, pipeline_layers
 
 __all__ = [
     "SetupPlanner",
@@ -220,7 +221,7 @@ def plan_at_setup(
             planned = fitting(empty)
             if empty:
                 planned.meta["note"] = (
-                    "the model was built empty (strategy.materialize): planned a straight "
+                    "the model was built empty (core.materialize): planned a straight "
                     "pipeline, since each replica of a stage holds a whole copy of that stage"
                 )
             if any(microbatches % stage.replicas for stage in planned.stages):
@@ -243,7 +244,7 @@ def plan_at_setup(
 
 
 def _profile(layers: nn.Sequential, sample: Any, device: torch.device, empty: bool) -> Profile:
-    """Every layer's costs; a model built empty (``strategy.materialize``) is never whole on
+    """Every layer's costs; a model built empty (``core.materialize``) is never whole on
     rank 0 either: each layer is created, timed and freed in turn."""
     if empty:
         load = lambda layer: loaded(layer, device)  # noqa: E731

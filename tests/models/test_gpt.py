@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from pl_pipedream.core.materialize import EmptyBuild, materialize
 from pl_pipedream.models.gpt import Block, CharGPT, Head
-from pl_pipedream.strategy.materialize import EmptyBuild, materialize
 
 
 def make(**kwargs: object) -> CharGPT:

@@ -23,8 +23,8 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
-from pl_pipedream.strategy import checkpoint  # noqa: E402
-from pl_pipedream.strategy.atomic import staging_dir  # noqa: E402
+from pl_pipedream.core import checkpoint  # noqa: E402
+from pl_pipedream.core.atomic import staging_dir  # noqa: E402
 from tests.strategy.test_lightning_features import Net, loader  # noqa: E402
 
 

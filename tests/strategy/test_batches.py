@@ -120,7 +120,7 @@ def test_loss_must_be_a_tensor() -> None:
 
 
 def test_a_nan_loss_travels_on_unread() -> None:
-    """The divergence watch acts on the logged mean (strategy.divergence), on every rank."""
+    """The divergence watch acts on the logged mean (core.divergence), on every rank."""
     work = TrainingBatch(_attached(Regression("nan")), _batch(), 0, 2, "rank 1 (stage 1)")
     assert torch.isnan(work.loss(torch.zeros(2, 1), 0))
 

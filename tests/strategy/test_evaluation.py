@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.stage import cut_stage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.strategy.evaluation import EvaluationPipe
-from pl_pipedream.strategy.stage import cut_stage
 
 
 class Classifier(LightningModule):

@@ -9,8 +9,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.strategy.forward_check import check_forward, forward_difference
-from pl_pipedream.strategy.stage import PipelineSetupError
 from tests.runtime.distributed import one_rank_group
 from tests.strategy.test_lightning_features import Net, loader, trainer
 

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_pipedream.core.errors import LightningChangedError
 from pl_pipedream.strategy import lightning_patches as patches
 from pl_pipedream.strategy.batches import shape_forward
 from tests.runtime.distributed import run
@@ -60,13 +61,13 @@ class Model(LightningModule):
 
 
 def test_require_names_the_missing_attribute_and_the_supported_versions() -> None:
-    with pytest.raises(patches.LightningChangedError) as error:
+    with pytest.raises(LightningChangedError) as error:
         patches._require(object(), "_gone", "_SomeLoop")
     assert "(_SomeLoop._gone); install lightning>=2.6,<2.7" in str(error.value)
 
 
 def test_a_patch_checks_before_it_patches() -> None:
-    with pytest.raises(patches.LightningChangedError, match=r"\(object\.clip_grad_by_norm\)"):
+    with pytest.raises(LightningChangedError, match=r"\(object\.clip_grad_by_norm\)"):
         patches.clip_by_global_norm(object(), lambda optimizer, clip: None)
 
 
@@ -180,7 +181,7 @@ def test_call_hook_and_before_optimizer_step_call_hooks_as_lightning_does() -> N
 def test_before_optimizer_step_checks_the_precision_plugin() -> None:
     run = trainer()
     run.strategy._precision_plugin = object()
-    with pytest.raises(patches.LightningChangedError, match=r"\(object\._after_closure\)"):
+    with pytest.raises(LightningChangedError, match=r"\(object\._after_closure\)"):
         patches.before_optimizer_step(run, None)
 
 
@@ -228,11 +229,11 @@ def test_keep_user_samplers_stops_lightning_from_injecting_a_distributed_sampler
     assert connector.use_distributed_sampler is False
     loader = DataLoader(TensorDataset(torch.zeros(4, 4)), shuffle=False)
     assert run_trainer._data_connector._requires_distributed_sampler(loader) is False
-    with pytest.raises(patches.LightningChangedError, match="_AcceleratorConnector"):
+    with pytest.raises(LightningChangedError, match="_AcceleratorConnector"):
         patches.keep_user_samplers(type("T", (), {"_accelerator_connector": object()})())
 
 
-# ----- _FitLoop._data_source and batch_progress.is_last_batch ---------------------------------
+# ----- _FitLoop._data_source, and the public trainer.is_last_batch ----------------------------
 
 
 class Record(Callback):
@@ -243,13 +244,20 @@ class Record(Callback):
         self.last = []
 
     def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
-        self.last.append(patches.is_last_batch(trainer))
+        self.last.append(trainer.is_last_batch)
 
 
-def test_lightning_keeps_the_data_source_and_the_last_batch_flag_on_the_loops() -> None:
+def test_lightning_keeps_the_data_source_on_the_fit_loop() -> None:
     fit_loop = trainer().fit_loop
     assert isinstance(fit_loop, _FitLoop) and "_data_source" in vars(fit_loop)
-    assert fit_loop.epoch_loop.batch_progress.is_last_batch is False
+    assert trainer().is_last_batch is False
+
+
+def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
+    module, run_trainer = Model(), trainer()
+    assert patches.attached_trainer(module) is None and patches.attached_trainer(None) is None
+    module.trainer = run_trainer
+    assert patches.attached_trainer(module) is run_trainer
 
 
 def test_outside_fit_there_is_no_first_training_batch() -> None:

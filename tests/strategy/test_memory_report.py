@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.planner.topology import Topology
@@ -25,7 +26,6 @@ from pl_pipedream.strategy.memory_report import (
     plan_within,
     render,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
 from tests.runtime import oracle
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 from tests.schedule.test_memory import LAYOUTS, built_counts

@@ -6,11 +6,16 @@ Its hooks run end to end in ``test_fit.py``, ``test_lightning_features.py``, ``t
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ParallelStrategy
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy import pipedream
 
 
 def test_unknown_sync_mode() -> None:
@@ -54,3 +59,72 @@ def test_staleness_corrections_are_refused_outside_the_per_minibatch_modes(sync:
         PipeDreamStrategy(sync=sync, lr_warmup_per_delay=4)
     strategy = PipeDreamStrategy(sync="vertical_sync", weight_prediction=True)
     assert strategy.weight_prediction and strategy.lr_warmup_per_delay == 0
+
+
+# ----- the class reads as one thing -------------------------------------------------------------
+
+SOURCE = Path(pipedream.__file__)
+# Lightning's call order: launch, environment, setup, training, evaluation, checkpoints,
+# collectives, the end.
+HOOK_ORDER = (
+    "root_device",
+    "distributed_sampler_kwargs",
+    "_configure_launcher",
+    "setup_environment",
+    "tensor_init_context",
+    "setup",
+    "process_dataloader",
+    "model_to_device",
+    "training_step",
+    "backward",
+    "optimizer_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "on_validation_start",
+    "on_test_start",
+    "on_predict_start",
+    "lightning_module_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_optimizer_state_dict",
+    "remove_checkpoint",
+    "barrier",
+    "broadcast",
+    "reduce",
+    "on_train_end",
+    "teardown",
+    "register_strategies",
+)
+
+
+def _methods() -> list[ast.FunctionDef]:
+    tree = ast.parse(SOURCE.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PipeDreamStrategy"]
+    return [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+
+
+def test_the_strategy_is_one_class_over_lightnings_parallel_strategy() -> None:
+    assert PipeDreamStrategy.__bases__ == (ParallelStrategy,)
+    assert len(SOURCE.read_text().splitlines()) <= 350
+
+
+def test_every_lightning_hook_is_marked_override_and_held_by_the_class_itself() -> None:
+    methods = {m.name: m for m in _methods()}
+    for name in HOOK_ORDER:
+        assert name in methods, f"{name} is not defined in PipeDreamStrategy itself"
+        marks = {d.id for d in methods[name].decorator_list if isinstance(d, ast.Name)}
+        assert "override" in marks, f"{name} lacks @override"
+    lightning = {n for n in dir(ParallelStrategy) if not n.startswith("__")}
+    unmarked = [
+        name
+        for name, m in methods.items()
+        if name in lightning
+        and "override" not in {d.id for d in m.decorator_list if isinstance(d, ast.Name)}
+    ]
+    assert unmarked == []
+
+
+def test_the_hooks_come_in_lightnings_call_order() -> None:
+    order = [m.name for m in _methods() if m.name in HOOK_ORDER]
+    assert order == list(HOOK_ORDER)

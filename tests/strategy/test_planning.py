@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.strategy.planning import (
@@ -19,7 +20,6 @@ from pl_pipedream.strategy.planning import (
     plan_automatically,
     sample_input,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
 from tests.runtime.distributed import one_rank_group
 
 GIVEN = Plan.from_balance([1, 3])

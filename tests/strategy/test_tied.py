@@ -23,10 +23,10 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
+from pl_pipedream.core.checkpoint import merge_states
+from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.checkpoint import merge_states
-from pl_pipedream.strategy.stage import cut_stage, pipeline_layers
 from pl_pipedream.strategy.updates import check_ties
 from tests.runtime import oracle
 from tests.strategy.tied_script import CLIP, tied_batches, tied_loader, tied_model

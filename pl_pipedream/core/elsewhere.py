@@ -23,10 +23,11 @@ from torch import nn
 from torch.overrides import resolve_name
 from torch.utils._pytree import tree_leaves
 
+from pl_pipedream.core.errors import OtherStageParameterError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.ranks import describe
 
-__all__ = ["HeldElsewhere", "OtherStageParameterError", "mark_other_stages"]
+__all__ = ["HeldElsewhere", "mark_other_stages"]
 
 METADATA = frozenset(
     {
@@ -45,10 +46,6 @@ METADATA = frozenset(
         "__setstate__", "__getstate__",
     }
 )  # fmt: skip
-
-
-class OtherStageParameterError(ValueError):
-    """User code computed with a parameter that another stage holds."""
 
 
 class HeldElsewhere(nn.Parameter):

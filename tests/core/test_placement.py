@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.affinity import bind_threads, current_cpus
-from pl_pipedream.strategy.placement import (
+from pl_pipedream.core.placement import (
     bind_to_cpu_share,
     keep_local_parameters,
     move_to_device,
     process_group_backend,
 )
+from pl_pipedream.runtime.affinity import bind_threads, current_cpus
 from tests.runtime.distributed import one_rank_group, run
 
 

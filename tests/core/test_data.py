@@ -12,13 +12,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.strategy.data import (
-    Fingerprints,
-    PipelineDataError,
-    SameData,
-    fingerprint,
-    seed_loader,
-)
+from pl_pipedream.core.data import Fingerprints, SameData, fingerprint, seed_loader
+from pl_pipedream.core.errors import PipelineDataError
 from tests.strategy.test_lightning_features import Net
 
 SAMPLES = 16

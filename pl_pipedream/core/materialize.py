@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import swap_tensors
 
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.core.errors import PipelineSetupError
 
 __all__ = ["EmptyBuild", "Reset", "loaded", "materialize", "model_tensors"]
 

@@ -5,7 +5,7 @@ one, so every rank decides the same at the same step without a message) and retu
 verdicts:
 
 * the loss is not finite. What the strategy then says depends on the data: the batch's inputs
-  and targets are checked on every rank (``strategy.finite_data``), so a NaN that came with the
+  and targets are checked on every rank (``core.finite_data``), so a NaN that came with the
   data is reported as bad data, not as training gone wrong.
 * the loss has given back its progress: the median of the last ``window`` logged losses lies
   above best + rise x (start - best) for ``patience`` logged losses in a row, where start is the
@@ -37,10 +37,8 @@ from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
-    "BadData",
     "Divergence",
     "DivergenceWatch",
-    "TrainingDiverged",
     "bad_data_message",
     "describe_optimizer",
     "divergence_message",
@@ -53,14 +51,6 @@ DIVERGENCE_ACTIONS = ("error", "strict", "warn", "off")
 NOISE_MARGIN = 4.0  # progress counts once it clears this many median step-to-step changes
 NOISE_STEPS = 100  # the changes between the last this many logged losses measure the noise
 MIN_RISE = 0.2  # without progress, a climb above the start must also be this share of it
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss diverged (raised on every rank at the same step, with one message)."""
-
-
-class BadData(TrainingDiverged):
-    """The training loss is not finite because a batch's data hold NaN or inf values."""
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.arguments import check_arguments, check_memory_layout
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.arguments import check_arguments, check_memory_layout
 
 
 def test_good_arguments_pass() -> None:

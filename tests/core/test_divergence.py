@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.schedule.rules import update_delay
-from pl_pipedream.strategy.divergence import (
+from pl_pipedream.core.divergence import (
     Divergence,
     DivergenceWatch,
     bad_data_message,
@@ -22,8 +19,11 @@ from pl_pipedream.strategy.divergence import (
     divergence_message,
     stops,
 )
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.rules import update_delay
 
-SCRIPT = Path(__file__).with_name("divergence_script.py")
+SCRIPT = Path(__file__).parents[1] / "strategy" / "divergence_script.py"
 
 
 def first_report(losses: list[float], **rule: float) -> int | None:

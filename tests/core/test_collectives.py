@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.strategy.collectives import barrier, broadcast, reduce, reduce_op_of
+from pl_pipedream.core.collectives import barrier, broadcast, reduce, reduce_op_of
 from tests.runtime.distributed import one_rank_group, run
 
 SUM, MAX, MIN, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.AVG

@@ -1,10 +1,10 @@
-"""strategy.finite_data: per microbatch, whether a batch's data were finite."""
+"""core.finite_data: per microbatch, whether a batch's data were finite."""
 
 from __future__ import annotations
 
 import torch
 
-from pl_pipedream.strategy.finite_data import FiniteData
+from pl_pipedream.core.finite_data import FiniteData
 
 
 def test_the_data_notes_find_the_first_non_finite_microbatch() -> None:

@@ -20,14 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.runtime.ties import TiedGroup
 
-__all__ = ["LocalStage", "PipelineSetupError", "Tie", "cut_stage", "find_ties", "pipeline_layers"]
-
-
-class PipelineSetupError(ValueError):
-    """The module, the plan and the launch do not fit together."""
+__all__ = ["LocalStage", "Tie", "cut_stage", "find_ties", "pipeline_layers"]
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,9 @@ import torch
 from torch import nn
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.elsewhere import HeldElsewhere, mark_other_stages
+from pl_pipedream.core.errors import OtherStageParameterError
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.elsewhere import (
-    HeldElsewhere,
-    OtherStageParameterError,
-    mark_other_stages,
-)
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
 

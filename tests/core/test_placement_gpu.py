@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pl_pipedream.core.placement import move_to_device, process_group_backend
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.strategy.placement import move_to_device, process_group_backend
+from tests.core.test_placement import cut_module
 from tests.runtime.distributed import free_port
-from tests.strategy.test_placement import cut_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -40,10 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.runtime.channel import PeerError
-from pl_pipedream.runtime.tags import Tag
-from pl_pipedream.strategy.atomic import (
+from pl_pipedream.core.atomic import (
     RETIRED,
     fsync_dir,
     leftovers,
@@ -52,20 +49,23 @@ from pl_pipedream.strategy.atomic import (
     staging_dir,
     write_file,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.runtime.tags import Tag
 
 __all__ = [
-    "CheckpointError",
     "SaveExchange",
-    "ShardedCheckpointHooks",
     "check_layout",
     "consolidate_checkpoint",
     "is_sharded",
+    "load_optimizer_states",
     "merge_states",
     "merged_checkpoint",
     "optimizer_states",
     "read_shards",
     "remove",
+    "save",
     "shard_name",
     "write_description",
     "write_shard",
@@ -75,10 +75,6 @@ Shards = tuple[dict[str, Any], list[dict[str, Any]]]  # the description and ever
 
 META_FILE = "pipeline.json"
 FORMAT = "pl-pipedream sharded checkpoint"
-
-
-class CheckpointError(ValueError):
-    """A path that is not a complete PipeDream checkpoint."""
 
 
 def shard_name(stage: int) -> str:
@@ -329,81 +325,44 @@ def _first_sentence(message: str) -> str:
     return message.split(". ")[0] or "the connection failed"
 
 
-class ShardedCheckpointHooks:
-    """The strategy's checkpoint hooks (mixed into ``PipeDreamStrategy`` before Lightning's
-    ``ParallelStrategy``): each stage's first replica writes its shard, rank 0 publishes the
-    checkpoint atomically; loading checks and merges the shards and keeps them so that each
-    stage restores its own optimizer state."""
-
-    # Set by PipeDreamStrategy; listed for readers and type checkers.
-    local_stage: Any
-    plan: Plan | None
-    sync: Any
-    microbatches: int
-    global_rank: int
-    timeout: float
-    lightning_module: Any
-    optimizers: list[Any]
-    _resume: Shards | None
-
-    def drain(self) -> None:
-        raise NotImplementedError
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This stage's state under the LightningModule's names (drains first)."""
-        self.drain()
-        assert self.local_stage is not None
-        return self.local_stage.state_dict(self.lightning_module)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        """Write this rank's shard if it is its stage's first replica; rank 0 publishes the
-        checkpoint once every shard is on disk (``SaveExchange``, ``atomic.publish``). Ranks
-        that write nothing return at once; Lightning's barrier after the save holds them."""
-        assert self.local_stage is not None and self.plan is not None
-        writers = {s.ranks[0]: s.index for s in self.plan.stages}
-        if self.global_rank not in writers:
-            return
-        path = Path(filepath)
-        exchange = SaveExchange(self.global_rank, sorted(writers), self.timeout, path)
-        token = exchange.token()
-        staged = staging_dir(path, token)
-        record = write_shard(staged, self.local_stage.stage.index, checkpoint)
-        records = exchange.records(record, writers)
-        if not exchange.leads:
-            exchange.outcome()
-            return
-        try:
-            step = checkpoint.get("global_step")
-            write_description(staged, self.sync, self.microbatches, self.plan, records, step)
-            publish(staged, path, token)
-        except OSError as error:
-            exchange.outcome(
-                f"a checkpoint is published by rank {self.global_rank} (path: {path}): "
-                f"{error}; free space or fix the permissions of {path.parent}"
-            )
-            raise
+def save(
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    rank: int,
+    plan: Plan,
+    sync: str,
+    microbatches: int,
+    timeout: float,
+) -> None:
+    """Write this rank's shard if it is its stage's first replica; rank 0 publishes the
+    checkpoint once every shard is on disk (``SaveExchange``, ``atomic.publish``). Ranks
+    that write nothing return at once; the caller's barrier after the save holds them."""
+    writers = {s.ranks[0]: s.index for s in plan.stages}
+    if rank not in writers:
+        return
+    path = Path(filepath)
+    exchange = SaveExchange(rank, sorted(writers), timeout, path)
+    token = exchange.token()
+    staged = staging_dir(path, token)
+    record = write_shard(staged, writers[rank], checkpoint)
+    records = exchange.records(record, writers)
+    if not exchange.leads:
         exchange.outcome()
+        return
+    try:
+        step = checkpoint.get("global_step")
+        write_description(staged, sync, microbatches, plan, records, step)
+        publish(staged, path, token)
+    except OSError as error:
+        exchange.outcome(
+            f"a checkpoint is published by rank {rank} (path: {path}): "
+            f"{error}; free space or fix the permissions of {path.parent}"
+        )
+        raise
+    exchange.outcome()
 
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        if not is_sharded(checkpoint_path):
-            # A mixin: Lightning's ParallelStrategy follows it in PipeDreamStrategy's MRO.
-            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
-        self._resume = read_shards(checkpoint_path)
-        return merged_checkpoint(self._resume[1])
 
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each stage takes the optimizer state its own stage saved."""
-        if self._resume is None:
-            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]  # (as above)
-        assert self.local_stage is not None and self.plan is not None
-        states = optimizer_states(self._resume, self.plan, self.local_stage.stage.index)
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.global_rank == 0:
-            remove(filepath)
+def load_optimizer_states(saved: Shards, plan: Plan, stage: int, optimizers: list[Any]) -> None:
+    """Each optimizer of ``stage`` takes the state that stage saved (``plan`` checked first)."""
+    for optimizer, state in zip(optimizers, optimizer_states(saved, plan, stage), strict=True):
+        optimizer.load_state_dict(state)

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.atomic import leftovers, retired_dir
-from pl_pipedream.strategy.checkpoint import (
-    CheckpointError,
+from pl_pipedream.core.atomic import leftovers, retired_dir
+from pl_pipedream.core.checkpoint import (
     check_layout,
     consolidate_checkpoint,
     is_sharded,
@@ -32,7 +30,8 @@ from pl_pipedream.strategy.checkpoint import (
     write_description,
     write_shard,
 )
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.planner.plan import Plan
 from tests.runtime.test_executor import NUM_BATCHES
 
 PLAN = Plan.from_balance([2, 1], replicas=[2, 1])  # stage 0 on ranks 0 and 1, stage 1 on rank 2
@@ -231,7 +230,7 @@ def test_a_checkpoint_left_aside_by_an_interrupted_publish_is_named(tmp_path: Pa
     assert f"left the previous checkpoint at {aside}: rename it to {path}" in str(error.value)
 
 
-SCRIPT = Path(__file__).with_name("checkpoint_script.py")
+SCRIPT = Path(__file__).parents[1] / "strategy" / "checkpoint_script.py"
 STEPS = NUM_BATCHES  # per epoch
 
 

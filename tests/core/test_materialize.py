@@ -1,4 +1,4 @@
-"""An empty build and the materialisation of one stage (``strategy.materialize``).
+"""An empty build and the materialisation of one stage (``core.materialize``).
 
 One process: the local stage's values against a whole build with the same seed (ties, buffers,
 a module outside the pipeline, ``nn.MultiheadAttention``'s ``_reset_parameters``), how many
@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.strategy.materialize import EmptyBuild, materialize
-from pl_pipedream.strategy.stage import PipelineSetupError
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.materialize import EmptyBuild, materialize
 
-SCRIPT = Path(__file__).with_name("big_script.py")
+SCRIPT = Path(__file__).parents[1] / "strategy" / "big_script.py"
 
 
 class Model(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pl_pipedream.strategy.divergence import DIVERGENCE_ACTIONS
+from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 
 __all__ = ["check_arguments", "check_layer_sync", "check_memory_layout"]
 

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
+from pl_pipedream.core.errors import PipelineDataError
 from pl_pipedream.runtime.trees import tensors
 
 __all__ = [
     "Fingerprints",
-    "PipelineDataError",
     "SameData",
     "broadcast_seed",
     "fingerprint",
@@ -38,10 +38,6 @@ __all__ = [
 
 SAMPLES = 256  # elements read per tensor, at most
 _SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
-
-
-class PipelineDataError(ValueError):
-    """The ranks do not train on the same data."""
 
 
 def broadcast_seed() -> int:
@@ -68,6 +64,26 @@ def seed_loader(loader: Any, seed: int) -> Any:
     if loader.generator is None:
         loader.generator = torch.Generator().manual_seed(seed + 1)
     return loader
+
+
+class LoaderSeeds:
+    """One strategy's loaders seeded alike on every rank: a seed agreed at setup
+    (``broadcast_seed``), and for the n-th loader seen ``seed + 2 n`` (``seed_loader``)."""
+
+    def __init__(self) -> None:
+        self.seed: int | None = None  # the same on every rank once agreed
+        self.loaders = 0
+
+    def agree(self) -> None:
+        """Agree the seed (every rank must call it)."""
+        self.seed = broadcast_seed()
+
+    def seed_loader(self, loader: Any) -> Any:
+        """``loader`` seeded with the next seed; as it is before the seed is agreed."""
+        if self.seed is None:
+            return loader
+        self.loaders += 1
+        return seed_loader(loader, self.seed + 2 * self.loaders)
 
 
 class Fingerprints:

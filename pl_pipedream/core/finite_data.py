@@ -1,7 +1,7 @@
 """Whether a batch's data were finite: bad data told apart from training that diverged.
 
 The loss exists on the last stage and the inputs enter at the first, but every rank runs its own
-Lightning loop over the same batches (``strategy.data``), so every rank holds the whole batch,
+Lightning loop over the same batches (``core.data``), so every rank holds the whole batch,
 inputs and targets alike. Each rank notes, per microbatch of each batch it feeds, whether every
 floating-point tensor in it is finite: one reduction per tensor of the batch, whose result stays
 on the device (no wait for the GPU) and is read only when a non-finite loss is logged. In the

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pl_pipedream.strategy import atomic
-from pl_pipedream.strategy.atomic import (
+from pl_pipedream.core import atomic
+from pl_pipedream.core.atomic import (
     fsync_dir,
     leftovers,
     publish,

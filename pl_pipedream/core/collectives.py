@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CollectiveHooks", "barrier", "broadcast", "reduce"]
+__all__ = ["barrier", "broadcast", "reduce"]
 
 
 def barrier() -> None:
@@ -56,17 +56,3 @@ def reduce_op_of(reduce_op: Any) -> tuple[Any, bool]:
     if reduce_op == dist.ReduceOp.AVG:
         return dist.ReduceOp.SUM, True
     return reduce_op, False
-
-
-class CollectiveHooks:
-    """The strategy's collective hooks (mixed into ``PipeDreamStrategy`` ahead of Lightning's
-    ``ParallelStrategy``), over every rank of the pipeline."""
-
-    def barrier(self, name: str | None = None) -> None:
-        barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast(obj, src)
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return reduce(tensor, group, reduce_op)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.stage import PipelineSetupError, cut_stage, pipeline_layers
 
 
 class Model(nn.Module):

@@ -1,0 +1,201 @@
+"""The strategy's setup and teardown: the environment, the plan, this rank's stage, the pipeline.
+
+``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
+checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
+LightningModule (``stage``) and created from its empty build (``materialize``), the other
+stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
+updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
+evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning
+internals the pipeline needs (``lightning_patches``). ``end_fit`` reports the fit's memory and
+timeline; ``tear_down`` undoes what the fit set up.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from pl_pipedream.core.elsewhere import mark_other_stages
+from pl_pipedream.core.materialize import materialize
+from pl_pipedream.core.placement import (
+    bind_to_cpu_share,
+    keep_local_parameters,
+    move_to_device,
+    process_group_backend,
+)
+from pl_pipedream.core.stage import cut_stage, pipeline_layers
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.affinity import bind_threads
+from pl_pipedream.runtime.memory import retain_freed_memory
+from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
+from pl_pipedream.runtime.timeline import gather_trace
+from pl_pipedream.runtime.update import Update
+from pl_pipedream.strategy import lightning_patches, memory_report
+from pl_pipedream.strategy.batches import shape_forward
+from pl_pipedream.strategy.evaluation import EvaluationPipe
+from pl_pipedream.strategy.planning import SetupPlanner
+from pl_pipedream.strategy.precision import (
+    check_optimizers,
+    check_precision,
+    convert_stage,
+    stage_precision,
+)
+from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
+
+__all__ = ["build_pipeline", "end_fit", "set_up", "set_up_environment", "tear_down"]
+
+
+def set_up(strategy: Any, trainer: pl.Trainer) -> None:
+    """``PipeDreamStrategy.setup`` after the accelerator's: sets the strategy's ``plan``,
+    ``local_stage``, ``updates``, ``runner`` and ``evaluation`` (see the module docstring)."""
+    module = strategy.lightning_module
+    assert module is not None
+    check_trainer(strategy.sync, trainer)
+    check_precision(strategy.precision_plugin, strategy.sync)
+    layers = pipeline_layers(module)
+    strategy.loader_seeds.agree()
+    resumed = Plan.from_dict(strategy._resume[0]["plan"]) if strategy._resume else None
+    planner = SetupPlanner(
+        strategy._given_plan,
+        strategy.balance,
+        strategy.plan,
+        resumed,
+        strategy.topology,
+        strategy.microbatches,
+        strategy.world_size,
+        strategy.batch_to_device,
+        strategy.memory,
+        strategy.recompute,
+        sync=strategy.sync,
+    )
+    strategy.plan = planner.plan(trainer, module, layers)
+    strategy.setup_seconds = planner.seconds or strategy.setup_seconds
+    local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
+    strategy.local_stage = local_stage
+    local = [int(node) for node in local_stage.stage.nodes]
+    materialize(module, layers, local, strategy.root_device, strategy.empty_build)
+    convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
+    replicas = [s.replicas for s in strategy.plan.stages]
+    ties = [tie.describe() for tie in local_stage.ties]
+    check_ties(strategy.sync, ties, replicas)
+    check_corrections(strategy.sync, strategy.weight_prediction, strategy.lr_warmup_per_delay, ties)
+    mark_other_stages(module, layers, strategy.plan, strategy.global_rank)
+    move_to_device(module, strategy.root_device)
+    build_pipeline(strategy, trainer)
+    if trainer.state.fn == TrainerFn.FITTING:
+        strategy.setup_optimizers(trainer)
+        check_optimizers(strategy.precision_plugin, strategy.optimizers)
+        strategy.steps.start_fit()
+        keep_local_parameters(module, strategy.optimizers)
+    strategy.setup_precision_plugin()
+    assert strategy.evaluation is not None and strategy.runner is not None
+    updates = strategy.updates
+    clip = updates.clip_global_norm if isinstance(updates, TrainerUpdates) else None
+    lightning_patches.patch_for_pipeline(
+        trainer,
+        module,
+        shape_forward(layers),
+        strategy.precision_plugin,
+        clip,
+        strategy.evaluation.metrics_source,
+        strategy.runner.executor.channel.flush,
+        lambda: strategy.preemption.at_step(trainer, strategy),
+    )
+
+
+def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
+    """The stage's updates, the pipeline that runs it, the evaluation pipe."""
+    assert strategy.local_stage is not None and strategy.plan is not None
+    stage, module = strategy.local_stage.stage, strategy.local_stage.module
+    optimizers = lambda: strategy.optimizers  # noqa: E731 - set up after the pipeline
+    strategy.updates = stage_updates(
+        strategy.sync,
+        module,
+        optimizers,
+        trainer,
+        stage.replicas,
+        strategy.root_device,
+        strategy.local_stage.ties_counted_elsewhere(),
+    )
+    apply: Update = strategy.updates
+    if strategy.lr_warmup_per_delay:  # (the per-minibatch modes only: checked at __init__)
+        steps = strategy.lr_warmup_per_delay * stage_delay(
+            strategy.plan, strategy.sync, stage.index
+        )
+        apply = WarmedUpdate(strategy.updates, optimizers, steps)
+    strategy.runner = PipelineRunner.create(
+        strategy.plan,
+        strategy.sync,
+        strategy.microbatches,
+        module,
+        strategy.global_rank,
+        apply,
+        strategy.root_device,
+        strategy.timeout,
+        record_timeline=strategy.timeline is not None,
+        ties=strategy.local_stage.tied_groups(),
+        weight_prediction=strategy.weight_prediction,
+        recompute=strategy.recompute,
+        precision=stage_precision(strategy.precision_plugin, strategy.root_device),
+    )
+    channel = strategy.runner.executor.channel
+    strategy.evaluation = EvaluationPipe(
+        strategy.plan, strategy.local_stage, channel, strategy.global_rank
+    )
+
+
+def set_up_environment(strategy: Any) -> None:
+    """``PipeDreamStrategy.setup_environment``: this rank in the cluster environment, the
+    process group, and on CPU the allocator kept and the rank bound to its share of the cores
+    (``placement``)."""
+    environment = strategy.cluster_environment
+    assert environment is not None
+    processes, node_rank = strategy.num_processes, strategy.node_rank
+    environment.set_global_rank(node_rank * processes + strategy.local_rank)
+    environment.set_world_size(strategy.num_nodes * processes)
+    on_cpu = strategy.root_device.type == "cpu"
+    backend = process_group_backend(strategy.root_device, strategy._process_group_backend)
+    strategy._process_group_backend = backend
+    if strategy.retain_freed_memory and on_cpu:
+        retain_freed_memory()
+    timeout = timedelta(seconds=strategy.timeout)
+    lightning_patches.init_dist_connection(environment, backend, timeout=timeout)
+    if strategy.bind_cpus and on_cpu:
+        node = range(node_rank * processes, (node_rank + 1) * processes)
+        bound = bind_to_cpu_share(strategy.global_rank, strategy.world_size, node)
+        strategy._unbound_cpus, strategy.cpu_binding = bound or (None, None)
+
+
+def tear_down(strategy: Any) -> None:
+    """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
+    pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
+    rank's cores given back."""
+    trainer = lightning_patches.attached_trainer(strategy.lightning_module)
+    failed = trainer is not None and trainer.interrupted
+    strategy.preemption.finish(failed)
+    if strategy.runner is not None:
+        runner, strategy.runner = strategy.runner, None
+        runner.close(failed=failed)
+    if strategy.lightning_module is not None:
+        move_to_device(strategy.lightning_module, torch.device("cpu"))
+    if strategy._unbound_cpus is not None:
+        bind_threads(strategy._unbound_cpus)
+        strategy._unbound_cpus = strategy.cpu_binding = None
+
+
+def end_fit(strategy: Any) -> None:
+    """At the end of training, on drained weights: the memory report (printed by rank 0) and,
+    with ``timeline=``, the Chrome trace with the measured bubble per rank."""
+    strategy.memory_report = memory_report.of_fit(strategy)
+    timeline, runner = strategy.timeline, strategy.runner
+    if timeline is not None and runner is not None:
+        strategy.bubbles = gather_trace(runner.executor.timeline, timeline) or {}
+        if strategy.bubbles:
+            summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in strategy.bubbles.items())
+            rank_zero_info(f"PipeDream timeline written to {timeline}; bubble {summary}")

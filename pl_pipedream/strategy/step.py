@@ -1,0 +1,124 @@
+"""The strategy's ``training_step``: one Lightning batch through this rank's part of the pipeline.
+
+The batch is split into microbatches (``batches.TrainingBatch``), fingerprinted so that every
+rank is known to see the same data (``data.SameData``), and run by the ``PipelineRunner``; the
+pipeline drains where Lightning's loop ends (the last batch of an epoch, ``max_steps``) and in
+the flushed modes. The finished batch's mean loss is logged as ``train_loss`` and judged by the
+divergence watch (``divergence``): every rank sees the same logged losses and holds the same
+batches, so every rank decides alike, at one step, with one message. Lightning's ``backward``
+of the step (``backward``) reaches ``.grad`` in the flushed modes only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from pl_pipedream.core.data import Fingerprints, SameData
+from pl_pipedream.core.divergence import (
+    DivergenceWatch,
+    bad_data_message,
+    describe_optimizer,
+    divergence_message,
+    stops,
+)
+from pl_pipedream.core.errors import BadData, TrainingDiverged
+from pl_pipedream.core.finite_data import FiniteData
+from pl_pipedream.runtime import ranks
+from pl_pipedream.schedule import rules
+from pl_pipedream.strategy.batches import TrainingBatch
+from pl_pipedream.strategy.step_logs import log_finished
+
+__all__ = ["TrainingSteps", "backward", "must_drain"]
+
+
+class TrainingSteps:
+    """One strategy's training steps: the data check's weights (kept from batch to batch), and
+    per fit the divergence watch (while it still watches) with its notes of the batches fed."""
+
+    def __init__(self, divergence: str, rule: tuple[float, int, int]) -> None:
+        self.divergence = divergence
+        self.rule = rule
+        DivergenceWatch(*rule)  # refuses bad thresholds now
+        self.watch: DivergenceWatch | None = None
+        self.finite_data = FiniteData()
+        self.fingerprints = Fingerprints()
+
+    def start_fit(self) -> None:
+        """A fresh watch (none with ``divergence="off"``) and fresh notes for a new fit."""
+        self.watch = DivergenceWatch(*self.rule) if self.divergence != "off" else None
+        self.finite_data = FiniteData()
+
+    def run(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
+        """Run ``batch`` through ``strategy``'s pipeline; return the loss to log."""
+        runner, local = strategy.runner, strategy.local_stage
+        assert runner is not None and local is not None
+        module = strategy.lightning_module
+        describe = ranks.describe(strategy.global_rank, local.stage.index)
+        # A non-finite loss travels on like any other: every rank sees it logged and all act
+        # alike (divergence=...), knowing whether the batch's data were finite.
+        work = TrainingBatch(module, batch, batch_idx, strategy.microbatches, describe)
+        step = module.trainer.global_step
+        same = SameData(work.slices, describe, step, batch_idx, self.fingerprints)
+        drain = must_drain(strategy.sync, module.trainer)
+        if self.watch is not None:
+            self.finite_data.note(runner.batches, batch, strategy.microbatches)
+        runner.train_batch(
+            work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
+        )
+        loss = work.log_loss(runner.loss, strategy.root_device)
+        log_finished(module, runner.take_logged(), strategy.root_device)
+        if self.watch is not None and runner.loss is not None:
+            self._check_divergence(strategy, self.watch, runner.loss, module.trainer.global_step)
+        return loss
+
+    def _check_divergence(
+        self, strategy: Any, watch: DivergenceWatch, loss: float, step: int
+    ) -> None:
+        plan, runner = strategy.plan, strategy.runner
+        verdict = watch.observe(loss)
+        batch = runner.loss_batch
+        if verdict is None:
+            if batch is not None:
+                self.finite_data.forget_through(batch)
+            return
+        bad = None if verdict.finite or batch is None else self.finite_data.first_bad(batch)
+        if bad is not None:
+            message = bad_data_message(loss, step, *bad)
+            error: TrainingDiverged = BadData(message)
+        else:
+            sync = strategy.sync
+            delays = [rules.update_delay(plan, sync, s) for s in range(len(plan.stages))]
+            groups = [g for optimizer in strategy.optimizers for g in optimizer.param_groups]
+            optimizer = describe_optimizer(groups)
+            message = divergence_message(verdict.reason, step, sync, delays, optimizer)
+            error = TrainingDiverged(message)
+        if stops(self.divergence, verdict):
+            strategy.drain()  # every rank stops at this step: the messages in flight arrive first
+            raise error
+        rank_zero_warn(message + " (not checked again in this fit)")
+        self.watch = None
+
+
+def must_drain(sync: Any, trainer: pl.Trainer) -> bool:
+    """Whether this step ends with the pipeline drained: in the flushed modes, at the end of an
+    epoch and at ``max_steps``."""
+    if sync.flushes or trainer.is_last_batch:
+        return True
+    return 0 < trainer.max_steps <= trainer.global_step + 1
+
+
+def backward(strategy: Any, closure_loss: Tensor) -> Tensor:
+    """Lightning's backward of a step: the pipeline ran it. In the flushed modes this is where
+    the batch's gradient reaches ``.grad``, between ``on_before_backward`` and
+    ``on_after_backward`` as on one device; the other modes run their hooks per update."""
+    updates = strategy.updates
+    if updates is None or updates.steps_in_pipeline:
+        return closure_loss
+    module, precision = strategy.lightning_module, strategy.precision_plugin
+    closure_loss = precision.pre_backward(closure_loss, module)
+    closure_loss = updates.backward(closure_loss)
+    return precision.post_backward(closure_loss, module)

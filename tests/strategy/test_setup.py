@@ -1,0 +1,16 @@
+"""Setup's ends in one process: a strategy that never set up ends and tears down cleanly. The
+environment, the plan, the stage and the pipeline are set up end to end by every multi-process
+test (``test_fit.py``, ``test_resume.py``, ``test_evaluation.py``)."""
+
+from __future__ import annotations
+
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.strategy.setup import end_fit, tear_down
+
+
+def test_a_strategy_without_a_pipeline_reports_nothing_and_tears_down() -> None:
+    strategy = PipeDreamStrategy(timeline="trace.json")
+    end_fit(strategy)
+    assert strategy.memory_report == [] and strategy.bubbles == {}
+    tear_down(strategy)
+    assert strategy.runner is None and strategy.cpu_binding is None

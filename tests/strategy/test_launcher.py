@@ -68,8 +68,13 @@ def test_popen_starts_the_ranks_and_watches_them_without_lightnings_observer(
     from pl_pipedream.strategy import launcher as launcher_module
 
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv first: monkeypatch then restores the variable's absence after the test, undoing
+        # what launch() writes; a bare delenv of an absent variable records nothing, and the
+        # rank variables leaked into every later test's subprocesses
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(launcher_module, "script_command", lambda: [sys.executable, "-c", "0"])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # launch() installs its own
     environment = LightningEnvironment()
     assert not environment.creates_processes_externally
     launcher = PipelineScriptLauncher(environment, num_processes=3, num_nodes=1, timeout=30)

@@ -22,7 +22,7 @@ windows, as ``data.TextDataModule`` gives them. ``scale`` divides every width fo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,10 @@ class WeightDropLSTM(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training and self.wdrop > 0:
-            dropped = F.dropout(self.lstm.get_parameter("weight_hh_l0"), self.wdrop, training=True)
+            # the attribute, not get_parameter(): under the pipeline a weight version's plain
+            # tensor sits in the parameter's slot for the call (runtime.functional.StageCall)
+            weight = cast(Tensor, self.lstm.weight_hh_l0)
+            dropped = F.dropout(weight, self.wdrop, training=True)
             out, _ = functional_call(self.lstm, {"weight_hh_l0": dropped}, (x,), strict=False)
         else:
             out, _ = self.lstm(x)

@@ -35,7 +35,9 @@ nvidia-smi -L 2>/dev/null || true
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
 echo "== gpu-marked tests (pytest -m gpu)"
-timeout 300 "$python" -m pytest -q -m gpu -p no:cacheprovider tests || status=1
+parallel=()  # four test processes share the GPU where pytest-xdist is there
+"$python" -c 'import xdist' 2>/dev/null && parallel=(-n 4)
+timeout 300 "$python" -m pytest -q -m gpu -p no:cacheprovider "${parallel[@]}" tests || status=1
 
 left=$((end - SECONDS))
 echo "== bf16-mixed throughput, one GPU (${left} s left)"

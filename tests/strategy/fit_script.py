@@ -41,6 +41,11 @@ def main() -> None:
     parser.add_argument("--strategy-name", action="store_true", help='use strategy="pipedream"')
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2, help="with --balance 0")
+    parser.add_argument(
+        "--share-device",
+        action="store_true",
+        help="every rank on one device: cuda:0 with --accelerator gpu (gloo: NCCL refuses that)",
+    )
     parser.add_argument("--model", choices=("mlp", "seq2seq"), default="mlp")
     parser.add_argument("--weight-prediction", action="store_true")
     parser.add_argument("--lr-warmup-per-delay", type=int, default=0)
@@ -111,6 +116,18 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
             sync=sync, plan=plan, microbatches=m, timeout=60, **corrections
         )
         devices = plan.num_workers
+    elif args.share_device:
+        one = torch.device("cuda", 0) if args.accelerator == "gpu" else torch.device("cpu")
+        strategy = PipeDreamStrategy(
+            sync=sync,
+            balance=args.balance,
+            microbatches=m,
+            timeout=60,
+            parallel_devices=[one] * len(args.balance),
+            process_group_backend="gloo",
+            **corrections,
+        )
+        devices = 1
     else:
         strategy = PipeDreamStrategy(
             sync=sync, balance=args.balance, microbatches=m, timeout=60, **corrections

@@ -27,7 +27,9 @@ TOLERANCE = 1e-5  # not yet measured on a GPU: the CPU runs are bit-identical
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_cuda_bf16_mixed_flush_equals_one_gpu(tmp_path: Path, microbatches: int) -> None:
+def test_cuda_bf16_mixed_flush_equals_one_gpu(
+    tmp_path: Path, microbatches: int, record_property
+) -> None:
     one, pipe = tmp_path / "one", tmp_path / "pipe"
     reference, reference_val = fit_and_validate(
         one, "bf16-mixed", accumulate=microbatches, gpu=True
@@ -36,6 +38,9 @@ def test_cuda_bf16_mixed_flush_equals_one_gpu(tmp_path: Path, microbatches: int)
     got, val = fit_and_validate(
         pipe, "bf16-mixed", gpu=True, sync="flush", microbatches=microbatches
     )
+    record_property("difference_to_one_gpu", largest_difference(got, reference))
+    record_property("validation_difference", abs(val - reference_val))
+    record_property("difference_to_fp32", largest_difference(got, fp32))
     assert largest_difference(got, reference) <= TOLERANCE
     assert abs(val - reference_val) <= TOLERANCE
     assert largest_difference(got, fp32) > 1e-4
@@ -44,7 +49,7 @@ def test_cuda_bf16_mixed_flush_equals_one_gpu(tmp_path: Path, microbatches: int)
 @pytest.mark.gpu
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_cuda_16_mixed_has_one_loss_scale_that_evolves_as_one_gpus(
-    tmp_path: Path, microbatches: int
+    tmp_path: Path, microbatches: int, record_property
 ) -> None:
     one, pipe = tmp_path / "one", tmp_path / "pipe"
     reference, _ = fit_and_validate(
@@ -63,6 +68,8 @@ def test_cuda_16_mixed_has_one_loss_scale_that_evolves_as_one_gpus(
         microbatches=microbatches,
     )
     expected = json.loads((one / "scale-rank0.json").read_text())[microbatches - 1 :: microbatches]
+    record_property("scales", expected)
+    record_property("difference_to_one_gpu", largest_difference(got, reference))
     for rank in (0, 1):
         assert json.loads((pipe / f"scale-rank{rank}.json").read_text()) == expected
     assert largest_difference(got, reference) <= TOLERANCE

@@ -47,13 +47,13 @@ def check_against_the_oracle(tmp_path, balance, m, sync) -> float:  # type: igno
 def test_three_ranks_sharing_one_gpu_equal_the_oracle_in_every_mode(  # type: ignore[no-untyped-def]
     tmp_path, record_property
 ) -> None:
-    configs = [f"{sync}:sgd" for sync in MODES]
+    configs = [f"{sync}:sgd" for sync in MODES]  # 2bw wants as many microbatches as stages
     result = launch(
-        tmp_path, [2, 2, 2], None, 2, configs, accelerator="gpu", extra=["--share-device"]
+        tmp_path, [2, 2, 2], None, 3, configs, accelerator="gpu", extra=["--share-device"]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for sync in MODES:
-        record_property(sync, check_against_the_oracle(tmp_path, [2, 2, 2], 2, sync))
+        record_property(sync, check_against_the_oracle(tmp_path, [2, 2, 2], 3, sync))
 
 
 @pytest.mark.gpu

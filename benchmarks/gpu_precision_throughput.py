@@ -16,7 +16,7 @@ show what the precision costs or saves in each, and the pipeline's overhead on a
 second-to-last batch (the last also drains an async pipeline). ``--dry`` runs the same code on the
 CPU at width 64 (a check that the script works, not a measurement).
 
-Not yet run on a GPU (see benchmarks/gpu_check.sh).
+Figures from an H100: docs/performance.md, "One GPU shared by two ranks".
 """
 
 from __future__ import annotations

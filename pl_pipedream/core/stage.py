@@ -7,9 +7,10 @@ device, which frees their memory while keeping the module's structure (and the n
 
 A parameter that layers on several stages use (a tied weight: ``head.weight = wte.weight``) is
 one parameter: every stage whose layers use it keeps its copy on its device, and the stage
-records it as a ``Tie`` so that the holders sum its gradient and apply the same updates
-(DESIGN.md, "Update rules"). A tensor reachable under several names (a tied weight, or a module
-that is an attribute twice) is saved under every name ``module.state_dict()`` gives it.
+records it as a ``planner.ties.Tie`` (the same value on every rank) so that the holders sum its
+gradient and apply the same updates (DESIGN.md, "Update rules"). A tensor reachable under
+several names (a tied weight, or a module that is an attribute twice) is saved under every name
+``module.state_dict()`` gives it.
 """
 
 from __future__ import annotations
@@ -22,22 +23,9 @@ from torch import nn
 
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
-from pl_pipedream.runtime.ties import TiedGroup
+from pl_pipedream.planner.ties import Tie
 
-__all__ = ["LocalStage", "Tie", "cut_stage", "find_ties", "pipeline_layers"]
-
-
-@dataclass(frozen=True)
-class Tie:
-    """A parameter that layers of several stages use (the same ``Parameter`` object)."""
-
-    names: tuple[str, ...]  # every LightningModule state name it has
-    stages: tuple[int, ...]  # the stages whose layers use it, each holding a copy
-    ranks: tuple[int, ...]  # every rank of those stages (replicas included)
-    local_name: str | None  # its name in this rank's stage module; None if not held here
-
-    def describe(self) -> str:
-        return f"{' = '.join(self.names)} on stages {list(self.stages)}"
+__all__ = ["LocalStage", "cut_stage", "find_ties", "pipeline_layers"]
 
 
 @dataclass
@@ -55,11 +43,8 @@ class LocalStage:
         """The tied parameters this stage holds that an earlier stage counts (in a global norm,
         each tied gradient counts once: on its first stage)."""
         index = self.stage.index
-        return frozenset(t.local_name for t in self.ties if t.local_name and t.stages[0] != index)
-
-    def tied_groups(self) -> list[TiedGroup]:
-        """Every tie of the pipeline as the runtime sees it, in one order on every rank."""
-        return [TiedGroup(t.ranks, t.local_name, t.describe()) for t in self.ties]
+        held = [t.name_in(index) for t in self.ties if t.stages[0] != index]
+        return frozenset(name for name in held if name is not None)
 
     def state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """This stage's state under ``module``'s names (each tensor under every name it has),
@@ -121,14 +106,14 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
         raise PipelineSetupError(str(error)) from error
     full_names = _full_names(module)
     local = [int(node) for node in stage.nodes]
-    stage_module = nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(local)))
+    stage_module = _stage_module(layers, stage)
     names = {}
     for local_name, tensor in _state(stage_module):
         names[local_name] = full_names[id(tensor)][0]
     in_pipeline = {id(t) for layer in layers for _, t in _state(layer)}
     shared = [full_names[id(t)][0] for _, t in _state(module) if id(t) not in in_pipeline]
     aliases = {all_names[0]: all_names for all_names in full_names.values() if len(all_names) > 1}
-    ties = find_ties(module, layers, plan, stage_module)
+    ties = find_ties(module, layers, plan)
     keep = {id(t) for _, t in _state(stage_module)}  # a tied tensor stays on every holder
     moved: dict[int, nn.Parameter] = {}
     for index, layer in enumerate(layers):
@@ -137,30 +122,35 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     return LocalStage(stage, stage_module, names, shared, aliases, ties)
 
 
-def find_ties(
-    module: nn.Module, layers: nn.Sequential, plan: Plan, stage_module: nn.Module | None = None
-) -> list[Tie]:
+def find_ties(module: nn.Module, layers: nn.Sequential, plan: Plan) -> list[Tie]:
     """The parameters that layers on more than one stage of ``plan`` use, in the order of
-    ``module.named_parameters()`` (the same on every rank); ``local_name`` is set for those
-    that ``stage_module`` (this rank's stage) holds."""
-    stage_of = {int(node): s for s in plan.stages for node in s.nodes}
-    users: dict[int, set[int]] = {}
-    for index, layer in enumerate(layers):
-        for param in layer.parameters():
-            users.setdefault(id(param), set()).add(stage_of[index].index)
-    local = {}
-    if stage_module is not None:
-        local = {id(p): name for name, p in stage_module.named_parameters()}
+    ``module.named_parameters()``: the same list on every rank, each tie with its name in every
+    holding stage's module (as ``cut_stage`` builds it)."""
+    in_stage = [  # each stage's parameter names, by parameter id
+        {id(p): name for name, p in _stage_module(layers, s).named_parameters()}
+        for s in plan.stages
+    ]
     full_names = _full_names(module)
     ties = []
     for _, param in module.named_parameters():
-        stages = sorted(users.get(id(param), ()))
+        stages = tuple(s.index for s in plan.stages if id(param) in in_stage[s.index])
         if len(stages) < 2:
             continue
-        ranks = tuple(r for s in stages for r in plan.stages[s].ranks)
-        names = full_names[id(param)]
-        ties.append(Tie(names, tuple(stages), ranks, local.get(id(param))))
+        ties.append(
+            Tie(
+                names=full_names[id(param)],
+                stages=stages,
+                stage_names=tuple(in_stage[s][id(param)] for s in stages),
+                stage_ranks=tuple(plan.stages[s].ranks for s in stages),
+                nbytes=param.numel() * param.element_size(),
+            )
+        )
     return ties
+
+
+def _stage_module(layers: nn.Sequential, stage: Stage) -> nn.Sequential:
+    """``stage``'s layers, named by their index in the pipeline: "0", "3", ..."""
+    return nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(map(int, stage.nodes))))
 
 
 def _to_meta(layer: nn.Module, keep: set[int], moved: dict[int, nn.Parameter]) -> None:

@@ -31,15 +31,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.runtime.tags import tie_tag
-from pl_pipedream.runtime.tied_versions import HeldTie, TiedVersions
-from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
+from pl_pipedream.runtime.tied_versions import TiedVersions
+from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
@@ -93,7 +93,7 @@ class PipelineRunner:
         device: torch.device,
         timeout: float,
         record_timeline: bool = False,
-        ties: Sequence[TiedGroup] = (),
+        ties: Sequence[Tie] = (),
         weight_prediction: bool = False,
         recompute: bool = False,
         precision: StagePrecision | None = None,
@@ -104,7 +104,7 @@ class PipelineRunner:
         ``weight_prediction``: forwards run on predicted weights (``runtime.staleness``);
         ``recompute``: stages keep only their inputs (``runtime.recompute``); ``precision``:
         the forward passes' context and the loss scale (``runtime.precision``)."""
-        check_corrections(sync, weight_prediction, 0, [t.label for t in ties])
+        check_corrections(sync, weight_prediction, 0, [t.describe() for t in ties])
         replica_groups = [
             dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
         ]
@@ -120,13 +120,9 @@ class PipelineRunner:
         # A peer runs at most a few batches behind on a link (1F1B), and posts its receives
         # ahead: a send this many messages old on its link has certainly been received.
         channel.max_pending = (2 * plan.num_stages + 4) * microbatches
-        held = [
-            HeldTie(t.local_name, t.ranks, tie_tag(k), t.label)
-            for k, t in enumerate(ties)
-            if versioned and rank in t.ranks and t.local_name is not None
-        ]
+        held = versioned and any(t.name_on(rank) is not None for t in ties)
         delay = plan.num_stages - 1
-        versions = TiedVersions(held, rank, module, channel, delay, describe) if held else None
+        versions = TiedVersions(ties, rank, module, channel, delay, describe) if held else None
         executor = StageExecutor(
             module,
             rank,

@@ -31,42 +31,49 @@ replicas; the strategy refuses ties with them in these modes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.gradient_sums import GradientSums
+from pl_pipedream.runtime.tags import tie_tag
 from pl_pipedream.runtime.update import Update
 
-__all__ = ["HeldTie", "TiedVersions"]
+__all__ = ["TiedVersions"]
 
 
-@dataclass(frozen=True)
-class HeldTie:
-    """A tie this rank holds: its name in the stage module, every holder rank, its tag."""
+class _Held(NamedTuple):
+    """A tie this rank holds, with its name in the stage module and its message tag."""
 
+    tie: Tie
     name: str
-    ranks: tuple[int, ...]
     tag: int
-    label: str = ""
 
 
 class TiedVersions:
-    """The tied parameters of one rank's stage under the per-minibatch rule; ``delay`` is p - 1."""
+    """The tied parameters of one rank's stage under the per-minibatch rule; ``delay`` is p - 1.
+
+    ``ties``: every tie of the pipeline, in the same order on every rank (tie k's messages use
+    ``tie_tag(k)``); this rank keeps those it holds."""
 
     def __init__(
         self,
-        held: Sequence[HeldTie],
+        ties: Sequence[Tie],
         rank: int,
         module: nn.Module,
         channel: Channel,
         delay: int,
         describe: str,
     ) -> None:
-        self.held = list(held)
+        self.held = [
+            _Held(tie, name, tie_tag(k))
+            for k, tie in enumerate(ties)
+            if (name := tie.name_on(rank)) is not None
+        ]
         self.rank = rank
         self.module = module
         self.channel = channel
@@ -78,13 +85,13 @@ class TiedVersions:
 
     @property
     def names(self) -> set[str]:
-        return {tie.name for tie in self.held}
+        return {held.name for held in self.held}
 
     def _expect(self) -> None:
-        for tie in self.held:
-            for peer in tie.ranks:
+        for held in self.held:
+            for peer in held.tie.ranks:
                 if peer != self.rank:
-                    self.channel.expect(peer, tie.tag)
+                    self.channel.expect(peer, held.tag)
 
     def params_for(self, i: int, update: Update | None) -> dict[str, torch.Tensor]:
         """The tied parameters minibatch i uses: version max(0, i - delay), applying the updates
@@ -92,7 +99,7 @@ class TiedVersions:
         self._expect()
         self._apply_to(max(0, i - self.delay), update)
         live = dict(self.module.named_parameters())
-        return {tie.name: live[tie.name].data.requires_grad_(True) for tie in self.held}
+        return {held.name: live[held.name].data.requires_grad_(True) for held in self.held}
 
     def contribute(self, i: int, accumulated: GradientSums | dict[str, torch.Tensor]) -> None:
         """After the backward pass of minibatch i: take its partial gradients out of the stage's
@@ -105,13 +112,13 @@ class TiedVersions:
         self._expect()
         live = dict(self.module.named_parameters())
         own = {}
-        for tie in self.held:
-            grad = accumulated.pop(tie.name, None)
-            own[tie.name] = torch.zeros_like(live[tie.name]) if grad is None else grad.detach()
-            for peer in tie.ranks:
+        for held in self.held:
+            grad = accumulated.pop(held.name, None)
+            own[held.name] = torch.zeros_like(live[held.name]) if grad is None else grad.detach()
+            for peer in held.tie.ranks:
                 if peer != self.rank:
-                    what = f"the gradient of tied parameter {tie.label} for minibatch {i}"
-                    self.channel.send(Message([own[tie.name]]), peer, tie.tag, what)
+                    what = f"the gradient of tied parameter {held.tie.describe()} for minibatch {i}"
+                    self.channel.send(Message([own[held.name]]), peer, held.tag, what)
         self._own[i] = own
         self.contributed += 1
 
@@ -139,7 +146,7 @@ class TiedVersions:
                 )
             if update is None:
                 raise RuntimeError(f"{self.describe} has no way to apply tied update {u}")
-            gradients = {tie.name: self._sum(tie, u, own[tie.name]) for tie in self.held}
+            gradients = {held.name: self._sum(held, u, own[held.name]) for held in self.held}
             live = dict(self.module.named_parameters())
             # new storage: a forward's snapshot keeps the old values for its backward
             storage = {name: torch.empty_like(live[name].detach()) for name in gradients}
@@ -153,16 +160,16 @@ class TiedVersions:
                     )
             self.version += 1
 
-    def _sum(self, tie: HeldTie, u: int, own: torch.Tensor) -> torch.Tensor:
+    def _sum(self, held: _Held, u: int, own: torch.Tensor) -> torch.Tensor:
         """Minibatch u's gradient over every holder, added in the order of the holder ranks."""
         total = None
-        for peer in tie.ranks:
+        for peer in held.tie.ranks:
             if peer == self.rank:
                 part = own
             else:
-                what = f"the gradient of tied parameter {tie.label} for minibatch {u}"
-                part = self.channel.recv(peer, tie.tag, what).tensors[0].to(own.device)
-                self.channel.expect(peer, tie.tag)
+                what = f"the gradient of tied parameter {held.tie.describe()} for minibatch {u}"
+                part = self.channel.recv(peer, held.tag, what).tensors[0].to(own.device)
+                self.channel.expect(peer, held.tag)
             total = part.clone() if total is None else total.add_(part)
         assert total is not None
         return total

@@ -17,26 +17,16 @@ parameter a version rule of its own (``runtime.tied_versions``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.gradient_sums import GradientSums
 
-__all__ = ["TiedGradients", "TiedGroup"]
-
-
-@dataclass(frozen=True)
-class TiedGroup:
-    """One tied parameter as the runtime sees it: every rank holding a copy, and its name in
-    this rank's stage module (None where this rank does not hold it)."""
-
-    ranks: tuple[int, ...]
-    local_name: str | None
-    label: str = ""  # for messages: the parameter's names and stages
+__all__ = ["TiedGradients"]
 
 
 class TiedGradients:
@@ -51,13 +41,14 @@ class TiedGradients:
         self.groups = list(groups)  # every group made, to give back at close
 
     @classmethod
-    def create(cls, ties: Sequence[TiedGroup], rank: int) -> TiedGradients:
+    def create(cls, ties: Sequence[Tie], rank: int) -> TiedGradients:
         groups, held = [], []
         for tie in ties:
             group = dist.new_group(list(tie.ranks))
             groups.append(group)
-            if rank in tie.ranks and tie.local_name is not None:
-                held.append((tie.local_name, group))
+            name = tie.name_on(rank)
+            if name is not None:
+                held.append((name, group))
         return cls(held, groups)
 
     @property

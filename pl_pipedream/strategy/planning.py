@@ -255,12 +255,7 @@ def _profile(layers: nn.Sequential, sample: Any, device: torch.device, empty: bo
 def _count_ties(plan: Plan, layers: nn.Sequential, topology: Topology) -> Plan:
     """The plan with the gradient all-reduce of each tied parameter counted
     (``planner.ties``, at the outermost level's bandwidth)."""
-    state = layers.state_dict(keep_vars=True)
-    ties = [
-        (tie.stages, state[tie.names[0]].numel() * state[tie.names[0]].element_size())
-        for tie in find_ties(layers, layers, plan)
-    ]
-    return with_tied_traffic(plan, ties, topology.levels[-1].bandwidth)
+    return with_tied_traffic(plan, find_ties(layers, layers, plan), topology.levels[-1].bandwidth)
 
 
 def _by_layer_index(plan: Plan) -> Plan:

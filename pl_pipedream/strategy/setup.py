@@ -139,7 +139,7 @@ def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.root_device,
         strategy.timeout,
         record_timeline=strategy.timeline is not None,
-        ties=strategy.local_stage.tied_groups(),
+        ties=strategy.local_stage.ties,
         weight_prediction=strategy.weight_prediction,
         recompute=strategy.recompute,
         precision=stage_precision(strategy.precision_plugin, strategy.root_device),

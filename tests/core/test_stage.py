@@ -1,6 +1,10 @@
-"""Cutting a LightningModule down to one rank's stage: names, shared state, ``meta`` placement."""
+"""Cutting a LightningModule down to one rank's stage: names, shared state, ``meta`` placement,
+and the tie it finds, which the planner and the runtime take as it is."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -9,6 +13,8 @@ from torch import nn
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.ties import Tie, with_tied_traffic
+from pl_pipedream.runtime.tied_versions import TiedVersions
 
 
 class Model(nn.Module):
@@ -127,3 +133,52 @@ def test_state_dict_uses_the_modules_names_and_stage_zero_adds_the_shared_state(
     for name, tensor in {**first, **last}.items():
         assert tensor.device.type == "cpu" and not tensor.requires_grad
         assert torch.equal(tensor, reference[name]), name
+
+
+class Tied(nn.Module):
+    """Three layers, the last using the first's weight: a tie between stages 0 and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.middle = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 4)
+        self.last.weight = self.first.weight
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return nn.Sequential(self.first, self.middle, self.last)
+
+
+TIE = Tie(
+    names=("first.weight", "last.weight"),
+    stages=(0, 2),
+    stage_names=("0.weight", "2.weight"),
+    stage_ranks=((0, 1), (3,)),
+    nbytes=4 * 4 * 4,
+)
+
+
+def test_every_rank_cuts_the_same_tie_and_holds_it_under_its_name() -> None:
+    plan = Plan.from_balance([1, 1, 1], replicas=[2, 1, 1])
+    for rank in range(plan.num_workers):
+        module = Tied()
+        local = cut_stage(module, pipeline_layers(module), plan, rank)
+        assert local.ties == [TIE]
+        name = TIE.name_on(rank)
+        assert name == {0: "0.weight", 1: "0.weight", 3: "2.weight"}.get(rank)
+        held = dict(local.module.named_parameters())
+        assert name is None or held[name] is module.first.weight
+        assert local.ties_counted_elsewhere() == ({"2.weight"} if rank == 3 else set())
+
+
+def test_the_planner_and_the_runtime_take_the_cut_tie_as_it_is() -> None:
+    plan = Plan.from_balance([1, 1, 1])
+    module = Tied()
+    local = cut_stage(module, pipeline_layers(module), plan, rank=2)
+    (tie,) = local.ties
+    priced = with_tied_traffic(replace(plan, slowest_stage_time=0.01), local.ties, 1e9)
+    assert priced.meta["tied"].startswith(f"stages [0, 2]: {tie.nbytes} B")
+    channel: Any = None  # never used: building TiedVersions sends nothing
+    versions = TiedVersions(local.ties, 2, local.module, channel, 2, "rank 2 (stage 2)")
+    assert [held.tie for held in versions.held] == [tie] and versions.held[0].tie is tie
+    assert versions.names == {"2.weight"}

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.ties import TiedGroup
 from pl_pipedream.schedule.modes import SyncMode
 from tests.runtime import oracle
 from tests.runtime.distributed import run
@@ -24,6 +24,12 @@ pytestmark = pytest.mark.slow  # one spawn of three ranks: about 5 s
 M = 2
 PLAN = Plan.from_balance([2, 2, 1])  # layer 4's weight is layer 0's
 TIED = {0: "0.weight", 2: "4.weight"}
+TIE = Tie(
+    names=("0.weight", "4.weight"),
+    stages=(0, 2),
+    stage_names=("0.weight", "4.weight"),
+    stage_ranks=((0,), (2,)),
+)
 RUNS = [(sync, name) for sync in ("async", "vertical_sync") for name in ("sgd", "adam")]
 
 
@@ -50,9 +56,8 @@ def _train(
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
     apply = optimizer_update(module, OPTIMIZERS[optimizer_name](module.parameters()))
 
-    ties = [TiedGroup((0, 2), TIED.get(rank), "0.weight = 4.weight")]
     runner = PipelineRunner.create(
-        PLAN, SyncMode(sync), M, module, rank, apply, torch.device("cpu"), 30.0, ties=ties
+        PLAN, SyncMode(sync), M, module, rank, apply, torch.device("cpu"), 30.0, ties=[TIE]
     )
     data = batches()
     for t, (x, y) in enumerate(data):

@@ -8,16 +8,19 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream.runtime.ties import TiedGradients, TiedGroup
+from pl_pipedream.planner.ties import Tie
+from pl_pipedream.runtime.ties import TiedGradients
 from tests.runtime import distributed
 from tests.runtime.distributed import one_rank_group
+
+ONE_HOLDER = Tie(("weight",), stages=(0,), stage_names=("weight",), stage_ranks=((0,),))
 
 
 def test_one_holder_keeps_its_sum_in_a_tensor_of_its_own() -> None:
     module = nn.Linear(3, 2)
     partial = torch.ones(2, 3)
     with one_rank_group():
-        ties = TiedGradients.create([TiedGroup((0,), "weight")], rank=0)
+        ties = TiedGradients.create([ONE_HOLDER], rank=0)
         accumulated = {"weight": partial, "bias": torch.ones(2)}
         assert ties.reduce(accumulated, module) == {"weight"}
     assert torch.equal(accumulated["weight"], partial)
@@ -27,7 +30,7 @@ def test_one_holder_keeps_its_sum_in_a_tensor_of_its_own() -> None:
 def test_a_holder_without_a_use_adds_zeros() -> None:
     module = nn.Linear(3, 2)
     with one_rank_group():
-        ties = TiedGradients.create([TiedGroup((0,), "weight")], rank=0)
+        ties = TiedGradients.create([ONE_HOLDER], rank=0)
         accumulated: dict[str, torch.Tensor] = {}
         ties.reduce(accumulated, module)
     assert torch.equal(accumulated["weight"], torch.zeros(2, 3))
@@ -36,8 +39,10 @@ def test_a_holder_without_a_use_adds_zeros() -> None:
 def _sum_over_holders(rank: int, world: int) -> Any:
     module = nn.Linear(2, 2)
     # Rank 0 and 2 hold the tie; rank 1 does not (its stage has no layer using it).
-    groups = [TiedGroup((0, 2), "weight" if rank in (0, 2) else None)]
-    ties = TiedGradients.create(groups, rank)
+    tie = Tie(
+        ("weight",), stages=(0, 2), stage_names=("weight", "weight"), stage_ranks=((0,), (2,))
+    )
+    ties = TiedGradients.create([tie], rank)
     accumulated = {"weight": torch.full((2, 2), float(rank + 1))} if rank != 1 else {}
     names = ties.reduce(accumulated, module)
     return names, accumulated.get("weight")

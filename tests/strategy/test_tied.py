@@ -50,7 +50,8 @@ def test_cut_stage_finds_the_tie_and_keeps_a_copy_on_every_holder() -> None:
         index = local.stage.index
         assert [(t.names, t.stages, t.ranks) for t in local.ties] == [(TIED, (0, 2), (0, 2))]
         holds = index in (0, 2)
-        assert local.ties[0].local_name == ({0: "0.wte.weight", 2: "3.out.weight"}.get(index))
+        assert local.ties[0].stage_names == ("0.wte.weight", "3.out.weight")
+        assert local.ties[0].name_in(index) == {0: "0.wte.weight", 2: "3.out.weight"}.get(index)
         wte = module.embed.wte.weight
         assert (wte.device.type != "meta") == holds
         assert module.head.out.weight is wte  # still one parameter on this rank

@@ -37,7 +37,7 @@ class Tie:
     stages: tuple[int, ...]  # the stages whose layers use it, ascending
     stage_names: tuple[str, ...]  # its name in each holding stage's module
     stage_ranks: tuple[tuple[int, ...], ...]  # the ranks of each holding stage
-    nbytes: int = 0  # its size, which the planner prices
+    nbytes: int = 0  # its size when found, which the planner prices
 
     def __post_init__(self) -> None:
         lengths = (len(self.stages), len(self.stage_names), len(self.stage_ranks))

@@ -65,13 +65,8 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.executor = executor
         self.update = update
-        # This rank's segments, and the input stage's (their backward passes say which batch has
-        # finished): built and validated over their neighbourhoods only, so setup grows with the
-        # length of one rank's list rather than the whole pipeline; the executor runs only what
-        # the validator checked (a drain is checked when it is first asked for).
-        served = (executor.rank, *plan.stages[0].ranks)
-        self.stream = SegmentStream(plan, sync, microbatches, ranks=served)
-        self.stream.validate(drains=False)
+        # the executor runs only what the validator checked, over this rank's neighbourhood
+        self.stream = SegmentStream.of_rank(plan, sync, microbatches, executor.rank)
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
         self.batches = 0  # batches fed since the pipeline was built

@@ -62,6 +62,17 @@ class SegmentStream:
             for rank in self.ranks:
                 self._check_rank(rank)
 
+    @classmethod
+    def of_rank(
+        cls, plan: Plan, sync: SyncMode | str, microbatches: int, rank: int
+    ) -> SegmentStream:
+        """The stream a rank's runtime reads, checked: its own segments and the input stage's
+        (whose backward passes say which batch has finished). Its cost grows with the length of
+        one rank's list, not with the pipeline; each drain is checked when first asked for."""
+        stream = cls(plan, SyncMode.parse(sync), microbatches, (rank, *plan.stages[0].ranks))
+        stream.validate(drains=False)
+        return stream
+
     @property
     def served(self) -> tuple[int, ...]:
         """The ranks whose segments it gives."""

@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> bool:
                 if m < SyncMode.parse(sync).min_microbatches(stages):
                     continue
                 ranks = sorted({0, stages // 2, stages - 1})
-                setup, cpu, drain = map(max, zip(*(rank_setup(plan, sync, m, r) for r in ranks)))
+                setup, cpu, drain = map(
+                    max, zip(*(rank_setup(plan, sync, m, r) for r in ranks), strict=True)
+                )
                 full = (
                     f"{whole(plan, sync, m):8.2f}" if stages <= args.whole_up_to else "-".rjust(8)
                 )

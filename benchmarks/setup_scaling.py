@@ -38,7 +38,7 @@ def rank_setup(plan: Plan, sync: str, m: int, rank: int) -> tuple[float, float, 
 
 def whole(plan: Plan, sync: str, m: int) -> float:
     start = time.perf_counter()
-    SegmentStream(plan, sync, m).validate()
+    SegmentStream(plan, SyncMode.parse(sync), m).validate()
     return time.perf_counter() - start
 
 

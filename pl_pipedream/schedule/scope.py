@@ -2,9 +2,9 @@
 
 A rank runs its own list and exchanges messages with the replicas of the neighbouring stages;
 its replicas join its ``ALLREDUCE``. So the lists of its stage and of the stages on either side
-hold everything its list depends on directly, and checking them (``build(..., ranks=...)`` then
-``validate``) costs a rank the same at 16 stages as at 256, where checking every rank's list costs
-every rank the whole pipeline.
+hold everything its list depends on directly. Checking them (``build(..., ranks=...)`` then
+``validate``) costs a rank a few times the length of its own list, which grows linearly with the
+stages; checking every rank's list would cost every rank the whole pipeline's.
 
 What the neighbourhood check covers: each of a rank's sends and receives has its partner, in the
 same or an earlier Lightning step; its stage's minibatches each have one forward and one backward

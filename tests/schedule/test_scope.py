@@ -86,3 +86,10 @@ def test_a_scope_survives_json() -> None:
     assert Schedule.from_dict(schedule.to_dict()) == schedule
     whole = build(Plan.from_balance([1] * 3), "flush", 1, 1)
     assert Schedule.from_dict(whole.to_dict()).scope is None
+
+
+def test_every_neighbourhood_of_a_longer_replicated_plan_is_valid() -> None:
+    plan = Plan.from_balance([1] * 5, replicas=[2, 1, 3, 1, 2])
+    for sync in SYNC_MODES:
+        for rank in range(plan.num_workers):
+            validate(build(plan, sync, 3, 12, ranks=neighbourhood(plan, [rank, 0])))

@@ -5,7 +5,8 @@ Subcommands:
 * ``plan --profile PATH --workers N [N ...] --bandwidth B [B ...]`` runs PipeDream's optimizer
   and prints the stages (or one JSON object with ``--json``);
 * ``simulate`` plans the same way (or reads ``--plan plan.json``), builds the schedule of a sync
-  mode and prints its timeline and figures;
+  mode, validates every rank's list (the full check, which a rank at setup runs only over its
+  neighbourhood) and prints its timeline and figures;
 * ``reproduce [ROW ...|all]`` plans PipeDream's published profiles for the rows of the paper's
   Table 1 and prints the paper's configuration and speedup beside the planner's
   (``pl_pipedream.reproduce``).
@@ -161,7 +162,7 @@ def _read_plan(path: str) -> Plan:
 
 
 def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pl_pipedream.schedule import build, render, simulate
+    from pl_pipedream.schedule import build, render, simulate, validate
 
     if args.plan:
         chosen = _read_plan(args.plan)
@@ -178,6 +179,7 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         fewest = SyncMode.parse(args.sync).min_microbatches(chosen.num_stages)
         microbatches *= math.ceil(fewest / microbatches)
     schedule = build(chosen, args.sync, args.batches, microbatches)
+    validate(schedule)
     result = simulate(schedule, bandwidth=bandwidth)
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -65,8 +65,8 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.executor = executor
         self.update = update
-        self.stream = SegmentStream(plan, sync, microbatches)
-        self.stream.validate()  # the executor runs only what the validator checked
+        # the executor runs only what the validator checked, over this rank's neighbourhood
+        self.stream = SegmentStream.of_rank(plan, sync, microbatches, executor.rank)
         self.lookahead = plan.num_stages + 2
         self.step = 0  # Lightning steps since the last drain
         self.batches = 0  # batches fed since the pipeline was built

@@ -146,7 +146,9 @@ class Schedule:
 
     ``actions[r]`` is rank r's list; minibatch ``i`` belongs to Lightning batch
     ``i // microbatches``. ``sync`` may be given as the mode's name; it is stored as the
-    ``SyncMode``.
+    ``SyncMode``. ``scope`` names the ranks whose lists were built (None: every rank): the other
+    lists are left empty, and the checks take what passes between a held rank and one outside
+    the scope as given, since that rank's own checks see it (module ``scope``).
     """
 
     sync: SyncMode
@@ -154,9 +156,25 @@ class Schedule:
     num_batches: int
     microbatches: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    scope: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sync", SyncMode.parse(self.sync))
+        if self.scope is not None:
+            object.__setattr__(self, "scope", frozenset(self.scope))
+
+    def holds(self, rank: int | None) -> bool:
+        """Whether ``rank``'s list was built (a rank of no list, None, is never held)."""
+        if rank is None:
+            return False
+        return self.scope is None or rank in self.scope
+
+    @property
+    def held_ranks(self) -> tuple[int, ...]:
+        """The ranks whose lists were built, in order."""
+        if self.scope is None:
+            return tuple(range(self.num_ranks))
+        return tuple(sorted(self.scope))
 
     @property
     def num_ranks(self) -> int:
@@ -173,6 +191,7 @@ class Schedule:
             "num_batches": self.num_batches,
             "microbatches": self.microbatches,
             "actions": [[action.to_dict() for action in rank] for rank in self.actions],
+            "scope": None if self.scope is None else sorted(self.scope),
         }
 
     @classmethod
@@ -185,4 +204,5 @@ class Schedule:
             actions=tuple(
                 tuple(Action.from_dict(action) for action in rank) for rank in data["actions"]
             ),
+            scope=None if data.get("scope") is None else frozenset(data["scope"]),
         )

@@ -9,6 +9,7 @@ forward, send activation; each backward as receive gradient, backward, send grad
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import partial
 
 from pl_pipedream.planner.plan import Plan
@@ -19,20 +20,36 @@ from pl_pipedream.schedule.modes import SyncMode
 __all__ = ["build"]
 
 
-def build(plan: Plan, sync: SyncMode | str, num_batches: int, microbatches: int) -> Schedule:
+def build(
+    plan: Plan,
+    sync: SyncMode | str,
+    num_batches: int,
+    microbatches: int,
+    ranks: Collection[int] | None = None,
+) -> Schedule:
     """The schedule that feeds ``num_batches`` batches of ``microbatches`` through ``plan``.
 
     ``sync`` is a ``SyncMode`` or its name. The asynchronous modes (``async``, ``vertical_sync``,
     ``2bw``) never flush between batches and end with a drain; ``flush`` and ``gpipe`` flush after
-    every batch. Raises ``ValueError`` for an unknown mode or counts the mode cannot serve.
+    every batch. ``ranks`` (default: all) are the ranks whose lists are built; the others stay
+    empty (``Schedule.scope``). Raises ``ValueError`` for an unknown mode or counts the mode
+    cannot serve.
     """
     mode = rules.check_arguments(plan, sync, num_batches, microbatches)
+    scope = None if ranks is None else frozenset(ranks)
+    if scope is not None and not scope <= set(range(plan.num_workers)):
+        raise ValueError(
+            f"ranks must name workers of the plan (ranks: {sorted(scope)}, workers: "
+            f"{plan.num_workers}); pass ranks from 0 to {plan.num_workers - 1}"
+        )
     lists: list[tuple[Action, ...]] = [()] * plan.num_workers
     for stage in plan.stages:
         for replica, rank in enumerate(stage.ranks):
+            if scope is not None and rank not in scope:
+                continue
             tokens = replica_order(plan, mode, num_batches, microbatches, stage.index, replica)
             lists[rank] = tuple(expand(plan, mode, microbatches, rank, tokens))
-    return Schedule(mode, plan, num_batches, microbatches, tuple(lists))
+    return Schedule(mode, plan, num_batches, microbatches, tuple(lists), scope)
 
 
 def replica_order(

@@ -1,6 +1,9 @@
 """The rules a schedule must keep, one function each; each returns a ``Problem`` or None.
 
-``validate`` runs them in order and turns the first problem into a ``ScheduleError``.
+``validate`` runs them in order and turns the first problem into a ``ScheduleError``. Over a
+schedule that holds only some ranks' lists (``Schedule.scope``), each rule judges what those
+lists hold: a message to or from a rank outside the scope is taken as matched, and a stage is
+checked whole only if all of its replicas are held (module ``scope``).
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ _PEER_STAGE = {  # which neighbouring stage each message goes to or comes from
 
 
 def _actions(schedule: Schedule) -> Iterator[tuple[int, int, Action]]:
-    for rank, actions in enumerate(schedule.actions):
-        for pos, action in enumerate(actions):
+    for rank in schedule.held_ranks:
+        for pos, action in enumerate(schedule.actions[rank]):
             yield rank, pos, action
+
+
+def _linked(schedule: Schedule, action: Action) -> bool:
+    """A message whose peer's list is held, so its partner can be looked for."""
+    return schedule.holds(action.peer)
 
 
 def check_shape(schedule: Schedule) -> Problem | None:
@@ -50,8 +58,9 @@ def check_shape(schedule: Schedule) -> Problem | None:
             f"a schedule has one action list per worker (lists: {schedule.num_ranks}, workers: "
             f"{plan.num_workers}); build it from the same plan"
         )
+    stage_of = {rank: stage for stage in plan.stages for rank in stage.ranks}
     for rank, pos, action in _actions(schedule):
-        stage = plan.stage_of_rank(rank)
+        stage = stage_of[rank]
         if (action.rank, action.stage, action.replica) != (
             rank,
             stage.index,
@@ -118,6 +127,8 @@ def check_pairs(schedule: Schedule) -> Problem | None:
         if action.kind in COMPUTE or action.kind in MESSAGES:
             seen[(action.kind, action.stage, action.minibatch)].append((rank, pos))  # type: ignore[index]
     for stage in plan.stages:
+        if not all(schedule.holds(rank) for rank in stage.ranks):
+            continue
         for i in range(schedule.num_minibatches):
             forwards, backwards = seen[(_F, stage.index, i)], seen[(_B, stage.index, i)]
             if len(forwards) != 1 or len(backwards) != 1:
@@ -173,9 +184,9 @@ def _check_wrapping(
 
 def _check_batch_order(schedule: Schedule) -> Problem | None:
     """Every forward of batch t comes before any forward of batch t + 1 on each rank."""
-    for rank, actions in enumerate(schedule.actions):
+    for rank in schedule.held_ranks:
         batch = 0
-        for pos, action in enumerate(actions):
+        for pos, action in enumerate(schedule.actions[rank]):
             if action.kind is _F and action.batch is not None:
                 if action.batch < batch:
                     return Problem(
@@ -192,9 +203,9 @@ def check_messages(schedule: Schedule) -> Problem | None:
     sends: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
     recvs: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
     for rank, pos, action in _actions(schedule):
-        if action.kind in SENDS:
+        if action.kind in SENDS and _linked(schedule, action):
             sends[message_key(action)].append((rank, pos))  # type: ignore[index]
-        elif action.kind in RECVS:
+        elif action.kind in RECVS and _linked(schedule, action):
             recvs[message_key(action)].append((rank, pos))  # type: ignore[index]
     for mine, theirs, what, fix in (
         (sends, recvs, "send", "add the receive on the peer"),
@@ -238,7 +249,9 @@ def check_segments(schedule: Schedule) -> Problem | None:
         elif action.kind is ActionKind.ALLREDUCE:
             groups[collective_key(action)].append((rank, pos))  # type: ignore[index]
     for rank, pos, action in _actions(schedule):
-        if action.kind in RECVS and sends[message_key(action)] > segment[rank][pos]:  # type: ignore[index]
+        if not (action.kind in RECVS and _linked(schedule, action)):
+            continue
+        if sends[message_key(action)] > segment[rank][pos]:  # type: ignore[index]
             return Problem(
                 f"a receive in Lightning step t needs its send in step t or earlier (rank {rank}: "
                 f"{action} in step {segment[rank][pos]}, send in step "

@@ -5,7 +5,9 @@ a process (the deadlock check, the unit-time run behind the table, and the simul
 receive waits until its send has run; sends never wait (as if buffers were unbounded); an
 ``ALLREDUCE`` waits until every replica of its stage stands at the same one, and then all of
 them move past it together. A send posts a payload that its receive gets back (the simulator's
-arrival time).
+arrival time). In a schedule that holds only some ranks' lists (``Schedule.scope``), a receive
+from a rank outside it is ready at once and gets no payload: that rank's own check answers for
+its send.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class Progress:
 
     def __init__(self, schedule: Schedule) -> None:
         self.actions = schedule.actions
+        self.ranks = schedule.held_ranks
         self.position = [0] * len(schedule.actions)
+        self._outside = set(range(len(schedule.actions))) - set(self.ranks)
         self._posted: dict[object, deque[float]] = defaultdict(deque)
         self._replicas = {stage.index: stage.ranks for stage in schedule.plan.stages}
 
@@ -45,7 +49,7 @@ class Progress:
         if action is None:
             return False
         if action.kind in RECVS:
-            return bool(self._posted[message_key(action)])
+            return action.peer in self._outside or bool(self._posted[message_key(action)])
         if action.kind is ActionKind.ALLREDUCE:
             key = collective_key(action)
             return all(_key(self.next(other)) == key for other in self.movers(rank))
@@ -66,7 +70,7 @@ class Progress:
         received = None
         if action.kind in SENDS:
             self._posted[message_key(action)].append(payload)
-        elif action.kind in RECVS:
+        elif action.kind in RECVS and action.peer not in self._outside:
             received = self._posted[message_key(action)].popleft()
         for mover in self.movers(rank):
             self.position[mover] += 1
@@ -83,7 +87,7 @@ class Progress:
         moved = True
         while moved:
             moved = False
-            for rank in range(len(self.actions)):
+            for rank in self.ranks:
                 while self.ready(rank):
                     self.advance(rank)
                     moved = True

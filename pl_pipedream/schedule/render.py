@@ -47,15 +47,16 @@ def render(
         text = str(schedule.actions[rank][pos])
         return f"*{text}*" if (rank, pos) in marked else text
 
-    rows = [[cell(rank, pos) for rank, pos in enumerate(row)] for row in run.rows]
+    columns = schedule.held_ranks  # a schedule of some ranks' lists shows those ranks
+    rows = [[cell(rank, row[rank]) for rank in columns] for row in run.rows]
     labels = [str(step) for step in range(len(rows))]
     if max_rows is not None and len(rows) > max_rows:
         rows, labels = _window(rows, labels, max_rows, _first_marked(run.rows, marked))
     if not run.finished:
         stuck = dict(run.stuck)
-        rows.append([cell(rank, stuck.get(rank)) for rank in range(schedule.num_ranks)])
+        rows.append([cell(rank, stuck.get(rank)) for rank in columns])
         labels.append("stuck")
-    header = [_rank_label(schedule, rank) for rank in range(schedule.num_ranks)]
+    header = [_rank_label(schedule, rank) for rank in columns]
     return _table(_title(schedule), header, labels, rows, width) + _unseen(schedule, run, marked)
 
 

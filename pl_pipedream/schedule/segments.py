@@ -45,9 +45,13 @@ def segments(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
 
 
 def segment_indices(schedule: Schedule) -> list[list[int]]:
-    """For every rank and action, the segment (Lightning step) the action belongs to."""
-    out = []
-    for actions in schedule.actions:
+    """For every rank and action, the segment (Lightning step) the action belongs to (an empty
+    list for a rank outside the schedule's scope)."""
+    out: list[list[int]] = []
+    for rank, actions in enumerate(schedule.actions):
+        if not schedule.holds(rank):
+            out.append([])
+            continue
         starts = cuts(actions, schedule.num_batches)
         index, current = [], 0
         for pos in range(len(actions)):

@@ -10,12 +10,18 @@ Past the warm-up every step repeats the one before with batch ``t + 1`` in place
 minibatches move by ``m``, versions by the stage's updates per batch (``m / r_s`` in ``async`` and
 ``vertical_sync``, one otherwise), and peers stay put because ``m`` is a multiple of every
 ``r_s``. So a few small schedules are built once and later steps are shifted copies.
+
+Every schedule the stream builds is validated before a segment is cut from it. A stream that
+serves some ranks only (a rank's runtime serves itself and the input stage, whose backward passes
+say which batch has finished) builds and checks only their neighbourhoods (module ``scope``), so
+its cost grows with the length of a rank's list, not with the whole pipeline; and it builds the
+schedule behind a drain when that drain is first asked for.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from pl_pipedream.planner.plan import Plan
@@ -23,6 +29,7 @@ from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import Action, Schedule
 from pl_pipedream.schedule.build import build
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.scope import neighbourhood
 from pl_pipedream.schedule.segments import segments
 from pl_pipedream.schedule.validate import validate
 
@@ -35,16 +42,46 @@ Segment = tuple[Action, ...]
 class SegmentStream:
     """Segments and drains of ``build(plan, sync, N, microbatches)`` for unbounded ``N``.
 
-    ``sync`` may be given as the mode's name; it is stored as the ``SyncMode``.
+    ``sync`` may be given as the mode's name; it is stored as the ``SyncMode``. ``ranks`` are the
+    ranks it serves (default: every rank).
     """
 
     plan: Plan
     sync: SyncMode
     microbatches: int
+    ranks: tuple[int, ...] | None = None
+    _endings: dict[int, Schedule] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         mode = rules.check_arguments(self.plan, self.sync, 1, self.microbatches)
         object.__setattr__(self, "sync", mode)
+        if self.ranks is not None:
+            object.__setattr__(self, "ranks", tuple(sorted(set(self.ranks))))
+            for rank in self.ranks:
+                self._check_rank(rank)
+
+    @classmethod
+    def of_rank(
+        cls, plan: Plan, sync: SyncMode | str, microbatches: int, rank: int
+    ) -> SegmentStream:
+        """The stream a rank's runtime reads, checked: its own segments and the input stage's
+        (whose backward passes say which batch has finished). Its cost grows with the length of
+        one rank's list, not with the pipeline; each drain is checked when first asked for."""
+        stream = cls(plan, SyncMode.parse(sync), microbatches, (rank, *plan.stages[0].ranks))
+        stream.validate(drains=False)
+        return stream
+
+    @property
+    def served(self) -> tuple[int, ...]:
+        """The ranks whose segments it gives."""
+        return tuple(range(self.plan.num_workers)) if self.ranks is None else self.ranks
+
+    @cached_property
+    def scope(self) -> frozenset[int] | None:
+        """The ranks whose lists its schedules hold (None: every rank)."""
+        return None if self.ranks is None else neighbourhood(self.plan, self.ranks)
 
     @property
     def steady_from(self) -> int:
@@ -58,22 +95,46 @@ class SegmentStream:
 
     def segment(self, rank: int, t: int) -> Segment:
         """Rank's actions for Lightning step ``t`` when the pipeline goes on after it."""
-        return self._at(self._segments, rank, t)
+        self._check(rank, t)
+        base = min(t, self.steady_from)
+        return self._shift(self._segments[rank][base], rank, t - base)
 
     def drain(self, rank: int, t: int) -> Segment:
         """What rank runs after ``segment(rank, t)`` when step ``t`` is the last before a drain."""
-        return self._at(self._drains, rank, t)
+        self._check(rank, t)
+        base = min(t, self.steady_from)
+        return self._shift(self._drain(rank, base), rank, t - base)
 
-    def _at(self, table: tuple[tuple[Segment, ...], ...], rank: int, t: int) -> Segment:
+    def validate(self, drains: bool = True) -> None:
+        """Build, and so validate, the schedule the segments are cut from and, with ``drains``,
+        every schedule a drain is cut from.
+
+        Raises ``ScheduleError`` naming the first broken rule. Every later step is a shifted
+        copy of step ``steady_from`` (see the module docstring), so a runtime that calls this at
+        setup runs only segments the validator has checked, up to that shift; a drain left out
+        here is checked when it is first asked for, before it runs.
+        """
+        self._going_on  # noqa: B018 (built and checked on first use)
+        if drains:
+            for t in range(self.steady_from + 1):
+                self._ending(t)
+
+    def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.plan.num_workers:
             raise ValueError(
                 f"rank must name a worker of the plan (rank: {rank}, workers: "
                 f"{self.plan.num_workers}); pass 0 <= rank < {self.plan.num_workers}"
             )
+
+    def _check(self, rank: int, t: int) -> None:
+        self._check_rank(rank)
+        if rank not in self.served:
+            raise ValueError(
+                f"a stream gives the segments of the ranks it serves (rank: {rank}, served: "
+                f"{list(self.served)}); build SegmentStream(..., ranks=...) with that rank"
+            )
         if t < 0:
             raise ValueError(f"steps count from 0 after the last drain (t: {t}); pass t >= 0")
-        base = min(t, self.steady_from)
-        return self._shift(table[rank][base], rank, t - base)
 
     def _shift(self, actions: Segment, rank: int, steps: int) -> Segment:
         """Move ``actions`` ``steps`` batches later."""
@@ -96,44 +157,31 @@ class SegmentStream:
             for a in actions
         )
 
-    def validate(self) -> None:
-        """Run ``validate`` on every schedule the segments and drains are cut from.
-
-        Raises ``ScheduleError`` naming the first broken rule. Every later step is a shifted
-        copy of step ``steady_from`` (see the module docstring), so a runtime that calls this at
-        setup runs only segments the validator has checked, up to that shift.
-        """
-        for schedule in (self._going_on, *self._ending):
-            validate(schedule)
+    def _checked(self, num_batches: int) -> Schedule:
+        """The validated schedule of ``num_batches`` batches, over the stream's scope."""
+        schedule = build(self.plan, self.sync, num_batches, self.microbatches, self.scope)
+        validate(schedule)
+        return schedule
 
     @cached_property
     def _going_on(self) -> Schedule:
         """The schedule of ``steady_from + 2`` batches: steps up to ``steady_from`` continue."""
-        return build(self.plan, self.sync, self.steady_from + 2, self.microbatches)
+        return self._checked(self.steady_from + 2)
+
+    def _ending(self, t: int) -> Schedule:
+        """The schedule of ``t + 1`` batches, whose last segment ends with the drain after ``t``."""
+        if t not in self._endings:
+            self._endings[t] = self._checked(t + 1)
+        return self._endings[t]
 
     @cached_property
-    def _ending(self) -> tuple[Schedule, ...]:
-        """The schedules of ``t + 1`` batches for each step ``t`` up to ``steady_from``."""
-        return tuple(
-            build(self.plan, self.sync, t + 1, self.microbatches)
-            for t in range(self.steady_from + 1)
-        )
+    def _segments(self) -> dict[int, tuple[Segment, ...]]:
+        """Per rank served, the segments of steps ``0 .. steady_from`` with more batches after."""
+        return {
+            rank: tuple(segments(self._going_on, rank)[: self.steady_from + 1])
+            for rank in self.served
+        }
 
-    @cached_property
-    def _segments(self) -> tuple[tuple[Segment, ...], ...]:
-        """Per rank, the segments of steps ``0 .. steady_from`` with more batches after them."""
-        return tuple(
-            tuple(segments(self._going_on, rank)[: self.steady_from + 1])
-            for rank in range(self.plan.num_workers)
-        )
-
-    @cached_property
-    def _drains(self) -> tuple[tuple[Segment, ...], ...]:
-        """Per rank, the drain after each of steps ``0 .. steady_from``."""
-        return tuple(
-            tuple(
-                segments(schedule, rank)[t][len(self._segments[rank][t]) :]
-                for t, schedule in enumerate(self._ending)
-            )
-            for rank in range(self.plan.num_workers)
-        )
+    def _drain(self, rank: int, t: int) -> Segment:
+        """Rank's drain after step ``t <= steady_from``."""
+        return segments(self._ending(t), rank)[t][len(self._segments[rank][t]) :]

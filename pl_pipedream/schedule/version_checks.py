@@ -21,8 +21,8 @@ _B = ActionKind.BACKWARD
 
 def check_versions(schedule: Schedule) -> Problem | None:
     """Versions follow the mode's rule, exist when used, and fit the weight stash."""
-    for rank, actions in enumerate(schedule.actions):
-        problem = _check_rank_versions(schedule, rank, actions)
+    for rank in schedule.held_ranks:
+        problem = _check_rank_versions(schedule, rank, schedule.actions[rank])
         if problem is not None:
             return problem
     return None

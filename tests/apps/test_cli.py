@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,6 +88,26 @@ def test_simulate_a_plan_file_with_each_mode(tmp_path, capsys) -> None:
         data = json.loads(capsys.readouterr().out)
         assert data["sync"] == sync
         assert data["num_minibatches"] == (6 if sync == "2bw" else 2)
+
+
+def test_simulate_validates_every_rank(tmp_path, capsys, monkeypatch) -> None:
+    """A schedule whose last rank lost a receive: the full validation names it, no figures."""
+    import pl_pipedream.schedule as schedule_package
+
+    real = schedule_package.build
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        schedule = real(*args, **kwargs)
+        *first, last = schedule.actions
+        return dataclasses.replace(schedule, actions=(*first, last[1:]))
+
+    monkeypatch.setattr(schedule_package, "build", broken)
+    path = tmp_path / "plan.json"
+    path.write_text(Plan.from_balance([1, 1, 1]).to_json())
+    assert main(["simulate", "--plan", str(path), "--batches", "2", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "every send needs exactly one matching partner" in captured.err
 
 
 def test_simulate_rejects_an_unknown_mode(tmp_path, capsys) -> None:

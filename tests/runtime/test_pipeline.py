@@ -181,3 +181,36 @@ def test_close_gives_back_the_replica_groups(runs) -> None:  # type: ignore[no-u
     for rank in (0, 1):
         got = {k: runs[rank]["replicated"][k] for k in ("ranks", "left", "after_close")}
         assert got == {"ranks": [0, 1], "left": [], "after_close": "destroyed"}
+
+
+def test_setup_builds_and_validates_only_the_ranks_own_neighbourhood(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Rank 17 of 32 stages: its setup builds the lists of stages 16-18 and of the input stage's
+    neighbourhood (stages 0-1, whose backward passes say which batch finished), and validates
+    one schedule that holds exactly those (no process needed: the runner is built on a stand-in
+    executor that only names its rank)."""
+    import importlib
+    from types import SimpleNamespace
+
+    build_module = importlib.import_module("pl_pipedream.schedule.build")
+    validate_module = importlib.import_module("pl_pipedream.schedule.validate")
+    expanded: list[int] = []
+    expand, checks = build_module.expand, validate_module.CHECKS
+
+    def counted(plan, sync, m, rank, tokens):  # type: ignore[no-untyped-def]
+        expanded.append(rank)
+        return expand(plan, sync, m, rank, tokens)
+
+    held: list[tuple[int, ...]] = []
+
+    def first_check(schedule):  # type: ignore[no-untyped-def]
+        held.append(tuple(r for r, actions in enumerate(schedule.actions) if actions))
+        return checks[0](schedule)
+
+    monkeypatch.setattr(build_module, "expand", counted)
+    monkeypatch.setattr(validate_module, "CHECKS", (first_check, *checks[1:]))
+    plan = Plan.from_balance([1] * 32)
+    runner = PipelineRunner(plan, SyncMode.ASYNC, 1, SimpleNamespace(rank=17), None)  # type: ignore[arg-type]
+    assert sorted(set(expanded)) == [0, 1, 16, 17, 18]
+    assert held == [(0, 1, 16, 17, 18)]
+    assert runner.stream.segment(17, 0)  # cut from the schedule validated above
+    assert held == [(0, 1, 16, 17, 18)]

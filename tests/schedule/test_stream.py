@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import time
 
 import pytest
@@ -11,12 +12,19 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import (
     SYNC_MODES,
     ActionKind,
+    Schedule,
     ScheduleError,
     SegmentStream,
+    SyncMode,
     build,
     rules,
     segments,
 )
+from pl_pipedream.schedule import stream as stream_module
+
+# the package's ``build`` and ``validate`` are the functions; these are their modules
+build_module = importlib.import_module("pl_pipedream.schedule.build")
+validate_module = importlib.import_module("pl_pipedream.schedule.validate")
 
 PLANS = {f"straight{p}": Plan.from_balance([1] * p) for p in (1, 2, 3, 4)} | {
     shape: Plan.from_balance([1, 1], replicas=[int(r) for r in shape.split("-")])
@@ -110,13 +118,88 @@ def test_async_far_step_by_hand() -> None:
 def test_validate_checks_every_schedule_it_cuts(name: str, sync: str, m: int) -> None:
     stream = SegmentStream(PLANS[name], sync, m)
     stream.validate()
-    assert len(stream._ending) == stream.steady_from + 1
+    assert sorted(stream._endings) == list(range(stream.steady_from + 1))
 
 
-def test_validate_raises_for_a_broken_schedule() -> None:
+def _breaking(monkeypatch: pytest.MonkeyPatch, num_batches: int) -> None:
+    """Make the stream's build of ``num_batches`` batches lose rank 0's first action."""
+    real = stream_module.build
+
+    def broken(*args: object, **kwargs: object) -> Schedule:
+        schedule = real(*args, **kwargs)  # type: ignore[arg-type]
+        if schedule.num_batches != num_batches:
+            return schedule
+        first, *rest = schedule.actions
+        return dataclasses.replace(schedule, actions=(first[1:], *rest))
+
+    monkeypatch.setattr(stream_module, "build", broken)
+
+
+def test_validate_raises_for_a_broken_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    _breaking(monkeypatch, 2)  # the schedule behind the drain after step 1
     stream = SegmentStream(Plan.from_balance([1, 1]), "async", 2)
-    ending = stream._ending[1]
-    broken = dataclasses.replace(ending, actions=(ending.actions[0][1:], ending.actions[1]))
-    stream.__dict__["_ending"] = (*stream._ending[:1], broken, *stream._ending[2:])
+    stream.validate(drains=False)
     with pytest.raises(ScheduleError):
         stream.validate()
+
+
+def test_a_drain_is_checked_before_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    _breaking(monkeypatch, 2)
+    stream = SegmentStream(Plan.from_balance([1, 1]), "async", 2, ranks=(0,))
+    stream.validate(drains=False)
+    assert stream.drain(0, 0)  # behind it: the schedule of one batch
+    with pytest.raises(ScheduleError):
+        stream.drain(0, 1)
+
+
+def test_a_segment_is_checked_before_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = SegmentStream(Plan.from_balance([1, 1]), "flush", 1, ranks=(1,))
+    _breaking(monkeypatch, stream.steady_from + 2)
+    with pytest.raises(ScheduleError):
+        stream.segment(1, 0)
+
+
+@pytest.mark.parametrize("sync", SYNC_MODES)
+def test_a_rank_builds_and_checks_only_its_neighbourhood(
+    monkeypatch: pytest.MonkeyPatch, sync: str
+) -> None:
+    """Serving rank 9 of 16 stages (and the input stage): lists of stages 0, 1 and 8-10 only,
+    every one of them validated, and the same segments and drains as the whole pipeline's."""
+    plan, m = Plan.from_balance([1] * 16), 16 if sync == "2bw" else 1
+    expanded: list[int] = []
+    real = build_module.expand
+
+    def counted(plan: Plan, sync: SyncMode, m: int, rank: int, tokens: list) -> list:  # type: ignore[type-arg]
+        expanded.append(rank)
+        return real(plan, sync, m, rank, tokens)
+
+    validated: list[frozenset[int] | None] = []
+    checks = validate_module.CHECKS
+
+    def first_check(schedule: Schedule):  # type: ignore[no-untyped-def]
+        validated.append(schedule.scope)
+        return checks[0](schedule)
+
+    monkeypatch.setattr(build_module, "expand", counted)
+    monkeypatch.setattr(validate_module, "CHECKS", (first_check, *checks[1:]))
+    stream = SegmentStream(plan, sync, m, ranks=(9, 0))
+    stream.validate(drains=False)
+    near = {0, 1, 8, 9, 10}
+    assert set(expanded) == near
+    assert validated == [frozenset(near)]
+    stream.drain(9, 3)
+    assert set(expanded) == near and validated == [frozenset(near)] * 2
+    monkeypatch.undo()
+    whole = SegmentStream(plan, sync, m)
+    for t in (0, 3, stream.steady_from + 5):
+        assert stream.segment(9, t) == whole.segment(9, t)
+        assert stream.drain(9, t) == whole.drain(9, t)
+        assert stream.segment(0, t) == whole.segment(0, t)
+
+
+def test_a_stream_gives_only_the_ranks_it_serves() -> None:
+    stream = SegmentStream(Plan.from_balance([1] * 4), "async", 1, ranks=(2,))
+    with pytest.raises(ValueError, match=r"the ranks it serves \(rank: 1, served: \[2\]\)"):
+        stream.segment(1, 0)
+    with pytest.raises(ValueError, match="rank must name a worker"):
+        SegmentStream(Plan.from_balance([1] * 4), "async", 1, ranks=(4,))

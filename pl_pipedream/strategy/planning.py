@@ -249,6 +249,9 @@ def plan_profile(
             "the model was built empty (core.materialize): planned a straight pipeline, since "
             "each replica of a stage holds a whole copy of that stage"
         )
+        if planned.meta.get("advice"):
+            because = "the model was built empty"
+            planned.meta["advice"] = advise(planned, None, microbatches, because) or ""
     return planned
 
 

@@ -18,21 +18,24 @@ Rows of the DP are the start of a segment (row 0: the model's input; row ``a + 1
 ``a``). The outermost level needs only row 0; an inner level needs every row, because the level
 above treats "this segment on one whole component" as one machine.
 
-Two deliberate choices. Ties: among plans of equal time the DP keeps the single stage unless a
-split is strictly better, then takes the lowest replica count and the earliest cut; PipeDream's
-optimizer breaks ties in the iteration order of Python sets, which varies between runs, so on
-ties the two may print different shapes of the same time. Inner rows: a segment that starts
-after state ``a`` may only be split at states that follow ``a``; PipeDream's optimizer also tries
-states unrelated to ``a`` and can then under-price an inner segment (never seen to change a final
-answer). docs/planner.md records how the DP's answers compare with PipeDream's own optimizer.
+Ties: among plans whose times agree to a relative ``TIE`` (1e-9: far below any measured
+difference, far above float rounding, so that equal layers summed in a different order still
+tie) the DP keeps the single stage unless a split is better by more, then takes the lowest
+replica count and the earliest cut. With the profiler's equal costs for identical layers
+(``profile.alike``) the same model gives the same plan on every run. PipeDream's optimizer breaks
+exact ties in the iteration order of Python sets, so on ties the two may print different shapes
+of the same time. Inner rows: a segment that starts after state ``a`` may only be split at states
+that follow ``a``; PipeDream's optimizer also tries states unrelated to ``a`` (never seen to
+change a final answer). docs/planner.md compares the answers with PipeDream's optimizer.
 
-Solving the inner rows one by one repeats work: every row prices the same appended stages and
-gathers them anew. ``solve_row`` (one row with its choices, for the top level and for walking a
-plan back) prices a level's pairs once (``level_pairs``); the inner levels need only times, so
-``every_row`` solves all rows at once cut by cut, and ``to_last`` solves the segments that end the
-model for every row in one pass from the end (all a top level of two workers can use). All three
-take minima and maxima of the same per-stage floats as ``solve_row``, so their times are the same
-bits. The arithmetic is vectorised with numpy; no torch import.
+``costs.replicas``, when given, is the only replica counts a level may use (the strategy admits
+counts that divide the microbatches per batch); others are priced infinite (``_admit``).
+
+``solve_row`` solves one row with its choices (the top level, walking a plan back), pricing a
+level's pairs once (``level_pairs``); the inner levels need only times: ``every_row`` solves all
+rows at once cut by cut, ``to_last`` the segments that end the model for every row from the end.
+All take minima and maxima of the same per-stage floats, so their times are the same bits. The
+arithmetic is vectorised with numpy; no torch import.
 """
 
 from __future__ import annotations
@@ -45,19 +48,11 @@ import numpy as np
 
 from pl_pipedream.planner.costs import fitting_time, stage_time, stashed_bytes
 
-__all__ = [
-    "LevelCosts",
-    "RowSolution",
-    "all_pairs",
-    "ancestor_matrix",
-    "LevelPairs",
-    "level_pairs",
-    "row_times",
-    "solve_row",
-    "to_last",
-]
+__all__ = ["LevelCosts", "LevelPairs", "RowSolution", "TIE", "all_pairs", "ancestor_matrix"]
+__all__ += ["every_row", "level_pairs", "row_times", "solve_row", "to_last"]
 
 INF = math.inf
+TIE = 1e-9  # times within this relative difference are a tie, broken by the fixed rule
 
 
 @dataclass(frozen=True)
@@ -67,7 +62,7 @@ class LevelCosts:
     ``compute[r, j]`` is the time (seconds) of the segment from row ``r`` to state ``j`` on one
     machine of this level (``inf`` where no such segment exists); the other arrays are prefix
     sums over states (index ``j``), in bytes. ``precedes`` is ``ancestor_matrix`` of the states,
-    ``pairs`` its ``all_pairs``.
+    ``pairs`` its ``all_pairs``; ``replicas`` the replica counts a stage may have (None: any).
     """
 
     compute: np.ndarray
@@ -82,6 +77,7 @@ class LevelCosts:
     straight: bool
     memory: float | None
     transfers: bool
+    replicas: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,13 +132,10 @@ def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @dataclass(frozen=True)
 class LevelPairs:
     """A level's pairs ``(k, j)`` (state ``k`` preceding state ``j``) grouped by ``k``, ``j``
-    ascending, with what every row prices the same way: ``stage[r' - 1, p]``, the time of pair
-    ``p`` as a stage appended after another on ``r'`` replicas, transfers included, and
-    ``stash[p]``, its stashed bytes. ``starts[k]:starts[k + 1]`` are the pairs of ``k``.
-
-    Built once per level (``level_pairs``) instead of once per row: a row's pairs are those whose
-    ``k`` lies inside its segment (``j`` then does too), read off by slicing.
-    """
+    ascending, priced once for every row: ``stage[r' - 1, p]``, the time of pair ``p`` as a stage
+    appended after another on ``r'`` replicas, transfers included, and ``stash[p]``, its stashed
+    bytes. ``starts[k]:starts[k + 1]`` are the pairs of ``k``; a row's pairs are those whose
+    ``k`` lies inside its segment (``j`` then does too)."""
 
     ks: np.ndarray
     js: np.ndarray
@@ -209,14 +202,16 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         candidate = _fit(costs, candidate, pairs.stash[index], workers - (m + 1), primes[:width])
         best = candidate[0] if width == 1 else candidate.min(axis=0)
         group_best = np.minimum.reduceat(best, heads)
-        hits = np.where(best == np.repeat(group_best, sizes), positions, ks.size)
+        hits = np.where(best <= np.repeat(group_best, sizes) * (1 + TIE), positions, ks.size)
         chosen = np.minimum.reduceat(hits, heads)
-        better = group_best < by_workers[m, targets_all]
-        targets, chosen, values = targets_all[better], chosen[better], group_best[better]
-        by_workers[m, targets] = values
+        # Times stay exact minima (as every solver's); only the choices take ties.
+        better = group_best < by_workers[m, targets_all] * (1 - TIE)
+        by_workers[m, targets_all] = np.minimum(by_workers[m, targets_all], group_best)
+        targets, chosen = targets_all[better], chosen[better]
         split[targets, m] = ks[chosen]
-        # The lowest replica count among equal times, as argmin's first minimum.
-        replicas[targets, m] = np.argmin(candidate[:, chosen], axis=0) + 1
+        # The lowest replica count among tied times.
+        tied = candidate[:, chosen] <= candidate[:, chosen].min(axis=0) * (1 + TIE)
+        replicas[targets, m] = np.argmax(tied, axis=0) + 1
         prefix[m] = by_workers[m, ks]
     return RowSolution(by_workers.T.copy(), split, replicas)
 
@@ -233,7 +228,7 @@ def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(base_compute, base_params, r, costs.bandwidth, costs.within)
-        value = _fit(costs, value, base_acts + base_params, workers - r, r)
+        value = _admit(costs, _fit(costs, value, base_acts + base_params, workers - r, r), r)
         first[m] = np.where(allowed, value, INF)
     return first
 
@@ -252,6 +247,13 @@ def _fit(
     return fitting_time(time, stashed_bytes(stage_bytes, workers_after, replicas), costs.memory)
 
 
+def _admit(costs: LevelCosts, time: np.ndarray, replicas: int | np.ndarray) -> np.ndarray:
+    """``time``, infinite where ``replicas`` is not a count the level admits."""
+    if costs.replicas is None:
+        return time
+    return np.where(np.isin(replicas, costs.replicas), time, INF)
+
+
 def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
     """Positions in ``pairs`` of the pairs whose ``k`` is inside a row's segment (``allowed``);
     ``j`` then is too, since ``k`` precedes it."""
@@ -263,14 +265,9 @@ def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
 
 
 def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
-    """``solve_row(costs, row).time[:, -1]`` without the choices: each end state's best time on
-    all workers, for a level whose rows only feed the level above.
-
-    The same candidates as ``solve_row`` (the first stage alone, or the best pipeline up to a
-    cut ``k`` against a stage appended after it), and a minimum of floats does not depend on
-    the order it is taken in, so the values are identical; without ties to break, the
-    candidates are folded into their end states in any order (``minimum.at``) instead of sorted.
-    """
+    """``solve_row(costs, row).time[:, -1]`` without the choices, for a level whose rows only
+    feed the level above: the same candidates, folded into their end states in any order
+    (``minimum.at``, a minimum of floats being exact), so the same values."""
     workers = costs.workers
     allowed = np.ones(costs.params.shape[0], dtype=bool) if row == 0 else costs.precedes[row - 1]
     by_workers = _first_stage(costs, row, allowed)
@@ -301,20 +298,17 @@ def _appended(
         sent = np.where(js < costs.params.shape[0] - 1, costs.outputs[js], 0.0)
     compute = costs.compute[ks + 1, js]
     stage = stage_time(compute, seg_params, primes, costs.bandwidth, 1, received, sent)
-    return stage, costs.activations[js] - costs.activations[ks] + seg_params
+    return _admit(costs, stage, primes), costs.activations[js] - costs.activations[ks] + seg_params
 
 
 def to_last(costs: LevelCosts) -> np.ndarray:
     """``best[row]``: the best time from every row to the last state on all workers of the level.
 
-    Equal to ``solve_row(costs, row).time[-1, -1]`` for every row, but for all rows at once: the
-    pipelines that end the model are solved from the end. ``after[m, k]`` is the best time of
-    stages covering everything after state ``k`` on exactly ``m`` workers, each priced as an
-    appended stage (its memory counting the ``m - r`` workers after it); a row's answer is its
-    first stage, priced as ``solve_row`` prices a row's first stage, against ``after`` for the
-    rest. Both are minima over the same pipelines of the same per-stage times as ``solve_row``,
-    and a maximum or minimum of floats is exact, so the values are identical. Only values: the
-    choices (and ties) come from ``solve_row`` when a segment is walked back.
+    ``solve_row(costs, row).time[-1, -1]`` for every row at once, solved from the end:
+    ``after[m, k]`` is the best time of stages covering everything after state ``k`` on exactly
+    ``m`` workers, each priced as an appended stage (its memory counting the ``m - r`` workers
+    after it); a row's answer is its first stage against ``after`` for the rest. Same minima
+    over the same per-stage times, so the same values; the choices come from ``solve_row``.
     """
     count = costs.params.shape[0]
     workers = costs.workers
@@ -346,11 +340,10 @@ def to_last(costs: LevelCosts) -> np.ndarray:
 def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
     """``table[row] == row_times(costs, row, pairs)`` for every row, computed cut by cut.
 
-    The rows' DPs share their appended stages: the pairs ``(k, j)`` of cut ``k`` serve every
-    row whose segment contains ``k``. Taking the cuts in the states' topological order, a cut's
-    best times on every worker count are final for every row when it is reached, so its
-    candidates are pushed to all those rows and all its successors at once as one dense block,
-    instead of being gathered anew by each row. Same candidates, same minima, same values.
+    The pairs ``(k, j)`` of cut ``k`` serve every row whose segment contains ``k``. In the
+    states' topological order a cut's best times are final for every row when it is reached,
+    so its candidates go to all those rows and successors at once as one dense block. Same
+    candidates, same minima, same values.
     """
     count = costs.params.shape[0]
     workers = costs.workers
@@ -402,5 +395,5 @@ def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(costs.compute, params, r, costs.bandwidth, costs.within)
-        value = _fit(costs, value, stash, workers - r, r)
+        value = _admit(costs, _fit(costs, value, stash, workers - r, r), r)
         yield m, np.where(allowed, value, INF)

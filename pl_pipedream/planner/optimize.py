@@ -9,11 +9,15 @@ component.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pl_pipedream.planner.admission import admits, divisors, factor_choices
+from pl_pipedream.planner.advice import advise, slower_than_data_parallel
 from pl_pipedream.planner.costs import stage_time
 from pl_pipedream.planner.dp import (
     LevelCosts,
@@ -129,6 +133,7 @@ def plan(
     transfers: bool = True,
     max_states: int = MAX_STATES,
     cuts: str = "auto",
+    microbatches: int | None = None,
 ) -> Plan:
     """Partition ``profile`` over ``topology`` to minimise the slowest stage's time.
 
@@ -141,6 +146,9 @@ def plan(
     PipeDream), ``"topological"`` (prefixes of one topological order: one state per layer), or
     ``"auto"``: antichains unless there are more than ``max_states`` of them (inception_v3 has
     over 20,000), then topological prefixes; ``plan.meta["cuts"]`` records which.
+
+    ``microbatches``: only plans whose every replica count divides it (``planner.admission``),
+    as the 1F1B-RR schedule needs when each batch is split into that many microbatches.
     """
     if memory is not None and not memory > 0:
         raise PlanError(
@@ -154,7 +162,51 @@ def plan(
             "so stages can be replicated (each replica count must divide the microbatches per "
             "batch)"
         )
+    if microbatches is not None and not (isinstance(microbatches, int) and microbatches >= 1):
+        raise PlanError(
+            f"microbatches must be a positive integer (microbatches: {microbatches!r}); pass >= 1"
+        )
     graph = _graph(profile, max_states, cuts)
+    solve = lambda replicas: _solve(graph, topology, straight, memory, transfers, replicas)  # noqa: E731
+    chosen = solve(None) if microbatches is None else _admissible(solve, topology, microbatches)
+    if slower_than_data_parallel(chosen):
+        free = solve(None) if microbatches is not None else None
+        because = "straight=True was asked for" if straight else None
+        chosen.meta["advice"] = advise(chosen, free, microbatches, because) or ""
+    return chosen
+
+
+def _admissible(
+    solve: Callable[[tuple[tuple[int, ...], ...] | None], Plan],
+    topology: Topology,
+    microbatches: int,
+) -> Plan:
+    """The fastest plan whose replica counts divide ``microbatches`` (``planner.admission``)."""
+    workers = [level.workers for level in topology.levels]
+    superset = solve(tuple(divisors(microbatches, w) for w in workers))
+    if admits(superset, microbatches):
+        return superset
+    plans = []
+    for choice in factor_choices(microbatches, workers):
+        with contextlib.suppress(PlanError):  # this split of the microbatches admits no plan
+            plans.append(solve(choice))
+    if not plans:
+        raise PlanError(
+            f"no plan's replica counts divide the microbatches per batch (microbatches: "
+            f"{microbatches}, workers per level: {workers}); use more microbatches"
+        )
+    return min(plans, key=lambda p: p.slowest_stage_time)
+
+
+def _solve(
+    graph: PlanningGraph,
+    topology: Topology,
+    straight: bool,
+    memory: float | None,
+    transfers: bool,
+    replicas: tuple[tuple[int, ...], ...] | None,
+) -> Plan:
+    """The DP over ``graph`` with ``replicas[l]`` the replica counts level ``l`` admits."""
     prefix = _prefix(graph)
     precedes = ancestor_matrix(graph.ancestors)
     compute = _base_compute(prefix, precedes)
@@ -162,7 +214,7 @@ def plan(
     count = len(graph.states)
     levels: list[LevelCosts] = []
     within = 1
-    for level in topology.levels:
+    for number, level in enumerate(topology.levels):
         levels.append(
             LevelCosts(
                 compute,
@@ -177,6 +229,7 @@ def plan(
                 straight,
                 memory,
                 transfers,
+                replicas[number] if replicas is not None else None,
             )
         )
         within = level.workers
@@ -192,8 +245,8 @@ def plan(
     if not math.isfinite(best):
         raise PlanError(
             f"no pipeline fits the constraints (workers: {topology.num_workers}, memory per "
-            f"worker: {memory}, straight: {straight}); allow more memory, more workers, or "
-            "replication"
+            f"worker: {memory}, straight: {straight}, replica counts per level: {replicas}); "
+            "allow more memory, more workers, replication, or more microbatches"
         )
     segments = _walk(levels, pairs_of, len(levels) - 1, top, 0, count - 1, 0)
     stages = _stages(graph, prefix, segments)

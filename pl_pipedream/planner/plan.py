@@ -227,6 +227,8 @@ class Plan:
                 f"speedup over DP      {self.speedup_over_data_parallel:.3f}x "
                 f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
             )
+        if self.meta.get("advice"):
+            lines.append(f"slower than DP       {self.meta['advice']}")
         lines.append(f"NOAM                 {self.noam}")
         if self.meta.get("tied"):
             lines.append(f"tied parameters      all-reduce per update ({self.meta['tied']})")

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pl_pipedream.profile.alike import equalise
 from pl_pipedream.profile.graph import Profile, ProfileError
 
 __all__ = ["profile_layers", "profile_layers_one_at_a_time"]
@@ -107,8 +108,9 @@ def _chain_profile(
     warmup: int,
     repeats: int,
 ) -> Profile:
-    """The chain ``layer0..layerN-1`` from every layer's timings (medians after ``warmup``)."""
-    return Profile.chain(
+    """The chain ``layer0..layerN-1`` from every layer's timings (medians after ``warmup``),
+    identical layers given equal times (``profile.alike``)."""
+    profile = Profile.chain(
         forward_ms=[statistics.median(t.forward_ms[warmup:]) for t in timings],
         backward_ms=[statistics.median(t.backward_ms[warmup:]) for t in timings],
         activation_bytes=[t.activation_bytes for t in timings],
@@ -123,6 +125,7 @@ def _chain_profile(
             "repeats": str(repeats),
         },
     )
+    return equalise(profile, [t.structure for t in timings])
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class _Timing:
     forward_ms: list[float]
     backward_ms: list[float]
     activation_bytes: tuple[float, ...]
+    structure: str  # equal for layers that compute the same thing on the same shapes
 
 
 def _time_chain(
@@ -166,7 +170,17 @@ def _time_layer(
             "shape and the layer order (a layer returning a tuple passes it on as one argument)"
         ) from error
     sizes = tuple(float(t.numel() * t.element_size()) for t in _tensors(output))
-    return _Timing(forward, backward, sizes or (0.0,)), output
+    return _Timing(forward, backward, sizes or (0.0,), _structure(layer, value, output)), output
+
+
+def _structure(layer: nn.Module, value: Any, output: Any) -> str:
+    """The layer's class, its full repr, its parameters' and buffers' shapes and dtypes, and its
+    input's and output's: what its cost depends on, not its values."""
+    tensors = [*layer.named_parameters(), *layer.named_buffers()]
+    shapes = [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors]
+    kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
+    grads = [t.requires_grad for t in _tensors(value)]  # the input's gradient costs too
+    return repr((kind, repr(layer), shapes, _summarise(value), grads, _summarise(output)))
 
 
 def _run_once(module: nn.Module, value: Any, device: torch.device) -> tuple[float, float, Any]:

@@ -26,6 +26,7 @@ from torch import nn
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.materialize import loaded, model_tensors
 from pl_pipedream.core.stage import find_ties, pipeline_layers
+from pl_pipedream.planner.advice import advise
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.ties import with_tied_traffic
@@ -46,6 +47,7 @@ __all__ = [
     "measure_bandwidth",
     "plan_at_setup",
     "plan_automatically",
+    "plan_profile",
     "sample_input",
 ]
 
@@ -190,12 +192,11 @@ def plan_at_setup(
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
-    Replicas of a stage share each batch's microbatches round robin, so every replica count
-    must divide ``microbatches``; when the best plan breaks that, a straight pipeline is
-    planned instead and the plan says why (``meta["note"]``). A model built empty is profiled
-    one layer at a time and planned straight: a replica would hold its stage whole again.
-    ``memory`` (bytes per worker) rules out plans whose stages do not fit what ``sync`` keeps
-    (``schedule.memory``; with ``recompute`` stages keep inputs instead of activations).
+    The plan is ``plan_profile``'s: every replica count divides ``microbatches``. A model built
+    empty is profiled one layer at a time and planned straight: a replica would hold its stage
+    whole again. ``memory`` (bytes per worker) rules out plans whose stages do not fit what
+    ``sync`` keeps (``schedule.memory``; with ``recompute`` stages keep inputs instead of
+    activations).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -212,28 +213,12 @@ def plan_at_setup(
         try:
             empty = any(t.is_meta for t in model_tensors(layers))
             profile = _profile(layers, sample, device, empty)
-            total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
-
-            def fitting(straight: bool) -> Plan:
-                make = lambda m: make_plan(profile, topology, straight, m)  # noqa: E731
-                return plan_within(make, memory, total, sync, microbatches, recompute)
-
-            planned = fitting(empty)
-            if empty:
-                planned.meta["note"] = (
-                    "the model was built empty (core.materialize): planned a straight "
-                    "pipeline, since each replica of a stage holds a whole copy of that stage"
-                )
-            if any(microbatches % stage.replicas for stage in planned.stages):
-                best = planned.shape
-                planned = fitting(True)
-                planned.meta["note"] = (
-                    f"the best plan ({best}) replicates stages, but replicas must divide the "
-                    f"microbatches per batch ({microbatches}); planned a straight pipeline. "
-                    "Use PipeDreamStrategy(microbatches=...) with a multiple of the replica counts "
-                    "to allow replication."
-                )
-            box[0] = _count_ties(_by_layer_index(planned), layers, topology).to_dict()
+            planned = plan_profile(profile, topology, microbatches, memory, sync, recompute, empty)
+            planned = _count_ties(_by_layer_index(planned), layers, topology)
+            advice = planned.meta.get("advice") or advise(planned, None, microbatches)
+            if advice:  # the tied parameters' traffic can make a plan slower than DP
+                planned.meta["advice"] = advice
+            box[0] = planned.to_dict()
         except Exception as error:  # noqa: BLE001 - every rank must learn of it
             box[0] = {"error": f"{type(error).__name__}: {error}"}
     dist.broadcast_object_list(box, src=0)
@@ -241,6 +226,33 @@ def plan_at_setup(
     if "error" in result:
         raise RuntimeError(f"automatic planning failed on rank 0: {result['error']}")
     return Plan.from_dict(result), time.perf_counter() - start
+
+
+def plan_profile(
+    profile: Profile,
+    topology: Topology,
+    microbatches: int,
+    memory: float | None = None,
+    sync: SyncMode = SyncMode.ASYNC,
+    recompute: bool = False,
+    empty: bool = False,
+) -> Plan:
+    """The fastest plan whose replica counts divide ``microbatches`` (``planner.admission``:
+    replicas share a batch's microbatches round robin), fitting ``memory`` by what ``sync``
+    keeps; straight for a model built empty. A plan predicted slower than data parallelism says
+    what it would need (``plan.meta["advice"]``, printed with the plan)."""
+    total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
+    make = lambda m: make_plan(profile, topology, empty, m, microbatches=microbatches)  # noqa: E731
+    planned = plan_within(make, memory, total, sync, microbatches, recompute)
+    if empty:
+        planned.meta["note"] = (
+            "the model was built empty (core.materialize): planned a straight pipeline, since "
+            "each replica of a stage holds a whole copy of that stage"
+        )
+        if planned.meta.get("advice"):
+            because = "the model was built empty"
+            planned.meta["advice"] = advise(planned, None, microbatches, because) or ""
+    return planned
 
 
 def _profile(layers: nn.Sequential, sample: Any, device: torch.device, empty: bool) -> Profile:

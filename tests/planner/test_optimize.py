@@ -74,6 +74,16 @@ def test_a_tie_between_cuts_takes_the_earliest() -> None:
     assert result.slowest_stage_time == 1.0
 
 
+@pytest.mark.parametrize("noise", [0.0, 1e-12, -1e-12, 3e-10])
+def test_a_near_tie_between_cuts_takes_the_earliest(noise: float) -> None:
+    """Three equal 1 s layers on two straight workers: 0 | 12 and 01 | 2 both take 2 s. A
+    difference far below any measurement (a relative 1e-12 to 3e-10, as sums of equal layers
+    taken in another order leave) between the first and the last layer does not decide."""
+    profile = Profile.chain([1000.0, 1000.0, 1000.0 * (1 + noise)], [0] * 3, [0] * 3, [0] * 3)
+    result = plan(profile, Topology.flat(2, 1e9), straight=True)
+    assert [stage.nodes for stage in result.stages] == [("layer0",), ("layer1", "layer2")]
+
+
 def test_straight_with_more_workers_than_layers_cannot_fit() -> None:
     """More workers cannot help: the error says so and names the fix (not 'more workers')."""
     with pytest.raises(PlanError) as caught:
@@ -140,9 +150,15 @@ def _compositions(total: int, parts: int):
 
 
 def _brute_force(
-    profile: Profile, workers: int, bandwidth: float, straight: bool, ends_model: bool = True
+    profile: Profile,
+    workers: int,
+    bandwidth: float,
+    straight: bool,
+    ends_model: bool = True,
+    microbatches: int | None = None,
 ) -> float:
-    """Slowest-stage time minimised over all contiguous partitions and replica counts.
+    """Slowest-stage time minimised over all contiguous partitions and replica counts (only
+    counts that divide ``microbatches`` when it is given).
 
     Every stage but the first pays for receiving its input; a middle stage also pays for
     sending its output (the first stage's output is the second stage's input, priced there).
@@ -161,6 +177,8 @@ def _brute_force(
                 [[1] * num_stages] if straight else list(_compositions(workers, num_stages))
             )
             for replicas in replica_options:
+                if microbatches is not None and any(microbatches % r for r in replicas):
+                    continue
                 slowest = 0.0
                 start = 0
                 for s, (size, r) in enumerate(zip(sizes, replicas, strict=True)):
@@ -272,3 +290,70 @@ def test_two_levels_equal_brute_force(seed: int) -> None:
     assert result.slowest_stage_time == pytest.approx(best, rel=1e-12)
     assert result.num_workers == inner * outer
     assert sorted(r for stage in result.stages for r in stage.ranks) == list(range(inner * outer))
+
+
+# ----- replica counts that divide the microbatches ------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_with_microbatches_the_plan_is_the_best_admissible_one(seed: int) -> None:
+    """Against brute force over the plans whose replica counts divide the microbatches."""
+    rng = random.Random(500 + seed)
+    n, workers, microbatches = rng.randint(1, 7), rng.randint(2, 5), rng.randint(1, 6)
+    bandwidth = rng.choice([1e8, 1e9, 1e10])
+    profile = _random_chain(rng, n)
+    expected = _brute_force(profile, workers, bandwidth, False, microbatches=microbatches)
+    topology = Topology.flat(workers, bandwidth)
+    if math.isinf(expected):
+        with pytest.raises(PlanError, match="more microbatches"):
+            plan(profile, topology, microbatches=microbatches)
+        return
+    result = plan(profile, topology, microbatches=microbatches)
+    assert all(microbatches % stage.replicas == 0 for stage in result.stages)
+    assert result.slowest_stage_time == pytest.approx(expected, rel=1e-12)
+    assert result.num_workers == workers
+
+
+def six_equal_layers() -> Profile:
+    return Profile.chain([10.0] * 6, [20.0] * 6, [1e6] * 6, [4e6] * 6)
+
+
+def test_replicas_that_do_not_divide_are_not_a_fall_back_to_a_straight_pipeline() -> None:
+    """Four workers, three microbatches: the best plan (2-2) is not admitted, and the best
+    admitted one (1-3) beats the straight pipeline (the old fall back); it says it is slower
+    than data parallelism and that four microbatches admit 2-2."""
+    topology = Topology.flat(4, 1e10)
+    free = plan(six_equal_layers(), topology)
+    straight = plan(six_equal_layers(), topology, straight=True)
+    chosen = plan(six_equal_layers(), topology, microbatches=3)
+    assert free.shape == "2-2" and straight.shape == "1-1-1-1"
+    assert chosen.shape == "1-3"
+    assert chosen.slowest_stage_time < straight.slowest_stage_time
+    assert chosen.speedup_over_data_parallel == pytest.approx(0.904, abs=1e-3)
+    assert "PipeDreamStrategy(microbatches=4) admits the 2-2 plan" in chosen.meta["advice"]
+    assert "slower than DP" in chosen.render()
+    assert plan(six_equal_layers(), topology, microbatches=4).shape == "2-2"
+    assert "advice" not in plan(six_equal_layers(), topology, microbatches=4).meta
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_two_levels_admit_only_dividing_products(seed: int) -> None:
+    rng = random.Random(900 + seed)
+    n, microbatches = rng.randint(2, 6), rng.randint(1, 6)
+    topology = Topology.from_lists([rng.randint(1, 3), rng.randint(2, 3)], [1e10, 1e9])
+    profile = _random_chain(rng, n)
+    free = plan(profile, topology)
+    try:
+        result = plan(profile, topology, microbatches=microbatches)
+    except PlanError as error:
+        assert "microbatches" in str(error)
+        return
+    assert all(microbatches % stage.replicas == 0 for stage in result.stages)
+    assert result.slowest_stage_time >= free.slowest_stage_time * (1 - 1e-12)
+    if all(microbatches % stage.replicas == 0 for stage in free.stages):
+        assert result.slowest_stage_time == pytest.approx(free.slowest_stage_time, rel=1e-12)
+
+
+def test_microbatches_must_be_a_positive_integer() -> None:
+    with pytest.raises(PlanError, match=r"microbatches: 0\)"):
+        plan(three_layers(), Topology.flat(2, 1e9), microbatches=0)

@@ -307,3 +307,20 @@ def test_one_layer_at_a_time_measures_what_the_whole_chain_measures() -> None:
     assert alone.nodes[0].forward_ms > 0 and alone.nodes[0].backward_ms > 0
     assert max(loaded_at_once) <= 1 and len(loaded_at_once) == len(empty)
     assert all(t.is_meta for t in empty.parameters())
+
+
+def test_identical_layers_get_equal_times() -> None:
+    """Layers of one structure on inputs of one shape get their mean times (profile.alike);
+    the first Linear, whose input needs no gradient, and a wider one are kept apart."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 16)
+    )
+    profile = profile_layers(layers, torch.randn(BATCH, 8), warmup=1, repeats=3)
+    nodes = profile.nodes
+    assert nodes[1].forward_ms == nodes[3].forward_ms
+    assert nodes[1].backward_ms == nodes[3].backward_ms
+    assert nodes[2].forward_ms == nodes[4].forward_ms
+    assert (
+        nodes[0].backward_ms != nodes[1].backward_ms or nodes[0].forward_ms != nodes[1].forward_ms
+    )

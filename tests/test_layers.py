@@ -54,6 +54,7 @@ PURE = (
     "planner",
     "schedule",
     "profile/graph.py",
+    "profile/alike.py",
     "profile/__init__.py",
     "published",
     "configs",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -122,7 +123,7 @@ def run_worker(args: argparse.Namespace) -> None:
             self.setup_wall = time.perf_counter() - start
 
     n, m, out = args.worker, args.microbatches, Path(args.out)
-    strategy = TimedStrategy(sync="flush", balance=[1] * n, microbatches=m, timeout=120)
+    strategy = TimedStrategy(sync="flush", balance=[1] * n, microbatches=m, timeout=300)
     fitter = trainer(devices=n, strategy=strategy, use_distributed_sampler=False)
     module = lightning_module(n, args.width)
     fitter.fit(module, DataLoader(rows(m, args.width), batch_size=m * ROWS, shuffle=False))
@@ -180,9 +181,11 @@ def measure(n: int, args: argparse.Namespace) -> str:
 
 
 def processes_table(args: argparse.Namespace) -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the one-device runs
+    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
     print(
         f"flush, straight pipelines, width {args.width}, {args.microbatches} microbatches of "
-        f"{ROWS} rows, {BATCHES} batches, gloo on CPU ({len(os.sched_getaffinity(0))} cores)"
+        f"{ROWS} rows, {BATCHES} batches, gloo on CPU ({cores} cores, load {load:.1f} at start)"
     )
     print(
         f"{'ranks':>5} | {'plan':<12} | {'max |diff|':>9} | {'setup s max min':>13} | "

@@ -141,7 +141,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def one_device(layers: int, width: int, microbatches: int) -> dict[str, torch.Tensor]:
-    module = lightning_module(layers, width)
+    module = lightning_module(layers, width)  # imports Lightning, which sets its log level
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     run = trainer(devices=1, accumulate_grad_batches=microbatches)
     run.fit(module, DataLoader(rows(microbatches, width), batch_size=ROWS, shuffle=False))
     return module.state_dict()
@@ -181,7 +182,6 @@ def measure(n: int, args: argparse.Namespace) -> str:
 
 
 def processes_table(args: argparse.Namespace) -> None:
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the one-device runs
     cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
     print(
         f"flush, straight pipelines, width {args.width}, {args.microbatches} microbatches of "

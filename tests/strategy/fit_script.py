@@ -5,7 +5,10 @@ DIR``: Lightning's script launcher starts the other ranks by re-running this fil
 saves the sharded checkpoint; rank 0 consolidates it into ``DIR/weights.pt``. ``--model
 seq2seq`` trains the Seq2Seq example instead (SGD as ``tests.runtime.test_boundary.sgd``),
 with the model summary on, and validates through the pipeline afterwards (``val_loss`` in
-``done.json``).
+``done.json``). ``--model deep`` trains ``deep_model(sum(balance))``, one Linear block per
+layer, so a straight pipeline may have as many stages as it has layers (8 processes and more).
+``--kill-rank R --kill-at K`` runs one more fit (``async``) after the configs, in which rank R
+SIGKILLs itself at the start of step K: the command then ends with the launcher's report.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
@@ -33,7 +38,7 @@ from tests.strategy.test_lightning_features import Net  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--configs", nargs="+", default=["async:sgd"], help="sync:optimizer pairs, run in turn"
+        "--configs", nargs="*", default=["async:sgd"], help="sync:optimizer pairs, run in turn"
     )
     parser.add_argument("--balance", type=int, nargs="+", default=[3, 3])
     parser.add_argument("--replicas", type=int, nargs="+", default=None)
@@ -46,14 +51,20 @@ def main() -> None:
         action="store_true",
         help="every rank on one device: cuda:0 with --accelerator gpu (gloo: NCCL refuses that)",
     )
-    parser.add_argument("--model", choices=("mlp", "seq2seq"), default="mlp")
+    parser.add_argument("--model", choices=("mlp", "seq2seq", "deep"), default="mlp")
     parser.add_argument("--weight-prediction", action="store_true")
     parser.add_argument("--lr-warmup-per-delay", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60, help="the strategy's, in seconds")
+    parser.add_argument("--kill-rank", type=int, default=None)
+    parser.add_argument("--kill-at", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for config in args.configs:
         sync, optimizer = config.split(":")
         fit(args, sync, optimizer, Path(args.out) / f"{sync}-{optimizer}")
+    if args.kill_rank is not None:
+        killer = KillAt(args.kill_rank, args.kill_at)
+        fit(args, "async", "sgd", Path(args.out) / "killed", [killer])
 
 
 class RecordCpus(Callback):
@@ -69,6 +80,38 @@ class RecordCpus(Callback):
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"cpus-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class KillAt(Callback):
+    """Rank ``rank`` sends itself SIGKILL at the start of training step ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_rank == self.rank and batch_idx == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def deep_model(layers: int) -> nn.Sequential:
+    """``layers`` pipeline layers of ``make_model``'s widths (6 in, 8 wide, 3 out), each a
+    Linear (with a Tanh but the last), so that every stage of a one-layer-per-stage pipeline has
+    weights to update and stash."""
+    torch.manual_seed(0)
+    widths = [6, *[8] * (layers - 1), 3]
+    blocks: list[nn.Module] = [
+        nn.Sequential(nn.Linear(a, b), nn.Tanh())
+        for a, b in zip(widths[:-2], widths[1:-1], strict=True)
+    ]
+    return nn.Sequential(*blocks, nn.Linear(widths[-2], widths[-1]))
+
+
+class DeepNet(Net):
+    """``Net`` over ``deep_model(layers)``."""
+
+    def __init__(self, layers: int, optimizer: str = "sgd") -> None:
+        super().__init__(optimizer)
+        self.net = deep_model(layers)
 
 
 def seq2seq_net() -> Seq2Seq:
@@ -90,7 +133,13 @@ def thread_cpus() -> list[list[int]]:
     return [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
 
 
-def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
+def fit(
+    args: argparse.Namespace,
+    sync: str,
+    optimizer: str,
+    out: Path,
+    callbacks: list[Callback] | None = None,
+) -> None:
     m = args.microbatches
     corrections = {}  # only when asked: the other modes refuse them
     if args.weight_prediction:
@@ -102,18 +151,19 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
     else:
         batches = make_batches(m)
         data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        module, loader = Net(optimizer), DataLoader(data, batch_size=2 * m, shuffle=False)
+        module = DeepNet(sum(args.balance), optimizer) if args.model == "deep" else Net(optimizer)
+        loader = DataLoader(data, batch_size=2 * m, shuffle=False)
     if args.balance == [0]:  # plan automatically at setup
         strategy = (
             "pipedream"
             if args.strategy_name
-            else PipeDreamStrategy(sync=sync, microbatches=m, timeout=60)
+            else PipeDreamStrategy(sync=sync, microbatches=m, timeout=args.timeout)
         )
         devices = args.devices
     elif args.replicas:
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
         strategy = PipeDreamStrategy(
-            sync=sync, plan=plan, microbatches=m, timeout=60, **corrections
+            sync=sync, plan=plan, microbatches=m, timeout=args.timeout, **corrections
         )
         devices = plan.num_workers
     elif args.share_device:
@@ -122,7 +172,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
             sync=sync,
             balance=args.balance,
             microbatches=m,
-            timeout=60,
+            timeout=args.timeout,
             parallel_devices=[one] * len(args.balance),
             process_group_backend="gloo",
             **corrections,
@@ -130,7 +180,7 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         devices = 1
     else:
         strategy = PipeDreamStrategy(
-            sync=sync, balance=args.balance, microbatches=m, timeout=60, **corrections
+            sync=sync, balance=args.balance, microbatches=m, timeout=args.timeout, **corrections
         )
         devices = len(args.balance)
     trainer = Trainer(
@@ -143,7 +193,10 @@ def fit(args: argparse.Namespace, sync: str, optimizer: str, out: Path) -> None:
         enable_model_summary=args.model == "seq2seq",  # its shape forward on every rank
         logger=False,
         enable_checkpointing=False,
-        callbacks=[RecordCpus(out)] if hasattr(os, "sched_getaffinity") else [],
+        callbacks=[
+            *(callbacks or []),
+            *([RecordCpus(out)] if hasattr(os, "sched_getaffinity") else []),
+        ],
     )
     trainer.fit(module, loader)
     trainer.save_checkpoint(out / "run.ckpt")

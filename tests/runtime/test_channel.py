@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pl_pipedream.runtime.channel import Channel, PeerError
-from pl_pipedream.runtime.frames import Message, MinibatchLoss
+from pl_pipedream.runtime.frames import HEADER_BYTES, Message, MinibatchLoss
 from tests.runtime.distributed import run
 
 LOGGED = [(), (('["acc", true]', 0.75), ("n", 3.0)), (("n", -1e300),)]  # opaque keys, any float
@@ -292,7 +292,7 @@ def test_a_links_own_bound_wins_over_max_pending() -> None:
 def _posted_bytes(rank: int, world: int) -> list:
     channel = Channel(rank, torch.device("cpu"), timeout=30.0)
     if rank == 0:
-        for step in range(3):
+        for _ in range(3):
             channel.send(Message([torch.zeros(1000)]), 1, 1, "x")
         channel.flush()
         return []
@@ -312,8 +312,6 @@ def test_the_receives_posted_ahead_are_counted() -> None:
     results = run(2, _posted_bytes, timeout=60.0)
     assert results[1][0] == "ok", results[1]
     out, peak = results[1][1]
-    from pl_pipedream.runtime.frames import HEADER_BYTES
-
     assert out[0] == HEADER_BYTES  # before the first message: the header's size
     size = out[1]
     assert size > 4000  # 1000 floats and the header

@@ -39,6 +39,7 @@ __all__ = [
     "frame_bytes",
     "frames_in_flight",
     "minibatches_in_flight",
+    "rank_frame_bytes",
     "stage_bytes",
     "versions_kept",
 ]
@@ -138,20 +139,23 @@ def _rank_list(
 
 
 def frame_bytes(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> float:
-    """The most bytes of message frames a replica of ``stage`` holds: on each link it sends on,
-    its messages in flight (``frames_in_flight``), and on each link it receives on, the one
-    receive posted ahead; a frame is the size of what crosses its link (an activation of the
-    stage before the link, or the gradient of it)."""
+    """The most bytes of message frames a replica of ``stage`` holds (``rank_frame_bytes``)."""
     return max(
-        _rank_frame_bytes(plan, sync, microbatches, rank) for rank in plan.stages[stage].ranks
+        sum(rank_frame_bytes(plan, sync, microbatches, rank)) for rank in plan.stages[stage].ranks
     )
 
 
-def _rank_frame_bytes(plan: Plan, sync: SyncMode, microbatches: int, rank: int) -> float:
+def rank_frame_bytes(
+    plan: Plan, sync: SyncMode, microbatches: int, rank: int
+) -> tuple[float, float]:
+    """The bytes of the frames ``rank`` holds: sent (on each link it sends on, its messages in
+    flight, ``frames_in_flight``) and posted to receive (one per link it receives on, posted
+    ahead). A frame is the size of what crosses its link: an activation of the lower stage of
+    the two, or the gradient of it."""
     here = plan.stage_of_rank(rank).index
-    sent = frames_in_flight(plan, sync, microbatches, rank)
-    total = sum(count * _link_bytes(plan, here, peer) for (peer, _), count in sent.items())
-    return total + sum(_link_bytes(plan, here, peer) for peer in _neighbours(plan, rank))
+    in_flight = frames_in_flight(plan, sync, microbatches, rank)
+    sent = sum(count * _link_bytes(plan, here, peer) for (peer, _), count in in_flight.items())
+    return sent, sum(_link_bytes(plan, here, peer) for peer in _neighbours(plan, rank))
 
 
 def _neighbours(plan: Plan, rank: int) -> set[int]:

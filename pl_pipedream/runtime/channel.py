@@ -4,8 +4,11 @@ A message and its frame are ``runtime.frames``; this module moves frames between
 
 A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
 remember the link's frame size, and the receiver posts a receive of that size. A message that
-fits travels padded to it, unless it needs less than half (the header says what the frame holds);
-otherwise the sender first fills a frame of the old size with a notice of the new one. So shapes
+fits travels padded to it, unless it needs less than half of it, ``ROOM`` aside (the header says
+what the frame holds); otherwise the sender first fills a frame of the old size with a notice of
+the new one, what the message needs plus ``ROOM`` bytes: the losses that ride with a batch's
+gradients grow by one per microbatch, and would otherwise cost a notice, a second frame, per
+message. So shapes
 that vary (a smaller last batch, sequences of several lengths) settle at one size, and training
 that repeats its shapes sends every message after the first as one transfer; ``expect`` can post
 the next receive early, letting the bytes move while this rank computes. A receive posted early
@@ -55,7 +58,9 @@ from pl_pipedream.runtime.frames import (
 )
 from pl_pipedream.runtime.streams import SideStreams, read_done
 
-__all__ = ["Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
+__all__ = ["ROOM", "Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
+
+ROOM = HEADER_BYTES  # bytes a resized link's frames keep beyond the message that resized it
 
 Link = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
 # A message under way: its works, peer, what it is, and its frames (held until it has left)
@@ -103,9 +108,9 @@ class Channel:
         layout = layout_of(message)
         needed = layout.needed
         frames = []
-        if not size // 2 < needed <= size:
-            frames.append(notice(size, needed, self._wire))
-            self._send_sizes[(peer, tag)] = size = needed
+        if not (size - ROOM) // 2 < needed <= size:  # less than half of its own size
+            frames.append(notice(size, needed + ROOM, self._wire))
+            self._send_sizes[(peer, tag)] = size = needed + ROOM
         frames.append(pack(message, layout, size, self._wire))
         works = [self._isend(frame, peer, tag, what) for frame in frames]
         self._pending.setdefault((peer, tag), collections.deque()).append(

@@ -259,3 +259,30 @@ def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -
         assert sorted(plain) == sorted(recomputed)
         for key, tensor in plain.items():
             assert (tensor - recomputed[key]).abs().max().item() <= 1e-6, (config, key)
+
+
+@pytest.mark.slow
+def test_the_reported_frames_are_those_the_channel_held(tmp_path: Path) -> None:
+    """Three ranks over gloo, 32 KiB activations: each rank's channel held, at its peak, the
+    estimate's frames (the schedule's messages in flight per link, one receive posted per
+    link) to within 3 %: a frame adds its 512-byte header to the 32 KiB it carries."""
+    script = SCRIPT.with_name("frames_script.py")
+    command = [sys.executable, str(script), "--out", str(tmp_path), "--devices", "3"]
+    command += ["--syncs", "async", "flush"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for sync in ("async", "flush"):
+        rows = [StageMemory(**r) for r in json.loads((tmp_path / f"{sync}.json").read_text())]
+        assert [r.rank for r in rows] == [0, 1, 2]
+        for row in rows:
+            pairs = (
+                (row.frames_sent, row.estimate_frames_sent),
+                (row.frames_received, row.estimate_frames_received),
+            )
+            for measured, estimated in pairs:
+                assert estimated is not None and estimated > 0, (sync, row)
+                assert estimated <= measured <= 1.03 * estimated, (sync, row)
+    assert "frames" in result.stdout + result.stderr  # the printed table's column

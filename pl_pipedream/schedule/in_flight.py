@@ -30,20 +30,38 @@ from pl_pipedream.schedule.actions import (
 )
 from pl_pipedream.schedule.progress import Progress
 
-__all__ = ["Outgoing", "sends_in_flight", "sends_in_flight_between"]
+__all__ = [
+    "Outgoing",
+    "every_rank_sends_in_flight",
+    "sends_in_flight",
+    "sends_in_flight_between",
+]
 
 Outgoing = tuple[int, str]  # (peer rank, "a" activations or "g" gradients): one sending link
 
 
 def sends_in_flight(schedule: Schedule, rank: int) -> dict[Outgoing, int]:
     """For each link ``rank`` sends on, the most of its messages in flight at once."""
-    actions = schedule.actions
-    peers = sorted({_link(a)[0] for a in actions[rank] if a.kind in SENDS})
-    known = _known_before(schedule, peers, rank)
-    counts: dict[Outgoing, int] = {}
-    for index, peer in enumerate(peers):
-        counts |= _counts(actions[rank], actions[peer], rank, peer, known[index])
-    return counts
+    return _every_count(schedule, [rank], _known_before(schedule, [rank]))[0]
+
+
+def every_rank_sends_in_flight(schedule: Schedule) -> list[dict[Outgoing, int]]:
+    """``sends_in_flight`` of every rank, from one pass over the schedule."""
+    ranks = list(range(schedule.num_ranks))
+    return _every_count(schedule, ranks, _known_before(schedule, ranks))
+
+
+def _every_count(
+    schedule: Schedule, ranks: Sequence[int], known: dict[int, list[list[int]]]
+) -> list[dict[Outgoing, int]]:
+    actions, out = schedule.actions, []
+    for rank in ranks:
+        counts: dict[Outgoing, int] = {}
+        for peer in sorted({_link(a)[0] for a in actions[rank] if a.kind in SENDS}):
+            seen = [clock[peer] for clock in known[rank]]
+            counts |= _counts(actions[rank], actions[peer], rank, peer, seen)
+        out.append(counts)
+    return out
 
 
 def sends_in_flight_between(
@@ -96,24 +114,25 @@ def _link(send: Action) -> Outgoing:
     return (send.peer, _tensor(send))
 
 
-def _known_before(schedule: Schedule, peers: Sequence[int], rank: int) -> list[list[int]]:
-    """For each of ``peers`` and each action of ``rank``, the last position of the peer's list
-    that surely has run when ``rank`` starts that action (-1: none): one pass over the
-    schedule in an order its dependencies allow, each rank carrying what it knows."""
+def _known_before(schedule: Schedule, ranks: Sequence[int]) -> dict[int, list[list[int]]]:
+    """For each of ``ranks`` and each of its actions, the last position of every rank's list
+    that surely has run when it starts that action (-1: none): one pass over the schedule in
+    an order its dependencies allow, each rank carrying what it knows (a vector clock)."""
     progress = Progress(schedule)
-    known = [[-1] * len(peers) for _ in schedule.actions]
+    width = schedule.num_ranks
+    known = [[-1] * width for _ in range(width)]
     mailbox: dict[object, list[int]] = {}
-    before: list[list[int]] = [[] for _ in peers]
+    before: dict[int, list[list[int]]] = {rank: [] for rank in ranks}
     moved = True
     while moved:
         moved = False
-        for r in range(len(schedule.actions)):
+        for r in range(width):
             while progress.ready(r):
                 action, movers = progress.next(r), progress.movers(r)
                 assert action is not None  # ready
-                if rank in movers:
-                    for index, column in enumerate(before):
-                        column.append(known[rank][index])
+                for m in movers:
+                    if m in before:
+                        before[m].append(list(known[m]))
                 if action.kind in RECVS:
                     got = mailbox.pop(message_key(action))
                     known[r] = [max(a, b) for a, b in zip(known[r], got, strict=True)]
@@ -122,8 +141,7 @@ def _known_before(schedule: Schedule, peers: Sequence[int], rank: int) -> list[l
                     for m in movers:
                         known[m] = list(met)
                 for m in movers:
-                    if m in peers:
-                        known[m][peers.index(m)] = progress.position[m]
+                    known[m][m] = progress.position[m]
                 if action.kind in SENDS:
                     mailbox[message_key(action)] = list(known[r])
                 progress.advance(r)

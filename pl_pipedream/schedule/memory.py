@@ -30,7 +30,12 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.build import build, expand, replica_order
-from pl_pipedream.schedule.in_flight import Outgoing, sends_in_flight, sends_in_flight_between
+from pl_pipedream.schedule.in_flight import (
+    Outgoing,
+    every_rank_sends_in_flight,
+    sends_in_flight,
+    sends_in_flight_between,
+)
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.rules import weight_version
 
@@ -117,9 +122,8 @@ def frames_in_flight(
     for the count to repeat (the pipeline full for a whole batch; ``tests/schedule/
     test_memory.py`` holds it equal to longer runs). On a straight pipeline only the rank's and
     its neighbours' lists are built, so the cost does not grow with the stages."""
-    batches = 1 + math.ceil(plan.num_workers / microbatches)
-    mode = rules.check_arguments(plan, sync, batches, microbatches)
-    if any(stage.replicas > 1 for stage in plan.stages):
+    batches, mode = _run_length(plan, sync, microbatches)
+    if _replicated(plan):
         return sends_in_flight(build(plan, mode, batches, microbatches), rank)
     mine = _rank_list(plan, mode, batches, microbatches, rank)
     counts: dict[Outgoing, int] = {}
@@ -128,6 +132,15 @@ def frames_in_flight(
             theirs = _rank_list(plan, mode, batches, microbatches, peer)
             counts |= sends_in_flight_between(mine, theirs, rank, peer)
     return counts
+
+
+def _run_length(plan: Plan, sync: SyncMode, microbatches: int) -> tuple[int, SyncMode]:
+    batches = 1 + math.ceil(plan.num_workers / microbatches)
+    return batches, rules.check_arguments(plan, sync, batches, microbatches)
+
+
+def _replicated(plan: Plan) -> bool:
+    return any(stage.replicas > 1 for stage in plan.stages)
 
 
 def _rank_list(
@@ -140,9 +153,12 @@ def _rank_list(
 
 def frame_bytes(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> float:
     """The most bytes of message frames a replica of ``stage`` holds (``rank_frame_bytes``)."""
-    return max(
-        sum(rank_frame_bytes(plan, sync, microbatches, rank)) for rank in plan.stages[stage].ranks
-    )
+    ranks = plan.stages[stage].ranks
+    if _replicated(plan):  # one pass over the schedule for every rank
+        batches, mode = _run_length(plan, sync, microbatches)
+        every = every_rank_sends_in_flight(build(plan, mode, batches, microbatches))
+        return max(sum(_frame_bytes(plan, rank, every[rank])) for rank in ranks)
+    return max(sum(rank_frame_bytes(plan, sync, microbatches, rank)) for rank in ranks)
 
 
 def rank_frame_bytes(
@@ -152,8 +168,11 @@ def rank_frame_bytes(
     flight, ``frames_in_flight``) and posted to receive (one per link it receives on, posted
     ahead). A frame is the size of what crosses its link: an activation of the lower stage of
     the two, or the gradient of it."""
+    return _frame_bytes(plan, rank, frames_in_flight(plan, sync, microbatches, rank))
+
+
+def _frame_bytes(plan: Plan, rank: int, in_flight: dict[Outgoing, int]) -> tuple[float, float]:
     here = plan.stage_of_rank(rank).index
-    in_flight = frames_in_flight(plan, sync, microbatches, rank)
     sent = sum(count * _link_bytes(plan, here, peer) for (peer, _), count in in_flight.items())
     return sent, sum(_link_bytes(plan, here, peer) for peer in _neighbours(plan, rank))
 

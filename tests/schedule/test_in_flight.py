@@ -10,7 +10,11 @@ import pytest
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import Schedule, SyncMode, build, simulate
 from pl_pipedream.schedule.actions import RECVS, SENDS, message_key
-from pl_pipedream.schedule.in_flight import sends_in_flight, sends_in_flight_between
+from pl_pipedream.schedule.in_flight import (
+    every_rank_sends_in_flight,
+    sends_in_flight,
+    sends_in_flight_between,
+)
 from pl_pipedream.schedule.progress import Progress
 
 # Every replica layout of 2 to 4 stages on at most 6 workers, straight ones included.
@@ -69,8 +73,10 @@ def slowest_peer_run(schedule: Schedule, rank: int, peer: int) -> dict[tuple[int
 def test_the_count_is_reached_when_the_peer_is_slowest(sync: SyncMode) -> None:
     checked = 0
     for schedule in schedules(sync):
+        every = every_rank_sends_in_flight(schedule)  # one pass for all ranks, the same counts
         for rank in range(schedule.num_ranks):
             counts = sends_in_flight(schedule, rank)
+            assert every[rank] == counts
             for peer in {peer for peer, _ in counts}:
                 run = slowest_peer_run(schedule, rank, peer)
                 assert run == {k: v for k, v in counts.items() if k[0] == peer}, (

@@ -15,6 +15,7 @@ from pl_pipedream.schedule.memory import (
     frame_bytes,
     frames_in_flight,
     minibatches_in_flight,
+    rank_frame_bytes,
     stage_bytes,
     versions_kept,
 )
@@ -151,3 +152,10 @@ def test_the_frames_count_what_crosses_each_link() -> None:
     assert frame_bytes(sized, SyncMode.ASYNC, 4, 1) == 2 * 200 + 3 * 100 + 100 + 200
     assert frame_bytes(sized, SyncMode.ASYNC, 4, 0) == 3 * 100 + 100
     assert stage_bytes(sized, SyncMode.ASYNC, 4, 1) == frame_bytes(sized, SyncMode.ASYNC, 4, 1)
+    # replicated: the most over the stage's ranks, from one pass for every rank
+    plan = Plan.from_balance([1, 1, 1], replicas=[2, 1, 2])
+    stages = tuple(s.__class__(**{**s.__dict__, "output_bytes": 10.0}) for s in plan.stages)
+    replicated = Plan(stages)
+    for stage in replicated.stages:
+        each = [sum(rank_frame_bytes(replicated, SyncMode.ASYNC, 4, r)) for r in stage.ranks]
+        assert frame_bytes(replicated, SyncMode.ASYNC, 4, stage.index) == max(each) > 0

@@ -10,8 +10,11 @@ block of candidate stages in one call. PipeDream's optimizer (SOSP'19 3.1):
   whole components); a stage that receives ``a_in`` bytes and sends ``a_out`` takes at least
   ``2 max(a_in, a_out) / (B r)``, the time to move them.
 * memory: a stage on ``r`` replicas with ``n`` workers after it in the pipeline stashes
-  ``ceil(n / r)`` minibatches' worth of its weights and activations; it fits when that is at
-  most the memory per worker.
+  ``ceil(n / r)`` minibatches' worth of its weights and activations, and holds the frames of
+  the messages in flight on its links: ``f = ceil(n / r) + 1`` activations it sent, ``f + 1``
+  gradients it sent back (the minibatches in flight at it and at the stage before it, as on a
+  straight pipeline's links, ``schedule.memory.frames_in_flight``), and one receive posted
+  ahead each way; it fits when all of that is at most the memory per worker.
 
 The arithmetic is kept in this order so that every caller gets the same bits.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fits", "fitting_time", "stage_time", "stashed_bytes"]
+__all__ = ["fits", "fitting_time", "frame_bytes", "held_bytes", "stage_time", "stashed_bytes"]
 
 Number = Any  # a float, or a numpy array of candidates priced at once
 
@@ -57,8 +60,31 @@ def stashed_bytes(
     return np.ceil(np.divide(workers_after, replicas)) * stage_bytes
 
 
+def frame_bytes(
+    received: Number, sent: Number, workers_after: int | np.ndarray, replicas: int | np.ndarray
+) -> Number:
+    """The message frames a stage holds that receives ``received`` bytes per minibatch and
+    sends ``sent``: ``f = ceil(workers_after / replicas) + 1`` activations and ``f + 1``
+    gradients in flight, and one receive posted ahead on each side."""
+    flight = np.ceil(np.divide(workers_after, replicas)) + 1
+    return flight * sent + (flight + 1) * received + sent + received
+
+
+def held_bytes(
+    stage_bytes: Number,
+    workers_after: int | np.ndarray,
+    replicas: int | np.ndarray,
+    received: Number = 0.0,
+    sent: Number = 0.0,
+) -> Number:
+    """All a stage holds by the planner's rule: ``stashed_bytes`` plus ``frame_bytes``."""
+    stashed = stashed_bytes(stage_bytes, workers_after, replicas)
+    return stashed + frame_bytes(received, sent, workers_after, replicas)
+
+
 def fits(stashed: Number, memory: float | None) -> bool | np.ndarray:
-    """Whether a stage stashing ``stashed`` bytes fits ``memory`` per worker (None: no limit)."""
+    """Whether a stage holding ``stashed`` bytes (``held_bytes``) fits ``memory`` per worker
+    (None: no limit)."""
     return True if memory is None else stashed <= memory
 
 

@@ -11,8 +11,9 @@ slowest stage of a pipeline over that prefix on exactly ``m`` workers:
 * a stage appended after cut ``k`` on ``r`` replicas also pays ``2 a(k) / (B r)`` to receive its
   input and, unless it ends the model, ``2 a(j) / (B r)`` to send its output;
 * the pipeline's time is the slowest of those terms;
-* with a memory limit, a stage that does not fit it (``costs.fits`` of ``costs.stashed_bytes``)
-  is priced infinite (``_fit``, the one place the solvers apply the limit).
+* with a memory limit, a stage that does not fit it (``costs.fits`` of ``costs.held_bytes``: its
+  stash and the frames of its messages in flight) is priced infinite (``_fit``, the one place
+  the solvers apply the limit).
 
 Rows of the DP are the start of a segment (row 0: the model's input; row ``a + 1``: after state
 ``a``). The outermost level needs only row 0; an inner level needs every row, because the level
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pl_pipedream.planner.costs import fitting_time, stage_time, stashed_bytes
+from pl_pipedream.planner.costs import fitting_time, held_bytes, stage_time
 
 __all__ = ["LevelCosts", "LevelPairs", "RowSolution", "TIE", "all_pairs", "ancestor_matrix"]
 __all__ += ["every_row", "level_pairs", "row_times", "solve_row", "to_last"]
@@ -133,15 +134,18 @@ def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class LevelPairs:
     """A level's pairs ``(k, j)`` (state ``k`` preceding state ``j``) grouped by ``k``, ``j``
     ascending, priced once for every row: ``stage[r' - 1, p]``, the time of pair ``p`` as a stage
-    appended after another on ``r'`` replicas, transfers included, and ``stash[p]``, its stashed
-    bytes. ``starts[k]:starts[k + 1]`` are the pairs of ``k``; a row's pairs are those whose
-    ``k`` lies inside its segment (``j`` then does too)."""
+    appended after another on ``r'`` replicas, transfers included, ``stash[p]``, its stashed
+    bytes, and ``received[p]``, ``sent[p]``, the bytes crossing its cuts (``_crossing``).
+    ``starts[k]:starts[k + 1]`` are the pairs of ``k``; a row's pairs are those whose ``k`` lies
+    inside its segment (``j`` then does too)."""
 
     ks: np.ndarray
     js: np.ndarray
     starts: np.ndarray
     stage: np.ndarray
     stash: np.ndarray
+    received: np.ndarray
+    sent: np.ndarray
 
 
 def level_pairs(costs: LevelCosts) -> LevelPairs:
@@ -155,7 +159,7 @@ def level_pairs(costs: LevelCosts) -> LevelPairs:
     stage, stash = _appended(costs, ks, js, primes)
     # Sorting a row's pairs by j is a radix sort on 16-bit keys.
     narrow = js.astype(np.int16) if count < 2**15 else js
-    return LevelPairs(ks, narrow, starts, stage, stash)
+    return LevelPairs(ks, narrow, starts, stage, stash, *_crossing(costs, ks, js))
 
 
 def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> RowSolution:
@@ -199,7 +203,15 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
         # against the appended stage on r' replicas.
         candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
-        candidate = _fit(costs, candidate, pairs.stash[index], workers - (m + 1), primes[:width])
+        candidate = _fit(
+            costs,
+            candidate,
+            pairs.stash[index],
+            workers - (m + 1),
+            primes[:width],
+            pairs.received[index],
+            pairs.sent[index],
+        )
         best = candidate[0] if width == 1 else candidate.min(axis=0)
         group_best = np.minimum.reduceat(best, heads)
         hits = np.where(best <= np.repeat(group_best, sizes) * (1 + TIE), positions, ks.size)
@@ -225,10 +237,12 @@ def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray
     base_params = costs.params - (costs.params[row - 1] if row > 0 else 0.0)
     base_acts = costs.activations - (costs.activations[row - 1] if row > 0 else 0.0)
     base_compute = costs.compute[row]
+    received, sent = _first_crossing(costs)
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(base_compute, base_params, r, costs.bandwidth, costs.within)
-        value = _admit(costs, _fit(costs, value, base_acts + base_params, workers - r, r), r)
+        value = _fit(costs, value, base_acts + base_params, workers - r, r, received[row], sent)
+        value = _admit(costs, value, r)
         first[m] = np.where(allowed, value, INF)
     return first
 
@@ -239,12 +253,31 @@ def _fit(
     stage_bytes: np.ndarray,
     workers_after: int | np.ndarray,
     replicas: int | np.ndarray,
+    received: np.ndarray | float,
+    sent: np.ndarray | float,
 ) -> np.ndarray:
     """``time``, infinite where the stage does not fit the level's memory
-    (``costs.fitting_time`` of its ``costs.stashed_bytes``)."""
+    (``costs.fitting_time`` of its ``costs.held_bytes``)."""
     if costs.memory is None:
         return time
-    return fitting_time(time, stashed_bytes(stage_bytes, workers_after, replicas), costs.memory)
+    held = held_bytes(stage_bytes, workers_after, replicas, received, sent)
+    return fitting_time(time, held, costs.memory)
+
+
+def _crossing(costs: LevelCosts, ks: np.ndarray, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes a stage from after state ``ks[p]`` to ``js[p]`` receives and sends (nothing
+    after the model's last state)."""
+    last = costs.params.shape[0] - 1
+    return costs.outputs[ks], np.where(js < last, costs.outputs[js], 0.0)
+
+
+def _first_crossing(costs: LevelCosts) -> tuple[np.ndarray, np.ndarray]:
+    """For a row's first stage: ``received[row]`` (nothing from row 0, the model's input) and
+    ``sent[j]``, for every row and end state."""
+    count = costs.params.shape[0]
+    received = np.r_[0.0, costs.outputs]
+    sent = np.where(np.arange(count) < count - 1, costs.outputs, 0.0)
+    return received, sent
 
 
 def _admit(costs: LevelCosts, time: np.ndarray, replicas: int | np.ndarray) -> np.ndarray:
@@ -281,7 +314,15 @@ def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
     for m in range(1, workers):
         width = min(m, max_prime)
         candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
-        candidate = _fit(costs, candidate, pairs.stash[index], workers - (m + 1), primes[:width])
+        candidate = _fit(
+            costs,
+            candidate,
+            pairs.stash[index],
+            workers - (m + 1),
+            primes[:width],
+            pairs.received[index],
+            pairs.sent[index],
+        )
         np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
     return by_workers[-1]
 
@@ -321,6 +362,7 @@ def to_last(costs: LevelCosts) -> np.ndarray:
     if ks.size and workers > 1:
         primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
         stage, stash_bytes = _appended(costs, ks, js, primes)
+        received, sent = _crossing(costs, ks, js)
         heads = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
         rest = np.empty((workers, js.size))  # rest[m, p]: after[m, js[p]]
         rest[0] = after[0, js]
@@ -328,7 +370,9 @@ def to_last(costs: LevelCosts) -> np.ndarray:
             width = min(m, max_prime)
             candidate = np.maximum(stage[:width], rest[m - 1 :: -1][:width])
             after_it = m - primes[:width]  # the workers after the appended stage
-            candidate = _fit(costs, candidate, stash_bytes, after_it, primes[:width])
+            candidate = _fit(
+                costs, candidate, stash_bytes, after_it, primes[:width], received, sent
+            )
             after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
             rest[m] = after[m, js]
     best = np.full(count + 1, INF)
@@ -364,7 +408,15 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
             best = None
             for prime in range(1, min(m, max_prime) + 1):
                 stage = pairs.stage[prime - 1, low:high]
-                stage = _fit(costs, stage, pairs.stash[low:high], workers - (m + 1), prime)
+                stage = _fit(
+                    costs,
+                    stage,
+                    pairs.stash[low:high],
+                    workers - (m + 1),
+                    prime,
+                    pairs.received[low:high],
+                    pairs.sent[low:high],
+                )
                 candidate = np.maximum(column[m - prime][:, None], stage[None, :])
                 best = candidate if best is None else np.minimum(best, candidate)
             table = times[m]
@@ -392,8 +444,10 @@ def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
     stash = params
     if costs.memory is not None:
         stash = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None] + params
+    received, sent = _first_crossing(costs)
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(costs.compute, params, r, costs.bandwidth, costs.within)
-        value = _admit(costs, _fit(costs, value, stash, workers - r, r), r)
+        value = _fit(costs, value, stash, workers - r, r, received[:, None], sent[None, :])
+        value = _admit(costs, value, r)
         yield m, np.where(allowed, value, INF)

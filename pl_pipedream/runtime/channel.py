@@ -4,8 +4,11 @@ A message and its frame are ``runtime.frames``; this module moves frames between
 
 A receive must name its size in advance. Both ends of a link (one peer, one tag, one direction)
 remember the link's frame size, and the receiver posts a receive of that size. A message that
-fits travels padded to it, unless it needs less than half (the header says what the frame holds);
-otherwise the sender first fills a frame of the old size with a notice of the new one. So shapes
+fits travels padded to it, unless it needs less than half of it, ``ROOM`` aside (the header says
+what the frame holds); otherwise the sender first fills a frame of the old size with a notice of
+the new one, what the message needs plus ``ROOM`` bytes: the losses that ride with a batch's
+gradients grow by one per microbatch, and would otherwise cost a notice, a second frame, per
+message. So shapes
 that vary (a smaller last batch, sequences of several lengths) settle at one size, and training
 that repeats its shapes sends every message after the first as one transfer; ``expect`` can post
 the next receive early, letting the bytes move while this rank computes. A receive posted early
@@ -16,12 +19,15 @@ ignores tags: between two ranks, messages match in the order they were sent, whi
 training, evaluation and prediction messages never overlap (evaluation starts after a drain).
 
 A gloo send reports itself complete only once it is waited for, however long ago its bytes
-left, so the channel cannot poll for finished sends: it keeps each send until ``flush``, or,
-with ``max_pending`` set, waits for a link's oldest send once more than ``max_pending`` sends
-on that link are under way. A pipeline sets that bound above what its schedule can leave
-unreceived (the peer posts its receives ahead, ``expect``), so that wait finds the send done
-and only frees its frame: the frames held stay bounded over a run without a drain, and a send
-costs the same at the run's ten-thousandth step as at its first.
+left, so the channel cannot poll for finished sends: it keeps each message's frames (a resize
+notice travels with its message) until ``flush``, or, with a bound for the link
+(``pending_per_link``, else ``max_pending``), waits for the link's oldest message once more
+than that many are under way. A pipeline bounds each link by the messages its schedule can
+have sent and not yet received (``schedule.memory.frames_in_flight``): the oldest beyond that
+has surely been received, so the wait finds it done and only frees its frames. A gloo link so
+holds exactly its bound of sent frames once the run has sent that many, a send costs the same
+at the run's ten-thousandth step as at its first, and ``peak_sent_bytes`` and
+``peak_received_bytes`` (the receives posted ahead) say what the frames took.
 
 Sends are non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer
 rank and what was awaited instead of hanging. gloo on CPU, NCCL on GPU (frames on the rank's
@@ -52,10 +58,13 @@ from pl_pipedream.runtime.frames import (
 )
 from pl_pipedream.runtime.streams import SideStreams, read_done
 
-__all__ = ["Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
+__all__ = ["ROOM", "Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
+
+ROOM = HEADER_BYTES  # bytes a resized link's frames keep beyond the message that resized it
 
 Link = tuple[int, int]  # (peer rank, tag): one direction of messages between two ranks
-_Sent = tuple[dist.Work, int, str, torch.Tensor]  # a send under way: work, peer, what, frame
+# A message under way: its works, peer, what it is, and its frames (held until it has left)
+_Sent = tuple[list[dist.Work], int, str, list[torch.Tensor]]
 
 
 class Channel:
@@ -79,6 +88,9 @@ class Channel:
         self.describe = describe or ranks.describe(rank)
         self.group = group
         self.max_pending: int | None = None  # per link; None: kept until ``flush`` (gloo)
+        self.pending_per_link: dict[Link, int] = {}  # a link's own bound, before max_pending
+        self.sent_bytes = self.received_bytes = 0  # frames held now: sent, posted to receive
+        self.peak_sent_bytes = self.peak_received_bytes = 0
         self._pending: dict[Link, collections.deque[_Sent]] = {}
         self._posted: dict[Link, tuple[dist.Work, torch.Tensor]] = {}
         self._send_sizes: dict[Link, int] = {}
@@ -91,19 +103,37 @@ class Channel:
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
+        self._reap((peer, tag), room=1)  # before packing: the link holds its bound at most
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
         layout = layout_of(message)
         needed = layout.needed
-        if not size // 2 < needed <= size:
-            self._isend(notice(size, needed, self._wire), peer, tag, what)
-            self._send_sizes[(peer, tag)] = size = needed
-        self._isend(pack(message, layout, size, self._wire), peer, tag, what)
-        self._reap((peer, tag))
+        frames = []
+        if not (size - ROOM) // 2 < needed <= size:  # less than half of its own size
+            frames.append(notice(size, needed + ROOM, self._wire))
+            self._send_sizes[(peer, tag)] = size = needed + ROOM
+        frames.append(pack(message, layout, size, self._wire))
+        works = [self._isend(frame, peer, tag, what) for frame in frames]
+        self._pending.setdefault((peer, tag), collections.deque()).append(
+            (works, peer, what, frames)
+        )
+        self._count_sent(_nbytes(frames))
 
     @property
     def sends_under_way(self) -> int:
         """The sends started and not yet known to be done (their frames are held)."""
-        return sum(len(sent) for sent in self._pending.values())
+        return sum(len(works) for sent in self._pending.values() for works, *_ in sent)
+
+    def bound(self, link: Link) -> int | None:
+        """The most messages ``link`` keeps under way (None: until ``flush``)."""
+        return self.pending_per_link.get(link, self.max_pending)
+
+    def _count_sent(self, change: int) -> None:
+        self.sent_bytes += change
+        self.peak_sent_bytes = max(self.peak_sent_bytes, self.sent_bytes)
+
+    def _count_received(self, change: int) -> None:
+        self.received_bytes += change
+        self.peak_received_bytes = max(self.peak_received_bytes, self.received_bytes)
 
     def expect(self, peer: int, tag: int) -> None:
         """Post the receive of the next message from ``peer`` on ``tag`` now, so that its bytes
@@ -118,7 +148,9 @@ class Channel:
     def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
         frame = torch.empty(size, dtype=torch.uint8, device=self._wire)
-        return _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer), frame
+        work = _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer)
+        self._count_received(size)
+        return work, frame
 
     def recv(self, peer: int, tag: int, what: str) -> Message:
         """Receive one message from ``peer``; raise ``PeerError`` after the deadline."""
@@ -131,6 +163,7 @@ class Channel:
                     raise self._error("receive", what, peer, error) from error
             work, frame = posted
             self._wait(work, peer, what)
+            self._count_received(-frame.nbytes)  # the message's now, or a notice
             header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
             if header[0] != RESIZE:
                 return self._on_device(unpack(frame, header, self._side))
@@ -150,8 +183,7 @@ class Channel:
         """Wait until every message this rank started sending has left."""
         for sent in self._pending.values():
             while sent:
-                work, peer, what, _ = sent.popleft()
-                self._wait(work, peer, what, sending=True)
+                self._finish(sent.popleft())
         self._pending.clear()
 
     def close(self, flush: bool = True) -> None:
@@ -164,31 +196,39 @@ class Channel:
         finally:
             self._pending.clear()
             self._posted.clear()
+            self.sent_bytes = self.received_bytes = 0
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
 
-    def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> None:
+    def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> dist.Work:
         try:
-            work = _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
+            return _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
         except RuntimeError as error:
             raise self._error("send", what, peer, error) from error
-        self._pending.setdefault((peer, tag), collections.deque()).append((work, peer, what, frame))
 
-    def _reap(self, link: Link) -> None:
-        """Free the frames of the link's sends that are done: under NCCL those that report
+    def _reap(self, link: Link, room: int = 0) -> None:
+        """Free the frames of the link's messages that are done: under NCCL those that report
         completion; under gloo, whose sends report it only when waited for, the oldest beyond
-        ``max_pending`` (waited for, see the module docstring)."""
+        the link's ``bound`` less ``room`` (waited for, see the module docstring)."""
         sent = self._pending.get(link)
         if not sent:
             return
         if self._nccl:
-            while sent and sent[0][0].is_completed():
-                sent.popleft()
-        elif self.max_pending is not None:
-            while len(sent) > self.max_pending:
-                work, peer, what, _ = sent.popleft()
-                self._wait(work, peer, what, sending=True)
+            while sent and all(work.is_completed() for work in sent[0][0]):
+                self._count_sent(-_nbytes(sent.popleft()[3]))
+            return
+        bound = self.bound(link)
+        if bound is not None:
+            while sent and len(sent) > max(1, bound) - room:
+                self._finish(sent.popleft())
+
+    def _finish(self, message: _Sent) -> None:
+        """Wait until a message's frames have left, and stop counting them."""
+        works, peer, what, frames = message
+        for work in works:
+            self._wait(work, peer, what, sending=True)
+        self._count_sent(-_nbytes(frames))
 
     def _wait(self, work: dist.Work, peer: int, what: str, sending: bool = False) -> None:
         start = time.monotonic()
@@ -235,3 +275,7 @@ def _started(work: dist.Work | None, peer: int) -> dist.Work:
     if work is None:
         raise RuntimeError(f"this rank is not in the process group of its peer (peer: {peer})")
     return work
+
+
+def _nbytes(frames: list[torch.Tensor]) -> int:
+    return sum(frame.nbytes for frame in frames)

@@ -38,10 +38,12 @@ from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
+from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.memory import frames_in_flight
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
 
@@ -117,9 +119,16 @@ class PipelineRunner:
         stage = plan.stage_of_rank(rank)
         describe = ranks.describe(rank, stage.index)
         channel = Channel(rank, device, timeout, describe, messages)
-        # A peer runs at most a few batches behind on a link (1F1B), and posts its receives
-        # ahead: a send this many messages old on its link has certainly been received.
-        channel.max_pending = (2 * plan.num_stages + 4) * microbatches
+        # A send older on its link than the messages the schedule can leave unreceived there has
+        # been received: waiting for it only frees its frame (runtime.channel). Other links:
+        # a tie's contributions are received p minibatches later at most (runtime.tied_versions);
+        # evaluation and predictions flow one way, where the bound only paces the sender.
+        tags = {"a": Tag.ACTIVATION, "g": Tag.GRAD}
+        channel.pending_per_link = {
+            (peer, tags[tensor]): count
+            for (peer, tensor), count in frames_in_flight(plan, sync, microbatches, rank).items()
+        }
+        channel.max_pending = plan.num_stages + 1
         held = versioned and any(t.name_on(rank) is not None for t in ties)
         delay = plan.num_stages - 1
         versions = TiedVersions(ties, rank, module, channel, delay, describe) if held else None

@@ -14,18 +14,40 @@ and the docs read. The counts are those of the built schedule once the pipeline 
   versions are used by no minibatch of this replica).
 - minibatches in flight (forwarded, not yet backpropagated): ``w_s + 1`` in the modes that do not
   flush; in ``flush`` at most the batch's share of a replica; in ``gpipe`` the whole share.
+- messages in flight per link (``frames_in_flight``): sent and not yet received, the most the
+  built schedule allows (``schedule.in_flight``); a rank's channel holds that many sent frames
+  per link, and one receive frame per link it receives on (posted ahead).
 - bytes: weights x versions plus activations x minibatches in flight (the paper's rule); with
   ``recompute`` a stage but the last keeps its inputs instead, plus one minibatch's activations
-  for the replay.
+  for the replay; plus the frames, each the size of what crosses its link (``frame_bytes``).
 """
 
 from __future__ import annotations
 
+import math
+
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import rules
+from pl_pipedream.schedule.actions import Action
+from pl_pipedream.schedule.build import build, expand, replica_order
+from pl_pipedream.schedule.in_flight import (
+    Outgoing,
+    every_rank_sends_in_flight,
+    sends_in_flight,
+    sends_in_flight_between,
+)
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.rules import weight_version
 
-__all__ = ["activations_kept", "minibatches_in_flight", "stage_bytes", "versions_kept"]
+__all__ = [
+    "activations_kept",
+    "frame_bytes",
+    "frames_in_flight",
+    "minibatches_in_flight",
+    "rank_frame_bytes",
+    "stage_bytes",
+    "versions_kept",
+]
 
 
 def versions_kept(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:
@@ -74,9 +96,9 @@ def stage_bytes(
     """The bytes a replica of ``stage`` needs under ``sync``: its weights times the versions it
     keeps plus what its minibatches in flight keep for their backward passes."""
     this = plan.stages[stage]
-    return versions_kept(plan, sync, microbatches, stage) * this.parameter_bytes + activations_kept(
-        plan, sync, microbatches, stage, recompute
-    )
+    weights = versions_kept(plan, sync, microbatches, stage) * this.parameter_bytes
+    activations = activations_kept(plan, sync, microbatches, stage, recompute)
+    return weights + activations + frame_bytes(plan, sync, microbatches, stage)
 
 
 def activations_kept(
@@ -90,3 +112,86 @@ def activations_kept(
     if recompute and stage < plan.num_stages - 1:
         return flight * this.input_bytes + this.activation_bytes
     return flight * this.activation_bytes
+
+
+def frames_in_flight(
+    plan: Plan, sync: SyncMode, microbatches: int, rank: int
+) -> dict[Outgoing, int]:
+    """For each link ``rank`` sends on, keyed (peer, ``"a"`` or ``"g"``), the most messages
+    sent on it and not yet received at once (``schedule.in_flight``), over a run long enough
+    for the count to repeat (the pipeline full for a whole batch; ``tests/schedule/
+    test_memory.py`` holds it equal to longer runs). On a straight pipeline only the rank's and
+    its neighbours' lists are built, so the cost does not grow with the stages."""
+    batches, mode = _run_length(plan, sync, microbatches)
+    if _replicated(plan):
+        return sends_in_flight(build(plan, mode, batches, microbatches), rank)
+    mine = _rank_list(plan, mode, batches, microbatches, rank)
+    counts: dict[Outgoing, int] = {}
+    for peer in (rank - 1, rank + 1):
+        if 0 <= peer < plan.num_workers:
+            theirs = _rank_list(plan, mode, batches, microbatches, peer)
+            counts |= sends_in_flight_between(mine, theirs, rank, peer)
+    return counts
+
+
+def _run_length(plan: Plan, sync: SyncMode, microbatches: int) -> tuple[int, SyncMode]:
+    batches = 1 + math.ceil(plan.num_workers / microbatches)
+    return batches, rules.check_arguments(plan, sync, batches, microbatches)
+
+
+def _replicated(plan: Plan) -> bool:
+    return any(stage.replicas > 1 for stage in plan.stages)
+
+
+def _rank_list(
+    plan: Plan, sync: SyncMode, batches: int, microbatches: int, rank: int
+) -> list[Action]:
+    stage = plan.stage_of_rank(rank)
+    tokens = replica_order(plan, sync, batches, microbatches, stage.index, stage.ranks.index(rank))
+    return expand(plan, sync, microbatches, rank, tokens)
+
+
+def frame_bytes(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> float:
+    """The most bytes of message frames a replica of ``stage`` holds (``rank_frame_bytes``)."""
+    ranks = plan.stages[stage].ranks
+    if _replicated(plan):  # one pass over the schedule for every rank
+        batches, mode = _run_length(plan, sync, microbatches)
+        every = every_rank_sends_in_flight(build(plan, mode, batches, microbatches))
+        return max(sum(_frame_bytes(plan, rank, every[rank])) for rank in ranks)
+    return max(sum(rank_frame_bytes(plan, sync, microbatches, rank)) for rank in ranks)
+
+
+def rank_frame_bytes(
+    plan: Plan, sync: SyncMode, microbatches: int, rank: int
+) -> tuple[float, float]:
+    """The bytes of the frames ``rank`` holds: sent (on each link it sends on, its messages in
+    flight, ``frames_in_flight``) and posted to receive (one per link it receives on, posted
+    ahead). A frame is the size of what crosses its link: an activation of the lower stage of
+    the two, or the gradient of it."""
+    return _frame_bytes(plan, rank, frames_in_flight(plan, sync, microbatches, rank))
+
+
+def _frame_bytes(plan: Plan, rank: int, in_flight: dict[Outgoing, int]) -> tuple[float, float]:
+    here = plan.stage_of_rank(rank).index
+    sent = sum(count * _link_bytes(plan, here, peer) for (peer, _), count in in_flight.items())
+    return sent, sum(_link_bytes(plan, here, peer) for peer in _neighbours(plan, rank))
+
+
+def _neighbours(plan: Plan, rank: int) -> set[int]:
+    """The ranks ``rank`` exchanges messages with: the replicas of the stages before and after
+    it that serve its minibatches (round robin, ``rules.rank_of``)."""
+    stage = plan.stage_of_rank(rank)
+    replica, peers = stage.ranks.index(rank), set()
+    for index in (stage.index - 1, stage.index + 1):
+        if 0 <= index < plan.num_stages:
+            other = plan.stages[index]
+            period = stage.replicas * other.replicas
+            peers |= {rules.rank_of(other, i) for i in range(replica, period, stage.replicas)}
+    return peers
+
+
+def _link_bytes(plan: Plan, stage: int, peer: int) -> float:
+    """What one message between a rank of ``stage`` and ``peer`` carries: the output of the
+    lower of the two stages (its activation forward, the gradient of it back)."""
+    lower = min(stage, plan.stage_of_rank(peer).index)
+    return plan.stages[lower].output_bytes

@@ -4,15 +4,18 @@ At setup, automatic planning takes each rank's memory from its device: the free 
 (``torch.cuda.mem_get_info``), or ``PipeDreamStrategy(memory=...)`` (bytes, or a string such as
 ``"8GiB"``) on CPU, where the process has no budget of its own to ask for. The smallest over
 the ranks bounds every stage by what the sync mode keeps (``schedule.memory.stage_bytes``:
-weights x the versions the schedule keeps plus activations x its minibatches in flight). The
-planner's own limit (``planner.costs.stashed_bytes``, PipeDream's: ceil(workers after the
-stage / replicas) x (weights + activations)) is lowered until its plan fits by that rule. If no
-plan fits, setup stops naming the smallest memory with which one would, found by bisection.
+weights x the versions the schedule keeps plus activations x its minibatches in flight plus the
+frames of its messages in flight). The planner's own limit (``planner.costs.held_bytes``,
+PipeDream's ceil(workers after the stage / replicas) x (weights + activations), plus the
+frames) is lowered until its plan fits by that rule. If no plan fits, setup stops naming the
+smallest memory with which one would, found by bisection.
 
 At the end of a fit every rank measures its stage: the weights it holds, the peak of the stashed
 weight versions beyond the live ones (``runtime.stash``), the peak of the activations its
 minibatches in flight kept for their backward passes (``runtime.recompute``, a replay's graph
-included), the optimizer's state, and on a GPU the allocator's peak. Rank 0 gathers the rows,
+included), the optimizer's state, the peaks of the message frames its channel held (sent and
+not yet known to have left, and receives posted ahead: ``runtime.channel``; evaluation's
+included), and on a GPU the allocator's peak. Rank 0 gathers the rows,
 prints one table beside the estimate the plan gives for the same parts, and every rank keeps
 the rows as ``strategy.memory_report``.
 """
@@ -29,15 +32,21 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.planner.costs import stashed_bytes
+from pl_pipedream.planner.costs import held_bytes
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.runtime.recompute import Activations
-from pl_pipedream.schedule.memory import activations_kept, stage_bytes, versions_kept
+from pl_pipedream.schedule.memory import (
+    activations_kept,
+    rank_frame_bytes,
+    stage_bytes,
+    versions_kept,
+)
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "StageMemory",
     "estimate",
+    "estimate_frames",
     "gather_memory",
     "measure",
     "parse_memory",
@@ -121,10 +130,12 @@ def smallest_fitting(make: Callable[[float | None], Plan], low: float, high: flo
 
 def planner_bytes(plan: Plan, stage: Stage) -> float:
     """The figure the planner's DP holds under its limit (``planner.dp``, PipeDream's):
-    ceil(workers after the stage / replicas) x (weights + activations)."""
+    ceil(workers after the stage / replicas) x (weights + activations), plus the frames of
+    its messages in flight (``planner.costs.held_bytes``)."""
     after = sum(s.replicas for s in plan.stages[stage.index + 1 :])
     both = stage.activation_bytes + stage.parameter_bytes
-    return float(stashed_bytes(both, after, stage.replicas))
+    received = stage.input_bytes if stage.index > 0 else 0.0
+    return float(held_bytes(both, after, stage.replicas, received, stage.output_bytes))
 
 
 def fitting(
@@ -192,8 +203,9 @@ def plan_within(
 
 @dataclass(frozen=True)
 class StageMemory:
-    """One rank's figures in bytes: measured (``weights`` ... ``device_peak``, None off GPU)
-    and the plan's estimate (``estimate_*``, None when the plan was not profiled)."""
+    """One rank's figures in bytes: measured (``weights`` ... ``device_peak``, None off GPU;
+    ``frames_sent`` and ``frames_received``, the channel's peaks) and the plan's estimate
+    (``estimate_*``, None when the plan was not profiled)."""
 
     rank: int
     stage: int
@@ -206,16 +218,32 @@ class StageMemory:
     estimate_stashed: float | None
     estimate_activations: float | None
     planner: float | None  # what the planner's constraint counts for this stage
+    frames_sent: int = 0
+    frames_received: int = 0
+    estimate_frames_sent: float | None = None
+    estimate_frames_received: float | None = None
+
+    @property
+    def frames(self) -> int:
+        return self.frames_sent + self.frames_received
+
+    @property
+    def estimate_frames(self) -> float | None:
+        if self.estimate_frames_sent is None or self.estimate_frames_received is None:
+            return None
+        return self.estimate_frames_sent + self.estimate_frames_received
 
     @property
     def total(self) -> int:
-        return self.weights + self.stashed + self.activations + self.optimizer
+        return self.weights + self.stashed + self.activations + self.optimizer + self.frames
 
     @property
     def estimate_total(self) -> float | None:
         parts = (self.estimate_weights, self.estimate_stashed, self.estimate_activations)
         known = [p for p in parts if p is not None]
-        return sum(known) if len(known) == len(parts) else None
+        if len(known) != len(parts):
+            return None
+        return sum(known) + (self.estimate_frames or 0.0)
 
 
 def estimate(
@@ -232,6 +260,17 @@ def estimate(
     return weights, (versions - 1) * weights, activations, planner_bytes(plan, stage)
 
 
+def estimate_frames(
+    plan: Plan, rank: int, sync: SyncMode, microbatches: int
+) -> tuple[float | None, float | None]:
+    """The plan's estimate of the frames ``rank`` holds, sent and posted to receive
+    (``schedule.memory.rank_frame_bytes``); Nones for a plan without profiled sizes."""
+    stage = plan.stage_of_rank(rank)
+    if stage.parameter_bytes == 0 and stage.activation_bytes == 0:
+        return None, None
+    return rank_frame_bytes(plan, sync, microbatches, rank)
+
+
 def measure(
     rank: int,
     plan: Plan,
@@ -242,9 +281,11 @@ def measure(
     device: torch.device,
     sync: SyncMode,
     microbatches: int,
+    frames: tuple[int, int] = (0, 0),
 ) -> StageMemory:
     """This rank's row: its stage's peaks (``stashed``: the weight stash's, ``activations``:
-    the executor's meter), its weights' and optimizer state's bytes now."""
+    the executor's meter, ``frames``: the channel's, sent and posted to receive), its
+    weights' and optimizer state's bytes now."""
     stage = plan.stage_of_rank(rank)
     weights = _bytes(p for p in module.parameters() if p.device.type != "meta")
     state = (t for o in optimizers for s in o.state.values() for t in s.values())
@@ -259,6 +300,8 @@ def measure(
         optimizer,
         peak,
         *estimate(plan, stage, sync, microbatches, activations.recompute),
+        *frames,
+        *estimate_frames(plan, rank, sync, microbatches),
     )
 
 
@@ -285,23 +328,28 @@ def of_fit(strategy: Any) -> list[StageMemory]:
     executor = runner.executor
     measured: tuple[Any, ...] = (local.module, executor.stash.peak_bytes, executor.activations)
     measured += (strategy.optimizers, strategy.root_device)
-    return report(strategy.global_rank, plan, *measured, strategy.sync, strategy.microbatches)
+    channel = executor.channel
+    frames = (channel.peak_sent_bytes, channel.peak_received_bytes)
+    return report(
+        strategy.global_rank, plan, *measured, strategy.sync, strategy.microbatches, frames
+    )
 
 
 def render(rows: Iterable[StageMemory]) -> str:
     """One line per rank: measured parts, total, the estimate's parts and total (MiB)."""
     head = (
-        f"{'rank':>4} {'stage':>5} | {'weights':>8} {'stashed':>8} {'activ.':>8} {'optim.':>8} "
-        f"{'total':>8} {'device':>8} | {'est. w':>8} {'est. st':>8} {'est. act':>8} "
-        f"{'est. tot':>8} {'planner':>8}"
+        f"{'rank':>4} {'stage':>5} | {'weights':>8} {'stashed':>8} {'activ.':>8} {'frames':>8} "
+        f"{'optim.':>8} {'total':>8} {'device':>8} | {'est. w':>8} {'est. st':>8} "
+        f"{'est. act':>8} {'est. fr':>8} {'est. tot':>8} {'planner':>8}"
     )
     lines = ["PipeDream memory per stage (MiB; measured peaks | the plan's estimate)", head]
     for r in rows:
         lines.append(
             f"{r.rank:>4} {r.stage:>5} | {_mib(r.weights)} {_mib(r.stashed)} "
-            f"{_mib(r.activations)} {_mib(r.optimizer)} {_mib(r.total)} {_mib(r.device_peak)} | "
-            f"{_mib(r.estimate_weights)} {_mib(r.estimate_stashed)} "
-            f"{_mib(r.estimate_activations)} {_mib(r.estimate_total)} {_mib(r.planner)}"
+            f"{_mib(r.activations)} {_mib(r.frames)} {_mib(r.optimizer)} {_mib(r.total)} "
+            f"{_mib(r.device_peak)} | {_mib(r.estimate_weights)} {_mib(r.estimate_stashed)} "
+            f"{_mib(r.estimate_activations)} {_mib(r.estimate_frames)} {_mib(r.estimate_total)} "
+            f"{_mib(r.planner)}"
         )
     return "\n".join(lines)
 

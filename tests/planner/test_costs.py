@@ -6,7 +6,14 @@ import math
 
 import numpy as np
 
-from pl_pipedream.planner.costs import fits, fitting_time, stage_time, stashed_bytes
+from pl_pipedream.planner.costs import (
+    fits,
+    fitting_time,
+    frame_bytes,
+    held_bytes,
+    stage_time,
+    stashed_bytes,
+)
 from pl_pipedream.planner.optimize import data_parallel_time
 from pl_pipedream.planner.topology import Topology
 
@@ -51,3 +58,14 @@ def test_data_parallel_is_one_stage_on_every_worker_of_each_level() -> None:
     topology = Topology.from_lists([4, 2], [1e10, 1.25e9])
     inner = stage_time(8.0, 1e8, 4, 1e10)
     assert data_parallel_time(8.0, 1e8, topology) == stage_time(inner, 1e8, 2, 1.25e9, 4)
+
+
+def test_a_stage_holds_the_frames_of_its_messages_in_flight() -> None:
+    # 3 workers after, no replicas: 4 activations sent and 5 gradients sent back in flight (the
+    # minibatches in flight at it and at the stage before it), one receive posted each way
+    assert frame_bytes(10.0, 100.0, 3, 1) == 4 * 100.0 + 5 * 10.0 + 100.0 + 10.0
+    assert frame_bytes(0.0, 0.0, 3, 1) == 0.0  # a stage that exchanges nothing
+    assert frame_bytes(10.0, 0.0, 0, 1) == 2 * 10.0 + 10.0  # the last stage sends no activation
+    assert held_bytes(7.0, 3, 1, 10.0, 100.0) == stashed_bytes(7.0, 3, 1) + 560.0
+    block = held_bytes(np.array([7.0, 8.0]), np.array([3.0, 1.0]), 2, np.ones(2), np.ones(2))
+    assert block.tolist() == [held_bytes(7.0, 3, 2, 1.0, 1.0), held_bytes(8.0, 1, 2, 1.0, 1.0)]

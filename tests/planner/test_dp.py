@@ -145,9 +145,12 @@ def test_straight_pipelines_never_replicate() -> None:
 def test_memory_rules_out_stages_whose_stash_does_not_fit() -> None:
     """A stage on r of W workers stashes ceil((W - r) / r) x (activations + parameters); the
     last stage and full replication stash nothing. With 1e9 bytes, layers 0-1 (1.5e9) no longer
-    fit on one worker of two, so the 3 s plan is gone; 0 | 12 takes 5 s; replication 3.25 s."""
+    fit on one worker of two, so the 3 s plan is gone; replication 3.25 s. Layer 0 alone
+    (5e8) would fit but for the frames of its 5e8-byte output (``costs.frame_bytes``: two sent,
+    one gradient receive posted)."""
     row = solve_row(chain_costs(memory=1e9), 0)
-    assert row.time[:, 0].tolist() == [1.0, INF, INF]
+    assert row.time[:, 0].tolist() == [INF, INF, INF]
+    assert solve_row(chain_costs(memory=2e9), 0).time[:, 0].tolist() == [1.0, INF, 6.0]
     assert row.time[2, 1] == pytest.approx(3.25, rel=1e-15)
     assert (row.split[2, 1], row.replicas[2, 1]) == (-1, 2)
 

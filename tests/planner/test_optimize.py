@@ -107,7 +107,16 @@ def test_memory_by_hand() -> None:
     result = plan(three_layers(), Topology.flat(2, 1e9), memory=1e9)
     assert result.shape == "2"
     assert result.slowest_stage_time == pytest.approx(3.25, rel=1e-15)
-    assert plan(three_layers(), Topology.flat(2, 1e9), memory=1.5e9).shape == "1-1"
+    # 1-1 needs the first stage's stash (1.5e9) and its frames: the 1e9-byte output of layer 1,
+    # two minibatches in flight, plus the receive posted for its gradient (3e9)
+    assert plan(three_layers(), Topology.flat(2, 1e9), memory=4.5e9).shape == "1-1"
+
+
+def test_the_frames_of_messages_in_flight_change_the_answer() -> None:
+    """With room for the stash (1.5e9) but not for the frames in flight (3e9 more), the
+    pipeline that fits without frames is refused and replication wins."""
+    result = plan(three_layers(), Topology.flat(2, 1e9), memory=4.4e9)
+    assert result.shape == "2"
 
 
 def _node(node_id: str, desc: str = "Linear", forward_ms: float = 1000.0) -> Node:

@@ -316,7 +316,7 @@ def test_identical_layers_get_equal_times() -> None:
     layers = nn.Sequential(
         nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 16)
     )
-    profile = profile_layers(layers, torch.randn(BATCH, 8), warmup=1, repeats=3)
+    profile = profile_layers(layers, torch.randn(BATCH, 8), warmup=3, repeats=15)
     nodes = profile.nodes
     assert nodes[1].forward_ms == nodes[3].forward_ms
     assert nodes[1].backward_ms == nodes[3].backward_ms

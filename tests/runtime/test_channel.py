@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pl_pipedream.runtime.channel import Channel, PeerError
-from pl_pipedream.runtime.frames import Message, MinibatchLoss
+from pl_pipedream.runtime.frames import HEADER_BYTES, Message, MinibatchLoss
 from tests.runtime.distributed import run
 
 LOGGED = [(), (('["acc", true]', 0.75), ("n", 3.0)), (("n", -1e300),)]  # opaque keys, any float
@@ -238,17 +238,21 @@ def test_a_peer_that_exits_is_reported_as_a_closed_connection_not_a_timeout() ->
     assert "activations of minibatch 2" in message, message
 
 
-def _many_sends(rank: int, world: int, bound: int | None) -> list:
+def _many_sends(rank: int, world: int, bound: int | None, per_link: bool = False) -> list:
     channel = Channel(rank, torch.device("cpu"), timeout=30.0)
-    channel.max_pending = bound
+    if per_link:  # the link's own bound wins over max_pending
+        channel.pending_per_link, channel.max_pending = {(1, 1): bound}, 1
+    else:
+        channel.max_pending = bound
     if rank == 0:
         held = []
         for step in range(12):
             channel.send(Message([torch.full((5,), float(step))]), 1, 1, "x")
-            held.append(channel.sends_under_way)
+            held.append((channel.sends_under_way, channel.sent_bytes))
             dist.barrier()  # rank 1 has taken this message
+        peak = channel.peak_sent_bytes
         channel.flush()
-        return held
+        return [held, peak, channel.sent_bytes]
     channel.expect(0, 1)
     got = []
     for _ in range(12):
@@ -263,9 +267,52 @@ def _many_sends(rank: int, world: int, bound: int | None) -> list:
 def test_gloo_sends_are_kept_until_flushed_unless_bounded_per_link(bound: int | None) -> None:
     # A gloo send reports completion only when waited for: unbounded, every frame stays held
     # until flush (the 12 messages and the first one's resize notice); with max_pending 3, the
-    # link never holds more than 3 sends.
+    # link never holds more than 3 messages (the first with its notice: 4 sends at most).
     results = run(2, _many_sends, bound, timeout=60.0)
-    (status0, held), (status1, got) = results[0], results[1]
-    assert status0 == "ok" and status1 == "ok", (held, got)
+    (status0, sent), (status1, got) = results[0], results[1]
+    assert status0 == "ok" and status1 == "ok", (sent, got)
     assert got == [float(step) for step in range(12)]
-    assert held == (list(range(2, 14)) if bound is None else [2, 3] + [3] * 10)
+    held, peak, after_flush = sent
+    counts = [count for count, _ in held]
+    assert counts == (list(range(2, 14)) if bound is None else [2, 3, 4] + [3] * 9)
+    # the bytes held are the frames' own: a notice is one header, a message its padded frame
+    frame = held[1][1] - held[0][1]
+    assert held[-1][1] == (held[0][1] + 11 * frame if bound is None else 3 * frame)
+    assert peak == max(nbytes for _, nbytes in held) and after_flush == 0
+
+
+@pytest.mark.slow
+def test_a_links_own_bound_wins_over_max_pending() -> None:
+    results = run(2, _many_sends, 2, True, timeout=60.0)
+    (status0, sent), (status1, got) = results[0], results[1]
+    assert status0 == "ok" and status1 == "ok", (sent, got)
+    assert [count for count, _ in sent[0]] == [2, 3] + [2] * 10
+
+
+def _posted_bytes(rank: int, world: int) -> list:
+    channel = Channel(rank, torch.device("cpu"), timeout=30.0)
+    if rank == 0:
+        for _ in range(3):
+            channel.send(Message([torch.zeros(1000)]), 1, 1, "x")
+        channel.flush()
+        return []
+    out = []
+    for _ in range(3):
+        channel.expect(0, 1)
+        out.append(channel.received_bytes)
+        channel.recv(0, 1, "x")
+        channel.expect(0, 1)
+        out.append(channel.received_bytes)
+    return [out, channel.peak_received_bytes]
+
+
+def test_the_receives_posted_ahead_are_counted() -> None:
+    """One receive posted ahead per link holds a frame of the link's size (the header's until
+    the first resize notice)."""
+    results = run(2, _posted_bytes, timeout=60.0)
+    assert results[1][0] == "ok", results[1]
+    out, peak = results[1][1]
+    assert out[0] == HEADER_BYTES  # before the first message: the header's size
+    size = out[1]
+    assert size > 4000  # 1000 floats and the header
+    assert out[2:] == [size] * 4 and peak == size

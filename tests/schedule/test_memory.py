@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SyncMode, build, rules
 from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
-from pl_pipedream.schedule.memory import minibatches_in_flight, stage_bytes, versions_kept
+from pl_pipedream.schedule.in_flight import sends_in_flight
+from pl_pipedream.schedule.memory import (
+    frame_bytes,
+    frames_in_flight,
+    minibatches_in_flight,
+    rank_frame_bytes,
+    stage_bytes,
+    versions_kept,
+)
 
 # Every replica layout of 2 to 4 stages on at most 6 workers, straight ones included.
 LAYOUTS = [
@@ -94,3 +103,59 @@ def test_the_bytes_are_weights_times_versions_plus_activations_in_flight() -> No
     # recompute: a stage but the last keeps its inputs in flight plus one replay's activations
     assert stage_bytes(sized, SyncMode.ASYNC, 4, 0, recompute=True) == 30.0 + 1.5 + 1.0
     assert stage_bytes(sized, SyncMode.ASYNC, 4, 2, recompute=True) == 11.0
+
+
+@pytest.mark.parametrize("sync", list(SyncMode), ids=str)
+def test_frames_in_flight_are_those_of_a_long_run(sync: SyncMode) -> None:
+    """The short run ``frames_in_flight`` reads (the straight case from three lists alone)
+    gives the count of runs of many more batches, at every rank."""
+    checked = 0
+    for replicas in LAYOUTS:
+        plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
+        for microbatches in (1, 2, 3, 4, 6, 12):
+            batches = 6 + math.ceil(2 * plan.num_workers / microbatches)
+            try:
+                schedule = build(plan, sync, batches, microbatches)
+            except ValueError:  # counts the mode cannot serve (rules.check_arguments)
+                continue
+            for rank in range(plan.num_workers):
+                said = frames_in_flight(plan, sync, microbatches, rank)
+                assert said == sends_in_flight(schedule, rank), (replicas, microbatches, rank)
+                checked += 1
+    assert checked > 500
+
+
+def test_frames_in_flight_do_not_grow_with_the_microbatches() -> None:
+    # 16 stages: the most on any link is the input stage's 16 minibatches in flight (async), not
+    # the (2 S + 4) m = 144 frames the channel once kept at m = 4
+    plan = Plan.from_balance([1] * 16)
+    for microbatches in (1, 4, 16):
+        most = max(
+            max(frames_in_flight(plan, SyncMode.ASYNC, microbatches, rank).values())
+            for rank in range(16)
+        )
+        assert most == 16
+    assert frames_in_flight(plan, SyncMode.FLUSH, 4, 0) == {(1, "a"): 4}
+
+
+def test_the_frames_count_what_crosses_each_link() -> None:
+    plan = Plan.from_balance([1, 1, 1])
+    stages = tuple(
+        s.__class__(
+            **{**s.__dict__, "output_bytes": 0.0 if s.index == 2 else 100.0 * (s.index + 1)}
+        )
+        for s in plan.stages
+    )
+    sized = Plan(stages)
+    # stage 1 (async, 3 stages): sends 2 activations of 200 B and 3 gradients of 100 B in
+    # flight, and keeps one receive posted from each neighbour (100 B in, 200 B back)
+    assert frame_bytes(sized, SyncMode.ASYNC, 4, 1) == 2 * 200 + 3 * 100 + 100 + 200
+    assert frame_bytes(sized, SyncMode.ASYNC, 4, 0) == 3 * 100 + 100
+    assert stage_bytes(sized, SyncMode.ASYNC, 4, 1) == frame_bytes(sized, SyncMode.ASYNC, 4, 1)
+    # replicated: the most over the stage's ranks, from one pass for every rank
+    plan = Plan.from_balance([1, 1, 1], replicas=[2, 1, 2])
+    stages = tuple(s.__class__(**{**s.__dict__, "output_bytes": 10.0}) for s in plan.stages)
+    replicated = Plan(stages)
+    for stage in replicated.stages:
+        each = [sum(rank_frame_bytes(replicated, SyncMode.ASYNC, 4, r)) for r in stage.ranks]
+        assert frame_bytes(replicated, SyncMode.ASYNC, 4, stage.index) == max(each) > 0

@@ -257,8 +257,7 @@ class PipelineRunner:
         """Wait for the sends still under way (unless training failed: a peer that stopped
         would never take them), then give back the pipeline's process groups."""
         groups, self.groups = self.groups, []
-        if self.executor.running_stats is not None:
-            self.executor.running_stats.close()
+        self.executor.updates.close()
         try:
             self.executor.channel.close(flush=not failed)
         finally:

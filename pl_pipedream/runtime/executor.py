@@ -148,6 +148,7 @@ class StageExecutor:
             num_replicas,
             ties,
             microbatches,  # per batch; None: replicas do not share losses
+            channel.timeout,  # the replica group's deadline too (``PipelineRunner.create``)
         )
         self.actions: tuple[Action, ...] = ()
         self.position = 0

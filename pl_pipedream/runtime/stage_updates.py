@@ -15,23 +15,31 @@ to the live weights (in the modes that step inside the pipeline) or holds it for
 own optimizer step (in the flushed modes). The live version is kept first where a later action
 still uses it; after every backward pass and step, the versions that nothing needs any more are
 released (``release``).
+
+A replica that stops breaks its peers' all-reduce, where the backend names only an address and
+port. The peers then raise a ``PeerError`` that names it by rank and stage, worded as a
+neighbour that stopped is (``ranks.peer_failure``); with more than two replicas, the backend
+does not say which one stopped, and the error names every other replica as a candidate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pl_pipedream.runtime.frames import PeerError
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
-from pl_pipedream.runtime.ranks import describe
+from pl_pipedream.runtime.ranks import describe, peer_failure
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.ties import TiedGradients
@@ -39,7 +47,7 @@ from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.modes import UpdateSettings
 
-__all__ = ["Needed", "StageUpdates"]
+__all__ = ["Needed", "StageUpdates", "replica_stopped"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,9 @@ class Needed:
 
 class StageUpdates:
     """The updates of one stage on one rank (see the module docstring). ``replicas`` ranks of
-    the stage average their gradients over ``replica_group``; ``losses`` (a batch's minibatch
-    losses, ``microbatches`` per batch) are shared among them, unless ``microbatches`` is None."""
+    the stage average their gradients over ``replica_group`` (made with a deadline of
+    ``timeout`` seconds, if any); ``losses`` (a batch's minibatch losses, ``microbatches`` per
+    batch) are shared among them, unless ``microbatches`` is None."""
 
     def __init__(
         self,
@@ -75,6 +84,7 @@ class StageUpdates:
         replicas: int = 1,
         ties: TiedGradients | None = None,
         microbatches: int | None = None,
+        timeout: float | None = None,
     ) -> None:
         self.module = module
         self.stash = stash
@@ -84,11 +94,13 @@ class StageUpdates:
         self.update_size = settings.update_size
         self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.losses = losses
-        self.replica_group = replica_group
+        self.replica_group = replica_group  # its ranks: to name a replica that stopped
+        self.replica_ranks = dist.get_process_group_ranks(replica_group) if replica_group else []
         self.replicas = replicas
         self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
         self.running_stats = RunningStats.of(module, replicas, self.describe)  # BatchNorm's
         self.microbatches = microbatches
+        self.timeout = timeout
         self.sums = GradientSums()  # of the update under way
         self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
 
@@ -131,11 +143,28 @@ class StageUpdates:
         ]
         stats = self.running_stats
         extra = None if stats is None else stats.message(action.replica)
-        extra = self.sums.all_reduce(reduced, self.replica_group, extra)
+        with self._among_replicas(f"the gradients of update {action.version}"):
+            extra = self.sums.all_reduce(reduced, self.replica_group, extra)
         if stats is not None and extra is not None:  # the same message, after the gradients
             stats.combine(extra)
         if self.microbatches is not None and action.batch is not None:
-            self.losses.share(action.batch, self.microbatches, self.replica_group)
+            with self._among_replicas(f"the losses of batch {action.batch}"):
+                self.losses.share(action.batch, self.microbatches, self.replica_group)
+
+    @contextmanager
+    def _among_replicas(self, what: str) -> Iterator[None]:
+        """A collective over the stage's replicas that fails names the replica that stopped."""
+        start = time.monotonic()
+        try:
+            yield
+        except (ExecutorError, PeerError):
+            raise
+        except RuntimeError as error:
+            waited = time.monotonic() - start
+            others = [r for r in self.replica_ranks if r != self.rank]
+            raise replica_stopped(
+                self.describe, what, self.stage, others, error, waited, self.timeout
+            ) from error
 
     def step(self, action: Action, update: Update | None, needed: Needed) -> None:
         """``STEP``: the update's mean gradient applied through ``update``, making the live
@@ -168,3 +197,24 @@ class StageUpdates:
         still holds for its backward (a dropped snapshot's tensors are reused)."""
         done = [v for v in self.stash.kept() if not needed.later(v) and v not in needed.held]
         self.stash.release(done)
+
+
+def replica_stopped(
+    who: str,
+    what: str,
+    stage: int,
+    others: Sequence[int],
+    cause: BaseException,
+    waited: float | None,
+    timeout: float | None,
+) -> PeerError:
+    """``who`` could not sum ``what`` with the other replicas of ``stage`` (ranks ``others``):
+    the error names the replica that stopped, or, with several, each that may have."""
+    named = [describe(rank, stage) for rank in others]
+    if len(named) == 1:
+        peer = named[0]
+        attempt = f"{who} could not sum {what} with its replica {peer}"
+    else:
+        peer = f"one of {', '.join(named)}"
+        attempt = f"{who} could not sum {what} with its replicas ({', '.join(named)})"
+    return PeerError(peer_failure(attempt, peer, cause, waited, timeout))

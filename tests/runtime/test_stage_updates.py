@@ -1,23 +1,29 @@
 """The update side of a stage (``runtime.stage_updates``): sums, mean, step and release in one
 process; the replica all-reduce over a one-rank group (the multi-process runs against the oracle
-are test_executor.py's)."""
+are test_executor.py's); a replica that stops, named by its peers, over gloo."""
 
 from __future__ import annotations
+
+import os
+import signal
+from collections import OrderedDict
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pl_pipedream.runtime.frames import MinibatchLoss
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.frames import MinibatchLoss, PeerError
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
-from pl_pipedream.runtime.stage_updates import Needed, StageUpdates
+from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.stage_updates import Needed, StageUpdates, replica_stopped
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings
-from tests.runtime.distributed import one_rank_group
-from tests.runtime.test_executor import optimizer_update
+from tests.runtime.distributed import one_rank_group, run
+from tests.runtime.test_executor import loss_fn, make_batches, make_model, optimizer_update
 
 
 def _updates(sync: str = "async", microbatches: int = 2, replicas: int = 1, **kw) -> StageUpdates:  # type: ignore[no-untyped-def]
@@ -128,3 +134,86 @@ def test_the_replica_allreduce_sums_over_the_group_and_shares_the_losses() -> No
         assert torch.equal(updates.sums.get("0.weight"), torch.ones(2, 3))
         assert torch.equal(updates.sums.get("0.bias"), torch.zeros(2))
         assert [(x.minibatch, x.value) for x in updates.losses.of(0)] == [(1, 1.5)]
+
+
+# ----- a replica that stops ---------------------------------------------------------------------
+
+GLOO_TEXT = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41563"
+
+
+def test_a_stopped_replica_is_named_by_rank_and_stage_not_by_its_address() -> None:
+    error = replica_stopped(
+        "rank 1 (stage 1)", "the gradients of update 3", 1, [2], RuntimeError(GLOO_TEXT), 0.2, 30
+    )
+    assert isinstance(error, PeerError)
+    assert str(error) == (
+        "rank 1 (stage 1) could not sum the gradients of update 3 with its replica rank 2 "
+        f"(stage 1): the connection was closed by rank 2 (stage 1) after 0.2 s of waiting "
+        f"({GLOO_TEXT}); rank 2 (stage 1) has stopped: look for its error above (or in its log)"
+    )
+    late = replica_stopped("rank 1 (stage 1)", "x", 1, [2], RuntimeError("Timed out"), 29.9, 30)
+    assert "within 30 s (Timed out); rank 2 (stage 1) has probably failed" in str(late)
+
+
+def test_with_more_replicas_every_other_one_is_named_as_a_candidate() -> None:
+    """gloo does not say which of several replicas stopped."""
+    error = replica_stopped("rank 0 (stage 0)", "x", 0, [1, 2], RuntimeError(GLOO_TEXT), 0.1, 30)
+    assert (
+        "with its replicas (rank 1 (stage 0), rank 2 (stage 0)): the connection was closed by "
+        in (str(error))
+    )
+    assert "; one of rank 1 (stage 0), rank 2 (stage 0) has stopped" in str(error)
+
+
+def test_a_failed_replica_allreduce_raises_a_peer_error_naming_the_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The collective's own error (gloo's text) becomes the cause of a ``PeerError``."""
+
+    def closed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(GLOO_TEXT)
+
+    with one_rank_group():
+        updates = _updates("flush", replicas=2, replica_group=dist.group.WORLD, timeout=30.0)
+        updates.rank = 1  # (the group's one rank, 0, plays its replica)
+        monkeypatch.setattr(dist, "all_reduce", closed)
+        with pytest.raises(PeerError, match=r"with its replica rank 0 \(stage 0\): the conn"):
+            updates.allreduce(_action(ActionKind.ALLREDUCE, version=1, batch=0))
+
+
+def _replica_killed(rank: int, world: int, sync: str) -> str:
+    """Stage 1 has two replicas, ranks 1 and 2; rank 2 is SIGKILLed before its second batch."""
+    plan = Plan.from_balance([3, 3], replicas=[1, 2])
+    model = make_model()
+    stage = plan.stage_of_rank(rank)
+    module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
+    update = optimizer_update(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    runner = PipelineRunner.create(
+        plan, SyncMode(sync), 4, module, rank, update, torch.device("cpu"), 60.0
+    )
+    for t, (x, y) in enumerate(make_batches(4)[:3]):
+        if t == 1 and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        xs, ys = x.chunk(4), y.chunk(4)
+        runner.train_batch(lambda j, xs=xs: xs[j], lambda out, j, ys=ys: loss_fn(out, ys[j]))
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["flush", "async"])
+def test_a_killed_replica_is_named_by_its_peers(sync: str) -> None:
+    """Rank 2 (stage 1) is SIGKILLed: its replica, rank 1, fails inside the all-reduce and its
+    neighbour, rank 0, on a message; each names rank 2 (its replica names its stage too),
+    where gloo named only an address and port."""
+    results = run(3, _replica_killed, sync, timeout=120.0, killed=[2])
+    assert sorted(results) == [0, 1]
+    status, text = results[1]
+    assert status == "error", text
+    first = text.splitlines()[0]
+    assert first.startswith("PeerError: rank 1 (stage 1) could not sum the "), first
+    assert "with its replica rank 2 (stage 1): the connection was closed by rank 2 (stage 1)" in (
+        first
+    )
+    status, text = results[0]
+    assert status == "error" and text.startswith("PeerError: rank 0 (stage 0) could not "), text
+    assert "rank 2 has stopped" in text.splitlines()[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import OrderedDict
 
 import pytest
@@ -181,18 +182,20 @@ def test_a_failed_replica_allreduce_raises_a_peer_error_naming_the_replica(
             updates.allreduce(_action(ActionKind.ALLREDUCE, version=1, batch=0))
 
 
-def _replica_killed(rank: int, world: int, sync: str) -> str:
-    """Stage 1 has two replicas, ranks 1 and 2; rank 2 is SIGKILLed before its second batch."""
+def _replica_killed(rank: int, world: int, sync: str, hang: bool = False) -> str:
+    """Stage 1 has two replicas, ranks 1 and 2; rank 2 is SIGKILLed before its second batch
+    (with ``hang``: it sleeps past the 10 s deadline first)."""
     plan = Plan.from_balance([3, 3], replicas=[1, 2])
     model = make_model()
     stage = plan.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
     update = optimizer_update(module, torch.optim.SGD(module.parameters(), lr=0.1))
     runner = PipelineRunner.create(
-        plan, SyncMode(sync), 4, module, rank, update, torch.device("cpu"), 60.0
+        plan, SyncMode(sync), 4, module, rank, update, torch.device("cpu"), 10.0 if hang else 60.0
     )
     for t, (x, y) in enumerate(make_batches(4)[:3]):
         if t == 1 and rank == 2:
+            time.sleep(30.0 if hang else 0.0)
             os.kill(os.getpid(), signal.SIGKILL)
         xs, ys = x.chunk(4), y.chunk(4)
         runner.train_batch(lambda j, xs=xs: xs[j], lambda out, j, ys=ys: loss_fn(out, ys[j]))
@@ -217,3 +220,16 @@ def test_a_killed_replica_is_named_by_its_peers(sync: str) -> None:
     status, text = results[0]
     assert status == "error" and text.startswith("PeerError: rank 0 (stage 0) could not "), text
     assert "rank 2 has stopped" in text.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_a_replica_that_hangs_is_named_at_the_pipelines_deadline() -> None:
+    """Rank 2 (stage 1) stops answering: its replica waits the pipeline's timeout (10 s) in the
+    all-reduce, not gloo's default of 30 minutes, and names it."""
+    results = run(3, _replica_killed, "flush", True, timeout=120.0, killed=[2])
+    status, text = results[1]
+    assert status == "error", text
+    first = text.splitlines()[0]
+    assert first.startswith("PeerError: rank 1 (stage 1) could not sum the gradients "), first
+    assert "with its replica rank 2 (stage 1) within 10 s (" in first, first
+    assert "rank 2 (stage 1) has probably failed or stopped" in first, first

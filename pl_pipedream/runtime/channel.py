@@ -249,25 +249,14 @@ class Channel:
     def _error(
         self, verb: str, what: str, peer: int, cause: BaseException, waited: float | None = None
     ) -> PeerError:
-        """What happened, in the user's terms: the deadline passed (the peer may be slow or
-        stuck), or the peer's connection closed before it (the peer has stopped: its own error
-        is the one to read). ``waited`` is None when the operation failed as it was posted."""
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        """The failed ``verb`` in the user's terms (``ranks.peer_failure``); ``waited`` is None
+        when the operation failed as it was posted."""
         start = (
             f"{self.describe} could not {verb} {what} {'to' if verb == 'send' else 'from'} "
             f"{ranks.describe(peer)}"
         )
-        if waited is not None and waited >= 0.95 * self.timeout:
-            return PeerError(
-                f"{start} within {self.timeout:g} s ({detail}); rank {peer} has probably failed "
-                f"or stopped: look for its error above, or raise the timeout "
-                f"(PipeDreamStrategy(timeout=...)) if its stage is just slow"
-            )
-        after = "as it was posted" if waited is None else f"after {waited:.1f} s of waiting"
-        return PeerError(
-            f"{start}: the connection was closed by rank {peer} {after} ({detail}); rank "
-            f"{peer} has stopped: look for its error above (or in its log)"
-        )
+        text = ranks.peer_failure(start, ranks.describe(peer), cause, waited, self.timeout)
+        return PeerError(text)
 
 
 def _started(work: dist.Work | None, peer: int) -> dist.Work:

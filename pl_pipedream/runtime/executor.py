@@ -1,22 +1,14 @@
 """The stage executor: runs one rank's action list, exactly as the schedule module built it.
 
-There is no schedule in here. Each action kind has one handler: receive or send a message,
-run a forward or backward pass on a weight version, average gradients among the stage's
-replicas, apply an update. What a run needs from outside comes with it (``execute``): the
-first stage's inputs and the last stage's loss (a ``Feed``), and the ``Update`` that applies a
-``STEP``. A ``STEP`` means the same in every mode: the update's mean gradient is final and the
-``Update`` applies it to the live weights (in the modes that step inside the pipeline) or holds
-it for the trainer's own optimizer step (in the flushed modes).
+There is no schedule in here. Each action kind has one handler: receive or send a message, run
+a forward or backward pass on a weight version; ``ALLREDUCE`` and ``STEP``, the update side, are
+``runtime.stage_updates``'. What a run needs from outside comes with it (``execute``): the first
+stage's inputs and the last stage's loss (a ``Feed``), and the ``Update`` that applies a ``STEP``.
 
-Gradients of an update are summed over its backward passes (and, through ``ALLREDUCE``, over
-the stage's replicas), then divided by ``update_size``, so an update sees the mean gradient, as
-single-device training on the same minibatches would. Where every update averages the same
-number of microbatches (the batch-mean modes), the last stage can instead scale the seed of its
-backward pass by ``loss_scale``: every stage then sums gradients that are already divided, and
-no stage spends a pass over its gradients on the division. Where an update sums several backward
-passes (``sum_linear_gradients``), Linear layers add their weight gradients into the sum inside
-the GEMM that computes them (``runtime.linear_sums``), saving a pass over the gradients per
-backward. ``schedule.modes.update_settings`` chooses these three for a mode.
+Where every update averages the same number of microbatches (the batch-mean modes), the last
+stage scales the seed of its backward pass by ``loss_scale`` (``schedule.modes.update_settings``):
+every stage then sums gradients that are already divided, and no stage spends a pass over its
+gradients on the division.
 
 With ``weight_prediction`` (``async``, ``vertical_sync``), a forward pass whose weight version v
 is d > 0 updates stale runs on the prediction W_v + d (W_v - W_(v-1)) (``runtime.staleness``),
@@ -31,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +33,6 @@ from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unfla
 from pl_pipedream.runtime.channel import Channel, PeerError
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.functional import StageCall
-from pl_pipedream.runtime.gradient_sums import GradientSums
-from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.lookahead import (
     ExecutorError,
     batch_of,
@@ -57,7 +46,7 @@ from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
-from pl_pipedream.runtime.running_stats import RunningStats
+from pl_pipedream.runtime.stage_updates import Needed, StageUpdates
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read_later, settle
@@ -129,16 +118,12 @@ class StageExecutor:
         self.precision = precision or StagePrecision()  # runtime.precision: autocast, loss scale
         self.weight_prediction = weight_prediction  # runtime.staleness.predict, per forward
         self.tied_versions = tied_versions  # per-minibatch modes: tied versions of their own
-        self.ties = ties or TiedGradients(())  # tied parameters: summed over their holders
         self.rank = rank
         self.stage = stage
         self.num_stages = num_stages
         self.channel = channel
-        self.replica_group = replica_group
         self.num_replicas = num_replicas
-        self.update_size = settings.update_size
         self.loss_scale = settings.loss_scale
-        self.linear_sums = LinearGradientSums() if settings.sum_linear_gradients else None
         self.device = device or torch.device("cpu")
         self.describe = describe(rank, stage)
         tied = tied_versions.names if tied_versions else set()
@@ -146,19 +131,28 @@ class StageExecutor:
         self._call = StageCall(module)  # the module's forward on a version's tensors
         self.record_timeline = record_timeline
         self._timeline: list[tuple[Action, float, float]] = []  # made into events when read
-        self.microbatches = microbatches  # per batch; None: replicas do not share losses
         self.losses = LossBook()  # the training losses this rank knows (runtime.losses)
         self._feed: Feed | None = None
         self._update: Update | None = None
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
-        self._accumulated = GradientSums()  # of the update under way
-        self.running_stats = RunningStats.of(module, num_replicas, self.describe)  # BatchNorm's
+        self.updates = StageUpdates(  # the update side: sums, replica all-reduce, step
+            module,
+            self.stash,
+            rank,
+            stage,
+            settings,
+            self.losses,
+            replica_group,
+            num_replicas,
+            ties,
+            microbatches,  # per batch; None: replicas do not share losses
+            channel.timeout,  # the replica group's deadline too (``PipelineRunner.create``)
+        )
         self.actions: tuple[Action, ...] = ()
         self.position = 0
         self._last_use: dict[int, int] = {}
-        self.copied_bytes = 0  # weights the updates copied to keep a stashed version intact
         self.activations = Activations(recompute, self.device)  # runtime.recompute
         self._ahead: dict[int, Ahead] = {}  # first stage, GPU: inputs being copied
         self._side = SideStreams()  # the stream those copies run on
@@ -226,13 +220,11 @@ class StageExecutor:
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
-        pending = self.linear_sums is not None and self.linear_sums.pending
-        pending |= self.running_stats is not None and self.running_stats.pending
-        if self._flight or self._received or self._gradients or self._accumulated or pending:
+        if self._flight or self._received or self._gradients or self.updates.pending:
             raise ExecutorError(
                 f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
-                f"{sorted(self._flight)}, gradients not yet applied: "
-                f"{bool(self._accumulated) or pending}); drain it first"
+                f"{sorted(self._flight)}, gradients not yet applied: {self.updates.pending}); "
+                f"drain it first"
             )
         if self.tied_versions is not None:
             self.tied_versions.restart()
@@ -304,9 +296,9 @@ class StageExecutor:
         drop = self.activations.recompute and self.stage < self.num_stages - 1
         replay = Replay(value, rng_state(self.device)) if drop else None
         with self.precision.forward():
-            with self._capture(params), self.activations.forward(i, value, params.values(), drop):
-                with self._recording(i):
-                    output = self._call(params, value)  # one argument, as nn.Sequential passes it
+            saving = self.activations.forward(i, value, params.values(), drop)
+            with self.updates.capture(params), saving, self.updates.recording(i):
+                output = self._call(params, value)  # one argument, as nn.Sequential passes it
             loss = self._loss(output, i) if self.stage == self.num_stages - 1 else None
         flight = _InFlight(
             version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
@@ -332,16 +324,6 @@ class StageExecutor:
             raise ExecutorError(f"{self.describe} has no loss for minibatch {i}")
         return self._feed.loss(output, i)
 
-    def _capture(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
-        """Where several backward passes make one update, Linear layers sum their weight
-        gradients inside the GEMM (``linear_sums``) instead of returning them to be added."""
-        return nullcontext() if self.linear_sums is None else self.linear_sums.capture(params)
-
-    def _recording(self, minibatch: int) -> AbstractContextManager:
-        """A replicated stage records its BatchNorm updates (``runtime.running_stats``)."""
-        stats = self.running_stats
-        return nullcontext() if stats is None else stats.forward(minibatch)
-
     def _backward(self, action: Action) -> None:
         i = minibatch_of(action)
         flight = self._flight[i]
@@ -352,7 +334,7 @@ class StageExecutor:
             )
         params = flight.params
         if flight.replay is not None:  # recompute: the forward again, on the same weights
-            with self.precision.forward(), self._capture(params):
+            with self.precision.forward(), self.updates.capture(params):
                 again = self.activations.replay(i, flight.replay, self.module, params)
             flight.outputs = flatten(again)[0]
         if flight.loss is not None:
@@ -374,74 +356,33 @@ class StageExecutor:
         else:
             found = ()
         names = [n for n, p in params.items() if p.requires_grad]
-        self._accumulated.add(names, found[: len(leaves)])
+        self.updates.add(names, found[: len(leaves)])
         for tensor, grad in zip(
             [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
         ):
             tensor.grad = grad
         if self.tied_versions is not None:  # minibatch i's tied gradient: an update of its own
-            self.tied_versions.contribute(i, self._accumulated)
+            self.tied_versions.contribute(i, self.updates.sums)
         flight.outputs = []
         flight.params = {}
         flight.loss = None
         self.activations.release(i)
         if self.stage == 0:
             self._flight.pop(i)
-        self._release()
+        self.updates.release(self._needed())
 
-    # ----- updates ----------------------------------------------------------------------------
-
-    def _take_linear_sums(self) -> None:
-        """Move the sums the Linear layers kept into the update's gradients."""
-        if self.linear_sums is not None:
-            self._accumulated.add_totals(self.linear_sums.take())
+    # ----- updates (runtime.stage_updates) ----------------------------------------------------
 
     def _allreduce(self, action: Action) -> None:
-        self._take_linear_sums()
-        if self.num_replicas <= 1:
-            return
-        tied = self.ties.names  # summed over every holder rank at the step instead
-        reduced = [
-            (n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in tied
-        ]
-        stats = self.running_stats
-        extra = None if stats is None else stats.message(action.replica)
-        extra = self._accumulated.all_reduce(reduced, self.replica_group, extra)
-        if stats is not None and extra is not None:  # the same message, after the gradients
-            stats.combine(extra)
-        if self.microbatches is not None and action.batch is not None:
-            self.losses.share(action.batch, self.microbatches, self.replica_group)
+        self.updates.allreduce(action)
 
     def _step(self, action: Action) -> None:
-        self._take_linear_sums()
-        self.ties.reduce(self._accumulated, self.module)
-        live = self.stash.live_version
-        if self._last_use.get(live, -1) > self.position:
-            self.stash.get(live)
-        gradients = self._accumulated.mean(self.update_size)
-        if self._update is None:
-            raise ExecutorError(f"{self.describe} has no way to apply update {action.version}")
-        self._release()
-        storage = self.stash.storage_for_update(gradients)
-        self.copied_bytes += self._update(gradients, storage)
-        self.stash.mark_stepped(storage)
-        if self.stash.live_version != action.version:
-            raise ExecutorError(
-                f"{self.describe}: update {action.version} made the live weights version "
-                f"{self.stash.live_version}; the schedule and the updates disagree"
-            )
-        self._release()
+        self.updates.step(action, self._update, self._needed())
 
-    def _release(self) -> None:
-        """Drop the snapshots that no later action of the loaded list uses and no forward pass
-        still holds for its backward (a dropped snapshot's tensors are reused)."""
-        held = {f.version for f in self._flight.values() if f.params and not f.predicted}
-        done = [
-            v
-            for v in self.stash.kept()
-            if self._last_use.get(v, -1) <= self.position and v not in held
-        ]
-        self.stash.release(done)
+    def _needed(self) -> Needed:
+        """The weight versions a later action uses or a forward pass holds for its backward."""
+        held = frozenset(f.version for f in self._flight.values() if f.params and not f.predicted)
+        return Needed(self._last_use, self.position, held)
 
     _handlers: dict[ActionKind, Callable[..., None]] = {
         ActionKind.RECV_ACTIVATION: _recv_activation,

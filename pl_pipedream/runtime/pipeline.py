@@ -24,6 +24,7 @@ complete during the next, and a drain waits for all of them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -107,8 +108,11 @@ class PipelineRunner:
         ``recompute``: stages keep only their inputs (``runtime.recompute``); ``precision``:
         the forward passes' context and the loss scale (``runtime.precision``)."""
         check_corrections(sync, weight_prediction, 0, [t.describe() for t in ties])
+        # A replica all-reduce waits for a stopped replica as long as a receive waits for a peer.
+        deadline = timedelta(seconds=timeout)
         replica_groups = [
-            dist.new_group(list(s.ranks)) if s.replicas > 1 else None for s in plan.stages
+            dist.new_group(list(s.ranks), timeout=deadline) if s.replicas > 1 else None
+            for s in plan.stages
         ]
         # A receive posted ahead that training never matched stays posted: the messages of each
         # pipeline get a group of their own, so it cannot take a later pipeline's message.
@@ -262,8 +266,7 @@ class PipelineRunner:
         """Wait for the sends still under way (unless training failed: a peer that stopped
         would never take them), then give back the pipeline's process groups."""
         groups, self.groups = self.groups, []
-        if self.executor.running_stats is not None:
-            self.executor.running_stats.close()
+        self.executor.updates.close()
         try:
             self.executor.channel.close(flush=not failed)
         finally:

@@ -1,14 +1,43 @@
 """How an error names where it happened: ``describe(1, 1)`` is ``"rank 1 (stage 1)"``.
 
 Runtime errors name the rank and its stage (STYLE.md); every module that builds that text calls
-``describe``, so that the user meets one form, whichever layer raised.
+``describe``, so that the user meets one form, whichever layer raised. An exchange with another
+rank that failed (a message of the channel, a replica all-reduce) is worded once, by
+``peer_failure``: it names the peer, not the address and port the backend reports.
 """
 
 from __future__ import annotations
 
-__all__ = ["describe"]
+__all__ = ["describe", "peer_failure"]
 
 
 def describe(rank: int, stage: int | None = None) -> str:
     """``"rank 1 (stage 1)"``, or ``"rank 1"`` where the stage is not known."""
     return f"rank {rank}" if stage is None else f"rank {rank} (stage {stage})"
+
+
+def peer_failure(
+    attempt: str,
+    peer: str,
+    cause: BaseException,
+    waited: float | None,
+    timeout: float | None,
+) -> str:
+    """What a failed exchange with ``peer`` (``describe``'s text) means, in the user's terms:
+    the deadline passed (the peer may be slow or stuck), or the peer's connection closed before
+    it (the peer has stopped: its own error is the one to read). ``attempt`` says what failed
+    ("rank 1 (stage 1) could not receive ... from rank 2"); ``waited`` is None when the
+    operation failed as it was posted; ``timeout`` is the deadline, if there is one."""
+    text = str(cause).strip()
+    detail = text.splitlines()[0] if text else type(cause).__name__
+    if waited is not None and timeout is not None and waited >= 0.95 * timeout:
+        return (
+            f"{attempt} within {timeout:g} s ({detail}); {peer} has probably failed or "
+            f"stopped: look for its error above, or raise the timeout "
+            f"(PipeDreamStrategy(timeout=...)) if its stage is just slow"
+        )
+    after = "as it was posted" if waited is None else f"after {waited:.1f} s of waiting"
+    return (
+        f"{attempt}: the connection was closed by {peer} {after} ({detail}); {peer} has "
+        f"stopped: look for its error above (or in its log)"
+    )

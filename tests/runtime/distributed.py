@@ -7,7 +7,7 @@ import io
 import os
 import socket
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,10 +44,16 @@ def _worker(  # type: ignore[no-untyped-def]
 
 
 def run(
-    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, backend: str = "gloo"
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    killed: Collection[int] = (),
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return {rank: (status, value)}.
-    With an NCCL ``backend`` (``"cpu:gloo,cuda:nccl"``), rank r uses GPU r."""
+    With an NCCL ``backend`` (``"cpu:gloo,cuda:nccl"``), rank r uses GPU r. The ranks in
+    ``killed`` end their process themselves (a test of a dead rank) and report nothing."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
@@ -61,7 +67,7 @@ def run(
         proc.start()
     results: dict[int, tuple[str, Any]] = {}
     try:
-        for _ in range(world):
+        for _ in range(world - len(killed)):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
                 value = torch.load(io.BytesIO(value), weights_only=False)

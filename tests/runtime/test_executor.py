@@ -74,7 +74,7 @@ def _train_stage(rank: int, plan: Plan, sync: str, m: int, optimizer_name: str, 
     feed = Feed(lambda i: xs[i], lambda out, i: loss_fn(out, ys[i]))
     executor.execute(build(plan, sync, NUM_BATCHES, m).actions[rank], feed, apply_update)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return weights, executor.stash.peak_count, executor.copied_bytes
+    return weights, executor.stash.peak_count, executor.updates.copied_bytes
 
 
 def _all_modes(rank: int, world: int, plan_dict: dict, m: int) -> dict:

@@ -2,8 +2,9 @@
 ``--fail die`` (the last stage's process exits in step 2), ``--fail after-fit`` (rank 1 raises
 in the user's code after ``trainer.fit`` returned, when rank 0 has finished), ``--fail
 hang-after-fit`` (rank 1 never ends after ``fit``) or ``--fail kill`` (rank ``--rank`` SIGKILLs
-itself in step ``--at``); ``--devices`` ranks (2 or 4); ``--divergence`` and ``--timeout`` are
-the strategy's options of those names. Used by test_errors.py and test_launcher.py."""
+itself in step ``--at``); ``--devices`` ranks (2 or 4 in a straight pipeline, 3 with the last
+stage's two replicas on ranks 1 and 2); ``--divergence`` and ``--timeout`` are the strategy's
+options of those names. Used by test_errors.py and test_launcher.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy  # noqa: E402
+from pl_pipedream.planner.plan import Plan  # noqa: E402
 from tests.strategy.test_lightning_features import Net, loader, trainer  # noqa: E402
 
 
@@ -48,14 +50,17 @@ if __name__ == "__main__":
     fails = ["nan", "die", "after-fit", "hang-after-fit", "kill"]
     parser.add_argument("--fail", choices=fails, required=True)
     parser.add_argument("--divergence", default="error")
-    parser.add_argument("--devices", type=int, choices=[2, 4], default=2)
+    parser.add_argument("--devices", type=int, choices=[2, 3, 4], default=2)
     parser.add_argument("--timeout", type=float, default=20)
     parser.add_argument("--rank", type=int, default=-1)
     parser.add_argument("--at", type=int, default=2)
     args = parser.parse_args()
+    layout: dict = {"balance": [3, 3] if args.devices == 2 else [2, 2, 1, 1]}
+    if args.devices == 3:
+        layout = {"plan": Plan.from_balance([3, 3], replicas=[1, 2])}
     strategy = PipeDreamStrategy(
         sync="async",
-        balance=[3, 3] if args.devices == 2 else [2, 2, 1, 1],
+        **layout,
         microbatches=2,
         timeout=args.timeout,
         divergence=args.divergence,

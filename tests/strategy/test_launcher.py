@@ -2,9 +2,9 @@
 process that spawned the ranks.
 
 Here: the popen launcher run end to end (``failing_script.py``: a rank failing or hanging after
-``fit``, a SIGKILL of a middle rank on 4 processes), the Lightning internals the spawn launcher
-overrides and builds, the launcher chosen by ``start_method``, and the gather of every rank's
-stage over gloo. End to end, every spawn test
+``fit``, a SIGKILL of a middle rank on 4 processes, of a replica on 3), the Lightning internals
+the spawn launcher overrides and builds, the launcher chosen by ``start_method``, and the gather
+of every rank's stage over gloo. End to end, every spawn test
 in ``test_lightning_features.py`` compares the launching process's model with the oracle, which
 only this launcher's gather fills (Lightning loads the returned weights with ``strict=False``,
 so a stage missing from them would otherwise go unnoticed).
@@ -125,6 +125,23 @@ def test_a_killed_middle_rank_is_named_first_and_the_command_exits_1(tmp_path: P
     report = report_of(result.stderr)
     assert report[0] == "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:", report
     assert len([line for line in report if line.startswith("pl-pipedream: rank")]) == 4
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_named_first_and_by_its_replica(tmp_path: Path) -> None:
+    """Rank 2, the second replica of stage 1, is SIGKILLed in step 2: its replica (rank 1)
+    fails inside the replica all-reduce with a PeerError naming rank 2 and its stage (gloo's
+    text named an address and port), and the report leads with rank 2."""
+    args = ("--fail", "kill", "--devices", "3", "--rank", "2", "--at", "2")
+    result = run_script(tmp_path, *args, "--timeout", "60")  # (a slow start under load)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    report = report_of(result.stderr)
+    assert report[0] == "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:", report
+    assert "pl-pipedream: rank 1 failed as well (PeerError; exit code: 1)" in report, report
+    assert "rank 1 (stage 1) could not sum the gradients of update " in result.stderr
+    assert "with its replica rank 2 (stage 1): the connection was closed by rank 2 (stage 1)" in (
+        result.stderr
+    )
 
 
 def test_lightning_collects_each_workers_results_through_the_overridden_method() -> None:

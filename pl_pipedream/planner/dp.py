@@ -12,7 +12,7 @@ slowest stage of a pipeline over that prefix on exactly ``m`` workers:
   input and, unless it ends the model, ``2 a(j) / (B r)`` to send its output;
 * the pipeline's time is the slowest of those terms;
 * with a memory limit, a stage that does not fit it (``costs.fits`` of ``costs.held_bytes``: its
-  stash and the frames of its messages in flight) is priced infinite (``_fit``, the one place
+  stash and the frames of its messages in flight) is priced infinite (``fit``, the one place
   the solvers apply the limit).
 
 Rows of the DP are the start of a segment (row 0: the model's input; row ``a + 1``: after state
@@ -30,7 +30,7 @@ that follow ``a``; PipeDream's optimizer also tries states unrelated to ``a`` (n
 change a final answer). docs/planner.md compares the answers with PipeDream's optimizer.
 
 ``costs.replicas``, when given, is the only replica counts a level may use (the strategy admits
-counts that divide the microbatches per batch); others are priced infinite (``_admit``).
+counts that divide the microbatches per batch); others are priced infinite (``admit``).
 
 ``solve_row`` solves one row with its choices (the top level, walking a plan back), pricing a
 level's pairs once (``level_pairs``); the inner levels need only times: ``every_row`` solves all
@@ -47,38 +47,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pl_pipedream.planner.costs import fitting_time, held_bytes, stage_time
+from pl_pipedream.planner.costs import stage_time
+from pl_pipedream.planner.level import (
+    LevelCosts,
+    LevelPairs,
+    admit,
+    appended,
+    crossing,
+    first_crossing,
+    fit,
+    level_pairs,
+)
 
-__all__ = ["LevelCosts", "LevelPairs", "RowSolution", "TIE", "all_pairs", "ancestor_matrix"]
-__all__ += ["every_row", "level_pairs", "row_times", "solve_row", "to_last"]
+__all__ = ["RowSolution", "TIE", "every_row", "row_times", "solve_row", "to_last"]
 
 INF = math.inf
 TIE = 1e-9  # times within this relative difference are a tie, broken by the fixed rule
-
-
-@dataclass(frozen=True)
-class LevelCosts:
-    """What one level of the DP sees: per-state prefix sums and the level's worker counts.
-
-    ``compute[r, j]`` is the time (seconds) of the segment from row ``r`` to state ``j`` on one
-    machine of this level (``inf`` where no such segment exists); the other arrays are prefix
-    sums over states (index ``j``), in bytes. ``precedes`` is ``ancestor_matrix`` of the states,
-    ``pairs`` its ``all_pairs``; ``replicas`` the replica counts a stage may have (None: any).
-    """
-
-    compute: np.ndarray
-    params: np.ndarray
-    activations: np.ndarray
-    outputs: np.ndarray
-    precedes: np.ndarray
-    pairs: tuple[np.ndarray, np.ndarray]
-    workers: int
-    bandwidth: float
-    within: int
-    straight: bool
-    memory: float | None
-    transfers: bool
-    replicas: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,57 +93,6 @@ class RowSolution:
             j = k
         out.reverse()
         return out
-
-
-def ancestor_matrix(ancestors: tuple[int, ...]) -> np.ndarray:
-    """``matrix[k, j]`` is True when state ``k`` precedes state ``j`` in the antichain DAG."""
-    count = len(ancestors)
-    width = (count + 7) // 8
-    rows = [
-        np.unpackbits(
-            np.frombuffer(mask.to_bytes(width, "little"), dtype=np.uint8), bitorder="little"
-        )[:count]
-        for mask in ancestors
-    ]
-    return np.array(rows, dtype=bool).T.copy() if rows else np.zeros((0, 0), dtype=bool)
-
-
-def all_pairs(precedes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every (k, j) with state k preceding state j, grouped by j with k ascending."""
-    js, ks = np.nonzero(precedes.T)
-    return ks.astype(np.int64), js.astype(np.int64)
-
-
-@dataclass(frozen=True)
-class LevelPairs:
-    """A level's pairs ``(k, j)`` (state ``k`` preceding state ``j``) grouped by ``k``, ``j``
-    ascending, priced once for every row: ``stage[r' - 1, p]``, the time of pair ``p`` as a stage
-    appended after another on ``r'`` replicas, transfers included, ``stash[p]``, its stashed
-    bytes, and ``received[p]``, ``sent[p]``, the bytes crossing its cuts (``_crossing``).
-    ``starts[k]:starts[k + 1]`` are the pairs of ``k``; a row's pairs are those whose ``k`` lies
-    inside its segment (``j`` then does too)."""
-
-    ks: np.ndarray
-    js: np.ndarray
-    starts: np.ndarray
-    stage: np.ndarray
-    stash: np.ndarray
-    received: np.ndarray
-    sent: np.ndarray
-
-
-def level_pairs(costs: LevelCosts) -> LevelPairs:
-    """The pairs of ``costs.pairs`` regrouped by their first state, priced once."""
-    count = costs.params.shape[0]
-    by_k = np.argsort(costs.pairs[0], kind="stable")
-    ks, js = costs.pairs[0][by_k], costs.pairs[1][by_k]
-    starts = np.r_[0, np.cumsum(np.bincount(ks, minlength=count))].astype(np.int64)
-    max_prime = 1 if costs.straight else max(costs.workers - 1, 1)
-    primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
-    stage, stash = _appended(costs, ks, js, primes)
-    # Sorting a row's pairs by j is a radix sort on 16-bit keys.
-    narrow = js.astype(np.int16) if count < 2**15 else js
-    return LevelPairs(ks, narrow, starts, stage, stash, *_crossing(costs, ks, js))
 
 
 def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> RowSolution:
@@ -203,7 +136,7 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
         # against the appended stage on r' replicas.
         candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
-        candidate = _fit(
+        candidate = fit(
             costs,
             candidate,
             pairs.stash[index],
@@ -237,54 +170,14 @@ def _first_stage(costs: LevelCosts, row: int, allowed: np.ndarray) -> np.ndarray
     base_params = costs.params - (costs.params[row - 1] if row > 0 else 0.0)
     base_acts = costs.activations - (costs.activations[row - 1] if row > 0 else 0.0)
     base_compute = costs.compute[row]
-    received, sent = _first_crossing(costs)
+    received, sent = first_crossing(costs)
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(base_compute, base_params, r, costs.bandwidth, costs.within)
-        value = _fit(costs, value, base_acts + base_params, workers - r, r, received[row], sent)
-        value = _admit(costs, value, r)
+        value = fit(costs, value, base_acts + base_params, workers - r, r, received[row], sent)
+        value = admit(costs, value, r)
         first[m] = np.where(allowed, value, INF)
     return first
-
-
-def _fit(
-    costs: LevelCosts,
-    time: np.ndarray,
-    stage_bytes: np.ndarray,
-    workers_after: int | np.ndarray,
-    replicas: int | np.ndarray,
-    received: np.ndarray | float,
-    sent: np.ndarray | float,
-) -> np.ndarray:
-    """``time``, infinite where the stage does not fit the level's memory
-    (``costs.fitting_time`` of its ``costs.held_bytes``)."""
-    if costs.memory is None:
-        return time
-    held = held_bytes(stage_bytes, workers_after, replicas, received, sent)
-    return fitting_time(time, held, costs.memory)
-
-
-def _crossing(costs: LevelCosts, ks: np.ndarray, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes a stage from after state ``ks[p]`` to ``js[p]`` receives and sends (nothing
-    after the model's last state)."""
-    last = costs.params.shape[0] - 1
-    return costs.outputs[ks], np.where(js < last, costs.outputs[js], 0.0)
-
-
-def _first_crossing(costs: LevelCosts) -> tuple[np.ndarray, np.ndarray]:
-    """For a row's first stage: ``received[row]`` (nothing from row 0, the model's input) and
-    ``sent[j]``, for every row and end state."""
-    count = costs.params.shape[0]
-    received = np.r_[0.0, costs.outputs]
-    sent = np.where(np.arange(count) < count - 1, costs.outputs, 0.0)
-    return received, sent
-
-
-def _admit(costs: LevelCosts, time: np.ndarray, replicas: int | np.ndarray) -> np.ndarray:
-    """``time``, infinite where ``replicas`` is not a count the level admits."""
-    if costs.replicas is None:
-        return time
-    return np.where(np.isin(replicas, costs.replicas), time, INF)
 
 
 def _inside(pairs: LevelPairs, allowed: np.ndarray) -> np.ndarray:
@@ -314,7 +207,7 @@ def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
     for m in range(1, workers):
         width = min(m, max_prime)
         candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
-        candidate = _fit(
+        candidate = fit(
             costs,
             candidate,
             pairs.stash[index],
@@ -325,21 +218,6 @@ def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
         )
         np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
     return by_workers[-1]
-
-
-def _appended(
-    costs: LevelCosts, ks: np.ndarray, js: np.ndarray, primes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``stage[r' - 1, p]``: time of a stage from state ``ks[p]`` to ``js[p]`` appended after
-    another, on ``r'`` replicas (``primes``), transfers included; and its stashed bytes."""
-    seg_params = costs.params[js] - costs.params[ks]
-    received = sent = None
-    if costs.transfers:
-        received = costs.outputs[ks]
-        sent = np.where(js < costs.params.shape[0] - 1, costs.outputs[js], 0.0)
-    compute = costs.compute[ks + 1, js]
-    stage = stage_time(compute, seg_params, primes, costs.bandwidth, 1, received, sent)
-    return _admit(costs, stage, primes), costs.activations[js] - costs.activations[ks] + seg_params
 
 
 def to_last(costs: LevelCosts) -> np.ndarray:
@@ -361,8 +239,8 @@ def to_last(costs: LevelCosts) -> np.ndarray:
     ks, js = costs.pairs[0][by_k], costs.pairs[1][by_k]
     if ks.size and workers > 1:
         primes = np.arange(1, max_prime + 1, dtype=np.float64)[:, None]
-        stage, stash_bytes = _appended(costs, ks, js, primes)
-        received, sent = _crossing(costs, ks, js)
+        stage, stash_bytes = appended(costs, ks, js, primes)
+        received, sent = crossing(costs, ks, js)
         heads = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
         rest = np.empty((workers, js.size))  # rest[m, p]: after[m, js[p]]
         rest[0] = after[0, js]
@@ -370,9 +248,7 @@ def to_last(costs: LevelCosts) -> np.ndarray:
             width = min(m, max_prime)
             candidate = np.maximum(stage[:width], rest[m - 1 :: -1][:width])
             after_it = m - primes[:width]  # the workers after the appended stage
-            candidate = _fit(
-                costs, candidate, stash_bytes, after_it, primes[:width], received, sent
-            )
+            candidate = fit(costs, candidate, stash_bytes, after_it, primes[:width], received, sent)
             after[m, ks[heads]] = np.minimum.reduceat(candidate.min(axis=0), heads)
             rest[m] = after[m, js]
     best = np.full(count + 1, INF)
@@ -408,7 +284,7 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
             best = None
             for prime in range(1, min(m, max_prime) + 1):
                 stage = pairs.stage[prime - 1, low:high]
-                stage = _fit(
+                stage = fit(
                     costs,
                     stage,
                     pairs.stash[low:high],
@@ -444,10 +320,10 @@ def _first_stage_tables(costs: LevelCosts) -> Iterator[tuple[int, np.ndarray]]:
     stash = params
     if costs.memory is not None:
         stash = costs.activations[None, :] - np.r_[0.0, costs.activations][:, None] + params
-    received, sent = _first_crossing(costs)
+    received, sent = first_crossing(costs)
     for m in range(1 if costs.straight else workers):
         r = m + 1
         value = stage_time(costs.compute, params, r, costs.bandwidth, costs.within)
-        value = _fit(costs, value, stash, workers - r, r, received[:, None], sent[None, :])
-        value = _admit(costs, value, r)
+        value = fit(costs, value, stash, workers - r, r, received[:, None], sent[None, :])
+        value = admit(costs, value, r)
         yield m, np.where(allowed, value, INF)

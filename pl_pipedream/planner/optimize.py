@@ -19,17 +19,13 @@ import numpy as np
 from pl_pipedream.planner.admission import admits, divisors, factor_choices
 from pl_pipedream.planner.advice import advise, slower_than_data_parallel
 from pl_pipedream.planner.costs import stage_time
-from pl_pipedream.planner.dp import (
+from pl_pipedream.planner.dp import RowSolution, every_row, row_times, solve_row, to_last
+from pl_pipedream.planner.level import (
     LevelCosts,
     LevelPairs,
-    RowSolution,
     all_pairs,
     ancestor_matrix,
-    every_row,
     level_pairs,
-    row_times,
-    solve_row,
-    to_last,
 )
 from pl_pipedream.planner.plan import Plan, PlanError, Stage, with_warmup
 from pl_pipedream.planner.states import MAX_STATES, PlanningGraph, StateSpaceError, planning_graph

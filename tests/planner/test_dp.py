@@ -22,22 +22,12 @@ import numpy as np
 import pytest
 
 from pl_pipedream.planner import optimize
-from pl_pipedream.planner.dp import (
-    LevelCosts,
-    RowSolution,
-    all_pairs,
-    ancestor_matrix,
-    every_row,
-    level_pairs,
-    row_times,
-    solve_row,
-    to_last,
-)
+from pl_pipedream.planner.dp import RowSolution, every_row, row_times, solve_row, to_last
+from pl_pipedream.planner.level import LevelCosts, all_pairs, ancestor_matrix, level_pairs
 from pl_pipedream.profile.graph import Profile
 
 INF = math.inf
 CHAIN = (0b0, 0b1, 0b11)  # ancestors of states 0, 1, 2 of a chain
-DIAMOND = (0b0, 0b1, 0b1, 0b111, 0b1111)  # a; a->b; a->c; (b, c); d
 
 
 def chain_costs(**changes: object) -> LevelCosts:
@@ -65,40 +55,6 @@ def chain_costs(**changes: object) -> LevelCosts:
         transfers=True,
     )
     return dataclasses.replace(costs, **changes)
-
-
-# ----- the antichain DAG as arrays ----------------------------------------------------------
-
-
-def test_ancestor_matrix_reads_the_bit_sets() -> None:
-    matrix = ancestor_matrix(DIAMOND)
-    expected = np.zeros((5, 5), dtype=bool)
-    for k, j in [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (0, 4), (1, 4), (2, 4), (3, 4)]:
-        expected[k, j] = True  # k precedes j
-    assert matrix.dtype == bool
-    assert np.array_equal(matrix, expected)
-    assert ancestor_matrix(()).shape == (0, 0)
-
-
-def test_ancestor_matrix_past_one_byte_of_states() -> None:
-    count = 11
-    matrix = ancestor_matrix(tuple((1 << j) - 1 for j in range(count)))
-    assert np.array_equal(matrix, np.triu(np.ones((count, count), dtype=bool), k=1))
-
-
-def test_all_pairs_are_grouped_by_the_later_state() -> None:
-    ks, js = all_pairs(ancestor_matrix(DIAMOND))
-    assert list(zip(ks.tolist(), js.tolist(), strict=True)) == [
-        (0, 1),
-        (0, 2),
-        (0, 3),
-        (1, 3),
-        (2, 3),
-        (0, 4),
-        (1, 4),
-        (2, 4),
-        (3, 4),
-    ]
 
 
 # ----- one row of the DP --------------------------------------------------------------------

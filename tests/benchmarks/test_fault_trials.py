@@ -45,9 +45,11 @@ def test_a_trial_passes_only_when_every_check_does() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_quick_run_kills_in_each_phase_and_every_check_holds(tmp_path: Path) -> None:
     """One SIGKILL in training, in validation and inside a save, on 2 ranks: the survivor exits
-    within the timeout naming the dead rank, nothing is left behind, last.ckpt loads."""
+    within the timeout naming the dead rank, nothing is left behind, last.ckpt loads.
+    A benchmark's quick run: ``pytest --bench`` or ``-m bench`` runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "fault_trials.py"), "--quick"]
     command += ["--out", str(tmp_path), "--timeout", "20"]

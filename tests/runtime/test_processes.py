@@ -178,6 +178,7 @@ def test_a_rank_still_running_after_the_deadline_fails_the_command() -> None:
     assert ERRORS_VARIABLE not in os.environ
 
 
+@pytest.mark.slow
 def test_an_agreed_exit_passes_and_a_failed_rank_is_named_with_its_error() -> None:
     agreed = RankProcesses.start(children("agree", "agree"), environment(), timeout=30)
     assert agreed.finish() == ("", 0)
@@ -214,6 +215,7 @@ RANK_0 = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_failure_while_rank_0_is_blocked_ends_every_rank_and_names_the_killed_one() -> None:
     """Rank 1 fails with a PeerError at once, rank 2 is SIGKILLed half a second later, rank 3
     and rank 0 hang: after the grace the watcher stops them all, prints the report with rank 2

@@ -174,8 +174,8 @@ def pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict,
 @pytest.mark.slow
 @pytest.mark.parametrize(("microbatches", "recompute"), [(1, False), (2, False), (2, True)])
 def test_flush_bf16_mixed_equals_one_device_and_differs_from_fp32(
-    tmp_path: Path, pipelines, microbatches: int, recompute: bool
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, pipelines: dict, microbatches: int, recompute: bool
+) -> None:
     one = tmp_path / "one"
     reference, reference_val = fit_and_validate(one, "bf16-mixed", accumulate=microbatches)
     fp32, _ = fit_and_validate(tmp_path / "fp32", "32-true", accumulate=microbatches)
@@ -192,8 +192,8 @@ def test_flush_bf16_mixed_equals_one_device_and_differs_from_fp32(
     [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)],
 )
 def test_flush_true_precision_equals_one_device(
-    tmp_path: Path, pipelines, precision: str, dtype: torch.dtype
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, pipelines: dict, precision: str, dtype: torch.dtype
+) -> None:
     reference, reference_val = fit_and_validate(tmp_path / "one", precision)
     got, val, _ = pipelines[precision]
     assert all(t.dtype == dtype for t in got.values())
@@ -202,7 +202,7 @@ def test_flush_true_precision_equals_one_device(
 
 
 @pytest.mark.slow
-def test_async_bf16_mixed_runs_its_forwards_in_autocast(pipelines) -> None:  # type: ignore[no-untyped-def]
+def test_async_bf16_mixed_runs_its_forwards_in_autocast(pipelines: dict) -> None:
     fp32, got = pipelines["async-32-true"][0], pipelines["async-bf16-mixed"][0]
     assert largest_difference(got, fp32) > 1e-3
     assert all(t.dtype == torch.float32 for t in got.values())
@@ -230,8 +230,8 @@ def fp16_plugin(device: str = "cpu") -> MixedPrecision:
 @pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_flush_16_mixed_has_one_loss_scale_that_evolves_as_one_devices(
-    tmp_path: Path, pipelines, microbatches: int
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, pipelines: dict, microbatches: int
+) -> None:
     one = tmp_path / "one"
     reference, _ = fit_and_validate(
         one, plugins=[fp16_plugin()], extra_callbacks=[RecordScale(one)], accumulate=microbatches

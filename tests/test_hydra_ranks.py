@@ -183,6 +183,7 @@ def test_the_ranks_share_one_world_and_the_environment_comes_back(
     assert not any(name in os.environ for name in RANK_VARIABLES if name != "MASTER_ADDR")
 
 
+@pytest.mark.slow
 def test_a_failed_child_fails_the_block(
     hydra_job: list[tuple], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,9 +32,11 @@ def test_the_default_rule_warns_on_a_blow_up_stops_on_nan_and_passes_a_descent()
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_quick_run_writes_curves_png_and_table(tmp_path: Path) -> None:
     """Issue 13's newcomer for 2 epochs: one device and flush learn, async does not (and the
-    default divergence rule warns on it; the benchmark runs with divergence="warn")."""
+    default divergence rule warns on it; the benchmark runs with divergence="warn").
+    A benchmark's quick run: ``pytest --bench`` or ``-m bench`` runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,

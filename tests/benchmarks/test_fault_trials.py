@@ -45,9 +45,11 @@ def test_a_trial_passes_only_when_every_check_does() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_quick_run_kills_in_each_phase_and_every_check_holds(tmp_path: Path) -> None:
     """One SIGKILL in training, in validation and inside a save, on 2 ranks: the survivor exits
-    within the timeout naming the dead rank, nothing is left behind, last.ckpt loads."""
+    within the timeout naming the dead rank, nothing is left behind, last.ckpt loads.
+    A benchmark's quick run: ``pytest --bench`` or ``-m bench`` runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "fault_trials.py"), "--quick"]
     command += ["--out", str(tmp_path), "--timeout", "20"]
@@ -72,9 +74,11 @@ def skip_if_lightning_killed_first(out: Path, rank: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_last_stage_killed_in_validation_is_named_by_the_first(tmp_path: Path) -> None:
     """3 ranks, rank 2 (the last stage) killed at a validation batch: rank 0 waits in the metrics
-    broadcast and names rank 2 (it printed gloo's bare "Connection reset by peer" before)."""
+    broadcast and names rank 2 (it printed gloo's bare "Connection reset by peer" before).
+    One trial of the benchmark's harness: ``pytest --bench`` or ``-m bench`` runs it."""
     trial = fault_trials.Trial(3, 2, "validation", 5, batch=1)
     fault_trials.run_trial(trial, tmp_path, timeout=20)
     assert trial.killed and trial.exit_seconds is not None and trial.exit_seconds < 20
@@ -85,10 +89,12 @@ def test_the_last_stage_killed_in_validation_is_named_by_the_first(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_a_writer_killed_in_a_save_is_named_by_every_other_writer(tmp_path: Path) -> None:
     """3 ranks, rank 2 killed halfway through its shard of a save: rank 0 (the lead) names it and
     passes the error on to rank 1, which named rank 0 before (it waited for the lead's
-    outcome); the previous last.ckpt (step 10) loads."""
+    outcome); the previous last.ckpt (step 10) loads.
+    One trial of the benchmark's harness: ``pytest --bench`` or ``-m bench`` runs it."""
     trial = fault_trials.Trial(3, 2, "checkpoint", 6)
     fault_trials.run_trial(trial, tmp_path, timeout=20)
     assert trial.killed and trial.exit_seconds is not None and trial.exit_seconds < 20

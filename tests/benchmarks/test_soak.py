@@ -35,9 +35,11 @@ def test_a_growing_series_is_not_flat_and_a_plateau_is() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_quick_soak_is_flat(tmp_path: Path) -> None:
     """400 async steps on 2 ranks with validation and checkpoints every 40: every rank's
-    resident memory, stash, file descriptors and threads are flat over the second half."""
+    resident memory, stash, file descriptors and threads are flat over the second half.
+    A benchmark's quick run: ``pytest --bench`` or ``-m bench`` runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "soak.py"), "--quick", "--out", str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=140)

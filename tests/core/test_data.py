@@ -3,6 +3,7 @@ would, in the same order, and a rank whose data differ stops at its first traini
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.data import Fingerprints, SameData, fingerprint, seed_loader
 from pl_pipedream.core.errors import PipelineDataError
+from tests.runtime.distributed import run
 from tests.strategy.test_lightning_features import Net
 
 SAMPLES = 16
@@ -48,7 +50,9 @@ class RecordBatches(Callback):
         torch.save(self.seen, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def fit(out: Path, devices: int, shuffle: bool, data=None, **settings) -> None:  # type: ignore[no-untyped-def]
+def fit(out: Path, devices: int, shuffle: bool, data=None, launched=False, **settings) -> None:  # type: ignore[no-untyped-def]
+    """Two epochs of ``DropoutNet`` on one device, or on a two-stage ``flush`` pipeline (spawned,
+    or in this process when ``launched``: it is one of the ranks already)."""
     kwargs = {
         "accelerator": "cpu",
         "devices": devices,
@@ -61,8 +65,9 @@ def fit(out: Path, devices: int, shuffle: bool, data=None, **settings) -> None: 
         **settings,
     }
     if devices > 1:
+        launcher = {} if launched else {"start_method": "spawn"}
         kwargs["strategy"] = PipeDreamStrategy(
-            sync="flush", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+            sync="flush", balance=[3, 3], microbatches=2, timeout=60, **launcher
         )
     loader = DataLoader(data or dataset(), batch_size=4, shuffle=shuffle)
     Trainer(**kwargs).fit(DropoutNet(), loader)
@@ -154,14 +159,33 @@ def test_seed_loader_seeds_an_unseeded_random_sampler_and_keeps_a_users_generato
 # ----- a real Trainer on two ranks -------------------------------------------------------------
 
 
+LOADERS = [(shuffle, sampler) for shuffle in (False, True) for sampler in (True, False)]
+
+
+def _every_loader(rank: int, world: int, out: str) -> None:
+    """The fits of every (shuffle, use_distributed_sampler) in turn, in one launch of 2 ranks."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    for shuffle, sampler in LOADERS:
+        folder = Path(out) / f"shuffle={shuffle}-sampler={sampler}"
+        fit(folder, world, shuffle, launched=True, use_distributed_sampler=sampler)
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("loaders")
+    for rank, (status, value) in run(2, _every_loader, str(out), timeout=600.0).items():
+        assert status == "ok", f"rank {rank}: {value}"
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("use_distributed_sampler", [True, False])
 def test_every_rank_iterates_the_batches_one_device_would(
-    tmp_path: Path, use_distributed_sampler: bool, shuffle: bool
+    tmp_path: Path, loaders: Path, use_distributed_sampler: bool, shuffle: bool
 ) -> None:
-    fit(tmp_path, 2, shuffle, use_distributed_sampler=use_distributed_sampler)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    folder = loaders / f"shuffle={shuffle}-sampler={use_distributed_sampler}"
+    ranks = [torch.load(folder / f"rank{r}.pt") for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == 2 * SAMPLES // 4
     for first, second in zip(*ranks, strict=True):
         assert torch.equal(first, second)

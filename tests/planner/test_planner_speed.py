@@ -13,7 +13,10 @@ sys.path.insert(0, str(BENCHMARKS))
 import planner_speed  # noqa: E402
 
 
+@pytest.mark.bench
 def test_every_topology_of_one_profile_and_the_verdict(capsys) -> None:
+    """The benchmark's quick run on one profile (``pytest --bench`` or ``-m bench`` runs it): its
+    verdict is a timing, which a busy machine can miss."""
     assert planner_speed.main(["--profile", "alexnet"])  # the published ones by default
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.startswith("alexnet ")]

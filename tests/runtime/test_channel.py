@@ -49,6 +49,7 @@ def _exchange(rank: int, world: int) -> list:
     return got
 
 
+@pytest.mark.slow
 def test_messages_keep_shapes_dtypes_the_loss_and_what_was_logged() -> None:
     results = run(2, _exchange)
     assert results[0] == ("ok", [[[1, 2], [3, 4]]])
@@ -75,6 +76,7 @@ def _wait_forever(rank: int, world: int) -> str:
     return "done"
 
 
+@pytest.mark.slow
 def test_a_missing_message_raises_naming_the_peer() -> None:
     results = run(2, _wait_forever)
     status, text = results[1]
@@ -119,6 +121,7 @@ def _resizing_stream(rank: int, world: int) -> list:
     return got
 
 
+@pytest.mark.slow
 def test_a_stream_resizes_and_repeated_sizes_cost_one_transfer() -> None:
     results = run(2, _resizing_stream)
     status, counts = results[0]
@@ -152,6 +155,7 @@ def _receive_left_posted(rank: int, world: int) -> list:
     return value
 
 
+@pytest.mark.slow
 def test_a_receive_left_posted_does_not_take_a_later_channels_message() -> None:
     results = run(2, _receive_left_posted)
     assert results[0][0] == "ok", results[0]
@@ -178,6 +182,7 @@ def _close_with_a_send_nobody_takes(rank: int, world: int) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_closing_after_a_failure_does_not_wait_for_sends() -> None:
     """A failed run closes without flushing: its peer may never receive. A flushing close still
     gives the process group back when the deadline passes."""
@@ -201,6 +206,7 @@ def _expect_after_the_peer_left(rank: int, world: int) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_a_receive_posted_ahead_after_the_peer_left_fails_only_when_awaited() -> None:
     """The last step of a run may post a receive whose message never comes; a peer that has
     finished and closed its connection must not turn that into an error."""

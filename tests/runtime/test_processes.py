@@ -164,13 +164,17 @@ def test_the_script_command_reruns_the_script_as_it_was_started(tmp_path: Path) 
 # ----- rank 0's side: finish ----------------------------------------------------------------------
 
 
-def test_a_rank_still_running_after_the_deadline_fails_the_command() -> None:
+def test_a_rank_still_running_after_the_deadline_fails_the_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deadline is the timeout plus ``FINISH_MARGIN`` (10 s; 0.5 s here, to keep it quick)."""
+    monkeypatch.setattr(ranks, "FINISH_MARGIN", 0.5)
     started = RankProcesses.start(children("hang"), environment(), timeout=0.5)
     began = time.monotonic()
     report, status = started.finish()
-    assert status == 1 and time.monotonic() - began < 0.5 + ranks.FINISH_MARGIN + 5
+    assert status == 1 and 1.0 <= time.monotonic() - began < 1.0 + 5
     assert report.splitlines()[0] == (
-        "pl-pipedream: rank 1 was stopped at the deadline, still running 10 s after rank 0 "
+        "pl-pipedream: rank 1 was stopped at the deadline, still running 1 s after rank 0 "
         "ended (killed by SIGTERM)"
     )
     assert started.procs[0].poll() is not None  # nothing left behind
@@ -178,6 +182,7 @@ def test_a_rank_still_running_after_the_deadline_fails_the_command() -> None:
     assert ERRORS_VARIABLE not in os.environ
 
 
+@pytest.mark.slow
 def test_an_agreed_exit_passes_and_a_failed_rank_is_named_with_its_error() -> None:
     agreed = RankProcesses.start(children("agree", "agree"), environment(), timeout=30)
     assert agreed.finish() == ("", 0)
@@ -214,6 +219,7 @@ RANK_0 = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_failure_while_rank_0_is_blocked_ends_every_rank_and_names_the_killed_one() -> None:
     """Rank 1 fails with a PeerError at once, rank 2 is SIGKILLed half a second later, rank 3
     and rank 0 hang: after the grace the watcher stops them all, prints the report with rank 2

@@ -57,17 +57,34 @@ def launch(
     )
 
 
+@pytest.fixture(scope="module")
+def every_mode(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``label`` -> the folder of one launch of ``fit_script.py`` on ``CASES[label]`` that fits
+    every sync mode with every optimizer in turn; launched once, at the first test that asks."""
+    folders: dict[str, Path] = {}
+
+    def folder(label: str) -> Path:
+        if label not in folders:
+            out = tmp_path_factory.mktemp(label.replace(" ", "-"))
+            balance, replicas, m = CASES[label]
+            configs = [f"{sync}:{name}" for sync in MODES for name in OPTIMIZERS]
+            result = launch(out, balance, replicas, m, configs)
+            assert result.returncode == 0, result.stderr[-3000:]
+            folders[label] = out
+        return folders[label]
+
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(CASES))
-def test_fit_then_consolidate_equals_the_oracle(tmp_path: Path, label: str) -> None:
+def test_fit_then_consolidate_equals_the_oracle(every_mode, label: str) -> None:  # type: ignore[no-untyped-def]
     balance, replicas, m = CASES[label]
-    configs = [f"{sync}:{name}" for sync in MODES for name in OPTIMIZERS]
-    result = launch(tmp_path, balance, replicas, m, configs)
-    assert result.returncode == 0, result.stderr[-3000:]
+    folder = every_mode(label)
     plan = Plan.from_balance(balance, replicas=replicas)
     for sync in MODES:
         for name, make_optimizer in OPTIMIZERS.items():
-            out = tmp_path / f"{sync}-{name}"
+            out = folder / f"{sync}-{name}"
             assert json.loads((out / "done.json").read_text())["global_step"] == NUM_BATCHES
             got = torch.load(out / "weights.pt")
             expected = oracle.train(
@@ -118,13 +135,14 @@ def test_strategy_by_name_plans_automatically(tmp_path: Path) -> None:
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs a process that may run on 2 cores",
 )
-def test_each_cpu_rank_trains_on_cores_of_its_own_and_gets_all_back(tmp_path: Path) -> None:
+def test_each_cpu_rank_trains_on_cores_of_its_own_and_gets_all_back(every_mode) -> None:  # type: ignore[no-untyped-def]
+    """Read from the oracle test's launch on 2 stages (``[3, 3]``, 2 microbatches), whose fits
+    ran in turn in the same processes: every fit binds again."""
     pool = sorted(os.sched_getaffinity(0))
-    result = launch(tmp_path, [3, 3], None, 2, ["async:sgd", "flush:sgd"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    folder = every_mode("2 stages")
     share = len(pool) // 2
-    for sync in ("async", "flush"):  # the second fit in the same processes binds again
-        out = tmp_path / f"{sync}-sgd"
+    for sync in ("async", "flush"):
+        out = folder / f"{sync}-sgd"
         for rank in range(2):
             record = json.loads((out / f"cpus-rank{rank}.json").read_text())
             assert record["binding"] == pool[rank * share : (rank + 1) * share]

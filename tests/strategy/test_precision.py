@@ -10,6 +10,7 @@ cannot honour stop at setup.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from pl_pipedream.strategy.precision import (
     share_found_inf,
     stage_precision,
 )
+from tests.runtime.distributed import run
 from tests.runtime.test_executor import loss_fn
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
@@ -66,6 +68,7 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
     extra_callbacks=(),
     accumulate: int = 1,
     gpu: bool = False,
+    launched: bool = False,
     **strategy_settings,
 ):
     """The weights after a fit of ``EvaluatedNet`` (SGD), in the dtype they were trained in,
@@ -73,7 +76,9 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
     accumulating the gradients of ``accumulate`` slices of each batch (what a pipeline of as
     many microbatches computes); else a two-stage pipeline (spawn; one microbatch per batch
     unless ``microbatches`` is given). With ``gpu``, on CUDA: the two ranks on two GPUs, or
-    both on the one GPU there is (over gloo: NCCL refuses two ranks on one device)."""
+    both on the one GPU there is (over gloo: NCCL refuses two ranks on one device). With
+    ``launched``, this process is already one of the two ranks (``pipelines``): the weights are
+    this rank's stage's alone."""
     out.mkdir(parents=True, exist_ok=True)
     model = EvaluatedNet(optimizer="sgd")
     settings = {"plugins": list(plugins)} if plugins else {"precision": precision}
@@ -95,9 +100,8 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
         slices = DataLoader(loader(2).dataset, batch_size=4 // accumulate, shuffle=False)
         run.fit(model, slices, loader(2))
         return model.state_dict(), float(run.callback_metrics["val_loss"])
-    strategy = PipeDreamStrategy(
-        balance=[3, 3], start_method="spawn", timeout=120, **strategy_settings
-    )
+    launcher = {} if launched else {"start_method": "spawn"}
+    strategy = PipeDreamStrategy(balance=[3, 3], timeout=120, **launcher, **strategy_settings)
     callbacks = [SaveStage(out), *extra_callbacks]
     run = trainer(
         devices=devices,
@@ -108,6 +112,8 @@ def fit_and_validate(  # type: ignore[no-untyped-def]
     )
     run.fit(model, loader(2), loader(2))  # validated in the ranks, at the end of the epoch
     val_loss = float(run.callback_metrics["val_loss"])
+    if launched:
+        return torch.load(out / f"stage-rank{run.global_rank}.pt"), val_loss
     stages = [torch.load(out / f"stage-rank{rank}.pt") for rank in (0, 1)]
     return {k: t for stage in stages for k, t in stage.items()}, val_loss
 
@@ -118,18 +124,62 @@ def largest_difference(got: dict, expected: dict) -> float:
     )
 
 
+# Every two-rank pipeline the slow tests below compare, trained in turn in one launch of two
+# ranks (``pipelines``): name -> (precision, or "16-mixed-scaled" for ``fp16_plugin``, strategy).
+PIPELINES = {
+    **{
+        f"bf16-mixed-m{m}{'-recompute' if recompute else ''}": (
+            "bf16-mixed",
+            {"sync": "flush", "microbatches": m, "recompute": recompute},
+        )
+        for m, recompute in ((1, False), (2, False), (2, True))
+    },
+    **{
+        precision: (precision, {"sync": "flush"})
+        for precision in ("bf16-true", "16-true", "64-true")
+    },
+    "async-32-true": ("32-true", {"sync": "async", "microbatches": 2}),
+    "async-bf16-mixed": ("bf16-mixed", {"sync": "async", "microbatches": 2}),
+    **{f"16-mixed-m{m}": ("16-mixed-scaled", {"sync": "flush", "microbatches": m}) for m in (1, 2)},
+}
+
+
+def _every_pipeline(rank: int, world: int, out: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    results = {}
+    for name, (precision, settings) in PIPELINES.items():
+        folder = Path(out) / name
+        if precision == "16-mixed-scaled":
+            scaled = {"plugins": [fp16_plugin()], "extra_callbacks": [RecordScale(folder)]}
+            results[name] = fit_and_validate(folder, launched=True, **scaled, **settings)
+        else:
+            results[name] = fit_and_validate(folder, precision, launched=True, **settings)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, float, Path]]:
+    """name -> (both stages' weights, rank 0's validation loss, the run's folder)."""
+    out = tmp_path_factory.mktemp("precision")
+    results = run(2, _every_pipeline, str(out), timeout=900.0)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    first, second = results[0][1], results[1][1]
+    return {
+        name: ({**first[name][0], **second[name][0]}, first[name][1], out / name)
+        for name in PIPELINES
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("microbatches", "recompute"), [(1, False), (2, False), (2, True)])
 def test_flush_bf16_mixed_equals_one_device_and_differs_from_fp32(
-    tmp_path: Path, microbatches: int, recompute: bool
+    tmp_path: Path, pipelines: dict, microbatches: int, recompute: bool
 ) -> None:
     one = tmp_path / "one"
     reference, reference_val = fit_and_validate(one, "bf16-mixed", accumulate=microbatches)
     fp32, _ = fit_and_validate(tmp_path / "fp32", "32-true", accumulate=microbatches)
-    pipe = tmp_path / "pipe"
-    got, val = fit_and_validate(
-        pipe, "bf16-mixed", sync="flush", microbatches=microbatches, recompute=recompute
-    )
+    got, val, _ = pipelines[f"bf16-mixed-m{microbatches}{'-recompute' if recompute else ''}"]
     assert largest_difference(got, reference) <= BF16_TOLERANCE
     assert abs(val - reference_val) <= BF16_TOLERANCE
     assert largest_difference(got, fp32) > 1e-3  # the flag is not ignored
@@ -142,19 +192,18 @@ def test_flush_bf16_mixed_equals_one_device_and_differs_from_fp32(
     [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)],
 )
 def test_flush_true_precision_equals_one_device(
-    tmp_path: Path, precision: str, dtype: torch.dtype
+    tmp_path: Path, pipelines: dict, precision: str, dtype: torch.dtype
 ) -> None:
     reference, reference_val = fit_and_validate(tmp_path / "one", precision)
-    got, val = fit_and_validate(tmp_path / "pipe", precision, sync="flush")
+    got, val, _ = pipelines[precision]
     assert all(t.dtype == dtype for t in got.values())
     assert largest_difference(got, reference) <= TRUE_TOLERANCE
     assert abs(val - reference_val) <= TRUE_TOLERANCE
 
 
 @pytest.mark.slow
-def test_async_bf16_mixed_runs_its_forwards_in_autocast(tmp_path: Path) -> None:
-    fp32, _ = fit_and_validate(tmp_path / "fp32", "32-true", sync="async", microbatches=2)
-    got, _ = fit_and_validate(tmp_path / "bf16", "bf16-mixed", sync="async", microbatches=2)
+def test_async_bf16_mixed_runs_its_forwards_in_autocast(pipelines: dict) -> None:
+    fp32, got = pipelines["async-32-true"][0], pipelines["async-bf16-mixed"][0]
     assert largest_difference(got, fp32) > 1e-3
     assert all(t.dtype == torch.float32 for t in got.values())
 
@@ -181,19 +230,13 @@ def fp16_plugin(device: str = "cpu") -> MixedPrecision:
 @pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_flush_16_mixed_has_one_loss_scale_that_evolves_as_one_devices(
-    tmp_path: Path, microbatches: int
+    tmp_path: Path, pipelines: dict, microbatches: int
 ) -> None:
-    one, pipe = tmp_path / "one", tmp_path / "pipe"
+    one = tmp_path / "one"
     reference, _ = fit_and_validate(
         one, plugins=[fp16_plugin()], extra_callbacks=[RecordScale(one)], accumulate=microbatches
     )
-    got, _ = fit_and_validate(
-        pipe,
-        plugins=[fp16_plugin()],
-        extra_callbacks=[RecordScale(pipe)],
-        sync="flush",
-        microbatches=microbatches,
-    )
+    got, _, pipe = pipelines[f"16-mixed-m{microbatches}"]
     per_batch = json.loads((one / "scale-rank0.json").read_text())
     expected = per_batch[microbatches - 1 :: microbatches]  # after each optimizer step
     assert min(expected) < 2.0**17 and max(expected) > min(expected)  # skipped, and grew

@@ -312,6 +312,7 @@ def _posted_bytes(rank: int, world: int) -> list:
     return [out, channel.peak_received_bytes]
 
 
+@pytest.mark.slow
 def test_the_receives_posted_ahead_are_counted() -> None:
     """One receive posted ahead per link holds a frame of the link's size (the header's until
     the first resize notice)."""

@@ -21,11 +21,6 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   ``forward(example_input_array)`` on every rank, where other stages' layers are on ``meta``.
 * torchmetrics' ``Metric.sync_on_compute``: a metric would gather its state over every rank on
   ``compute()``, but only the last stage's first replica evaluates.
-* Called as Lightning calls them: ``trainer.call._call_callback_hooks`` and
-  ``_call_lightning_module_hook`` (a hook on every callback, then on the module), and
-  ``Precision._after_closure`` (``on_before_optimizer_step``, then clipping through
-  ``configure_gradient_clipping``): the modes that update inside the pipeline run the hooks of
-  gradient work at each of their updates, where Lightning's own optimizer step never comes.
 * ``_AcceleratorConnector.use_distributed_sampler`` (which ``_DataConnector.
   _requires_distributed_sampler`` reads): Lightning would replace each DataLoader's sampler by a
   ``DistributedSampler`` that shuffles every training loader; every stage must see the batches
@@ -46,7 +41,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
   ``_WorkerOutput`` (the spawn launcher), ``_hydra_subprocess_cmd`` (a Hydra script's child
-  command), ``_set_num_threads_if_needed``, ``_init_dist_connection``.
+  command), ``_set_num_threads_if_needed``.
 """
 
 from __future__ import annotations
@@ -57,16 +52,12 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
-from lightning.fabric.utilities.distributed import (
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-)
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
@@ -79,13 +70,10 @@ __all__ = [
     "MultiProcessingLauncher",
     "attached_trainer",
     "SubprocessScriptLauncher",
-    "before_optimizer_step",
-    "call_hook",
     "capture_logs",
     "WorkerOutput",
     "clip_by_global_norm",
     "first_training_batch",
-    "init_dist_connection",
     "check_sigterm_per_rank",
     "slurm_requeue",
     "hydra_child_command",
@@ -101,7 +89,6 @@ __all__ = [
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 MultiProcessingLauncher = _MultiProcessingLauncher
 WorkerOutput = _WorkerOutput
-init_dist_connection = _init_dist_connection
 
 SUPPORTED = "lightning>=2.6,<2.7"
 
@@ -264,25 +251,6 @@ def stop_metric_sync(module: nn.Module) -> None:
             metric.sync_on_compute = False
             if hasattr(metric, "_to_sync"):
                 metric._to_sync = False
-
-
-def call_hook(trainer: Any, name: str, *args: Any) -> None:
-    """Run hook ``name`` on every callback, then on the LightningModule, as Lightning's loops
-    do (``call._call_callback_hooks``, ``call._call_lightning_module_hook``: each sets the
-    module's ``_current_fx_name``, so ``self.log`` inside the hook is checked for that hook)."""
-    _require(call, "_call_callback_hooks", "lightning.pytorch.trainer.call")
-    _require(call, "_call_lightning_module_hook", "lightning.pytorch.trainer.call")
-    call._call_callback_hooks(trainer, name, *args)
-    call._call_lightning_module_hook(trainer, name, *args)
-
-
-def before_optimizer_step(trainer: Any, optimizer: Any) -> None:
-    """What Lightning runs between a backward and ``optimizer.step``
-    (``Precision._after_closure``): ``on_before_optimizer_step`` on callbacks and module, then
-    ``configure_gradient_clipping`` with the Trainer's clipping settings."""
-    precision = trainer.strategy.precision_plugin
-    after_closure = _require(precision, "_after_closure", type(precision).__name__)
-    after_closure(trainer.lightning_module, optimizer)
 
 
 def log_step_value(module: Any, name: str, value: Tensor) -> None:

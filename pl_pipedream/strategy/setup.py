@@ -24,6 +24,7 @@ from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.materialize import materialize
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
+    join_process_group,
     keep_local_parameters,
     move_to_device,
     process_group_backend,
@@ -165,7 +166,11 @@ def set_up_environment(strategy: Any) -> None:
     if strategy.retain_freed_memory and on_cpu:
         retain_freed_memory()
     timeout = timedelta(seconds=strategy.timeout)
-    lightning_patches.init_dist_connection(environment, backend, timeout=timeout)
+    rank, world = environment.global_rank(), environment.world_size()
+    join_process_group(
+        environment.main_address, environment.main_port, rank, world, backend, timeout
+    )
+    rank_zero_info(f"PipeDreamStrategy: {world} processes joined (backend: {backend})")
     if strategy.bind_cpus and on_cpu:
         node = range(node_rank * processes, (node_rank + 1) * processes)
         bound = bind_to_cpu_share(strategy.global_rank, strategy.world_size, node)

@@ -47,6 +47,7 @@ from pl_pipedream.strategy.precision import (
     convert_stage,
     stage_precision,
 )
+from pl_pipedream.strategy.preemption import stop_fit
 from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
 
 __all__ = ["build_pipeline", "end_fit", "set_up", "set_up_environment", "tear_down"]
@@ -106,7 +107,9 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         clip,
         strategy.evaluation.metrics_source,
         strategy.runner.executor.channel.flush,
-        lambda: strategy.preemption.at_step(trainer, strategy),
+        lambda: strategy.preemption.at_step(
+            strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
+        ),
     )
 
 

@@ -7,12 +7,14 @@ CUDA tensors and gloo for CPU ones (``process_group_backend``). On CPU, each ran
 equal share of the cores its node's ranks may all use (``runtime.affinity``): the kernel could
 otherwise run two busy stages on one core while another idles, and the whole pipeline would run
 at that core's pace. ``join_process_group`` joins the default process group from the cluster
-environment's address, port, rank and world size.
+environment's address, port, rank and world size; ``share_threads`` gives each of a node's ranks
+an equal share of the cores for its threads.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -30,6 +32,7 @@ __all__ = [
     "keep_local_parameters",
     "move_to_device",
     "process_group_backend",
+    "share_threads",
 ]
 
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
@@ -53,6 +56,18 @@ def join_process_group(
     )
     if backend == "nccl":
         atexit.register(_leave_process_group)
+
+
+def share_threads(num_processes: int) -> None:
+    """Unless ``OMP_NUM_THREADS`` is set, give this process (and, through the variable, the
+    ranks it starts) 1/``num_processes`` of the cores it may run on, as Lightning's launchers do:
+    one rank's intra-op threads would otherwise take every core from the others."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = current_cpus()
+    threads = max(1, (len(cpus) if cpus is not None else os.cpu_count() or 1) // num_processes)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def _leave_process_group() -> None:

@@ -40,8 +40,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
-  ``_WorkerOutput`` (the spawn launcher), ``_hydra_subprocess_cmd`` (a Hydra script's child
-  command), ``_set_num_threads_if_needed``.
+  ``_WorkerOutput`` (the spawn launcher).
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
@@ -76,8 +73,6 @@ __all__ = [
     "first_training_batch",
     "check_sigterm_per_rank",
     "slurm_requeue",
-    "hydra_child_command",
-    "set_num_threads",
     "keep_user_samplers",
     "layer_sync",
     "patch_for_pipeline",
@@ -167,28 +162,6 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         connector = trainer._signal_connector
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
-
-
-def hydra_child_command(local_rank: int) -> tuple[list[str], str] | None:
-    """The command and working directory of local rank ``local_rank`` of a script that runs
-    under Hydra, as Lightning's script launcher builds them (``lightning.fabric.strategies.
-    launchers.subprocess_script._hydra_subprocess_cmd``: the same run directory, no second
-    config copy); None when Hydra is not running."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return None
-    if not HydraConfig.initialized():
-        return None
-    command, cwd = _hydra_subprocess_cmd(local_rank)
-    return list(command), cwd
-
-
-def set_num_threads(num_processes: int) -> None:
-    """Share the CPU's threads among ``num_processes`` ranks when ``OMP_NUM_THREADS`` is unset,
-    as Lightning's launchers do (``lightning.fabric.utilities.distributed.
-    _set_num_threads_if_needed``)."""
-    _set_num_threads_if_needed(num_processes=num_processes)
 
 
 def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], None]) -> None:

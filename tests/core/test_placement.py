@@ -17,6 +17,7 @@ from pl_pipedream.core.placement import (
     keep_local_parameters,
     move_to_device,
     process_group_backend,
+    share_threads,
 )
 from pl_pipedream.runtime.affinity import bind_threads, current_cpus
 from tests.runtime.distributed import free_port, one_rank_group, run
@@ -117,3 +118,18 @@ def test_join_process_group_joins_once_from_the_address_port_rank_and_world() ->
         assert dict(os.environ) == before  # no MASTER_ADDR / MASTER_PORT written
     finally:
         dist.destroy_process_group()
+
+
+def test_share_threads_splits_the_cores_unless_omp_num_threads_is_set(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS")  # recorded, so that the value written below goes too
+    try:
+        share_threads(2)
+        expected = max(1, len(current_cpus() or range(os.cpu_count() or 1)) // 2)
+        assert os.environ["OMP_NUM_THREADS"] == str(expected) == str(torch.get_num_threads())
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        share_threads(2)
+        assert os.environ["OMP_NUM_THREADS"] == "7"  # the user's setting stays
+    finally:
+        torch.set_num_threads(threads)

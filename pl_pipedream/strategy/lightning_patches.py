@@ -34,9 +34,8 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
-  training batch, to plan with) and ``LightningModule._trainer`` (whether a module being torn
-  down is attached to a trainer that was interrupted; ``.trainer`` raises when it is not).
+  refused before launch, ``core.arguments``), and ``_FitLoop._data_source`` (the first
+  training batch, to plan with).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
@@ -65,7 +64,6 @@ from pl_pipedream.runtime.trees import map_tensors
 
 __all__ = [
     "MultiProcessingLauncher",
-    "attached_trainer",
     "SubprocessScriptLauncher",
     "capture_logs",
     "WorkerOutput",
@@ -281,12 +279,6 @@ def first_training_batch(trainer: Any) -> Any | None:
     if source is None or not source.is_defined():
         return None
     return next(iter(source.dataloader()))
-
-
-def attached_trainer(module: Any) -> Any | None:
-    """The trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public
-    ``trainer`` property raises on a module without one)."""
-    return getattr(module, "_trainer", None)
 
 
 def _cpu(value: Any) -> Any:

@@ -50,7 +50,14 @@ from pl_pipedream.strategy.precision import (
 from pl_pipedream.strategy.preemption import stop_fit
 from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
 
-__all__ = ["build_pipeline", "end_fit", "set_up", "set_up_environment", "tear_down"]
+__all__ = [
+    "attached_trainer",
+    "build_pipeline",
+    "end_fit",
+    "set_up",
+    "set_up_environment",
+    "tear_down",
+]
 
 
 def set_up(strategy: Any, trainer: pl.Trainer) -> None:
@@ -184,7 +191,7 @@ def tear_down(strategy: Any) -> None:
     """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
     pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
     rank's cores given back."""
-    trainer = lightning_patches.attached_trainer(strategy.lightning_module)
+    trainer = attached_trainer(strategy.lightning_module)
     failed = trainer is not None and trainer.interrupted
     strategy.preemption.finish(failed)
     if strategy.runner is not None:
@@ -195,6 +202,16 @@ def tear_down(strategy: Any) -> None:
     if strategy._unbound_cpus is not None:
         bind_threads(strategy._unbound_cpus)
         strategy._unbound_cpus = strategy.cpu_binding = None
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """The trainer ``module`` is attached to, or None (the ``trainer`` property raises)."""
+    if module is None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
 
 
 def end_fit(strategy: Any) -> None:

@@ -186,13 +186,6 @@ def test_lightning_keeps_the_data_source_on_the_fit_loop() -> None:
     assert trainer().is_last_batch is False
 
 
-def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
-    module, run_trainer = Model(), trainer()
-    assert patches.attached_trainer(module) is None and patches.attached_trainer(None) is None
-    module.trainer = run_trainer
-    assert patches.attached_trainer(module) is run_trainer
-
-
 def test_outside_fit_there_is_no_first_training_batch() -> None:
     assert patches.first_training_batch(trainer()) is None
 

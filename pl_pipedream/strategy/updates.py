@@ -187,7 +187,7 @@ def step_after_hooks(
         restore()
         copied.append(update.step(optimizer, targets))
 
-    optimizer.step = stand_in  # type: ignore[method-assign]
+    optimizer.step = stand_in  # type: ignore[method-assign, assignment]
     try:
         precision.optimizer_step(optimizer, model=module, closure=_no_backward)
     finally:

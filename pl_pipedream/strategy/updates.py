@@ -77,13 +77,14 @@ class PipelineUpdates(StageUpdates):
     a step (clipping included, per stage)."""
 
     steps_in_pipeline = True
+    _no_loss = torch.zeros(())  # what post_backward takes for a loss: an update has none
 
     def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
         params = dict(self.module.named_parameters())
         for name, param in params.items():
             param.grad = gradients.get(name)
         precision, module = self.trainer.precision_plugin, self.trainer.lightning_module
-        precision.post_backward(torch.zeros(()), module)  # on_after_backward (takes a loss)
+        precision.post_backward(self._no_loss, module)  # on_after_backward
         targets: dict[Tensor, Tensor] = {params[name]: t for name, t in storage.items()}
         optimizers = self.optimizers()
         stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}

@@ -9,7 +9,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: rank 0 broadcasts a SIGTERM flag before
   every training step; that collective would put every stage in lock-step. Each rank checks its
-  own flag instead, and runs the preemption check there (``strategy.preemption``).
+  own flag instead, and runs the preemption agreement there (``core.preemption``).
 * Preemption: ``_SignalConnector._slurm_sigusr_handler_fn`` (Lightning's SLURM requeue, run at
   the agreed step rather than in the handler).
 * ``_LoggerConnector.update_eval_epoch_metrics``: metrics are logged on the last stage only; every
@@ -28,8 +28,9 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 * ``_ResultCollection.update_metrics`` (``trainer._results``) and ``_LoggerConnector.
   _current_fx``: the strategy logs ``train_loss`` at every step; after the first step of an
   epoch it updates the registered metric directly (``log_step_value``), which skips the
-  per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
-  per step, measured; docs/performance.md).
+  per-call checks and device moves of ``LightningModule.log``, the public way, which costs
+  about a third of a millisecond per call, 11 times the update in place
+  (``benchmarks/log_cost.py``; docs/performance.md).
 * ``LightningModule.log`` (an instance attribute, while the strategy runs ``training_step`` on the
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).

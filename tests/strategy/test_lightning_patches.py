@@ -335,3 +335,26 @@ def test_capture_logs_sees_every_log_and_log_dict_call_then_puts_log_back() -> N
         model.log_dict({"b": 2.0, "c": 3.0}, prog_bar=True)  # Lightning's log_dict calls log
     assert seen == [("a", 1.0, False), ("b", 2.0, True), ("c", 3.0, True)]
     assert "log" not in model.__dict__
+
+
+# ----- internals with a public replacement stay out of the package ------------------------------
+
+REPLACED = (
+    "_after_closure",  # the precision plugin's post_backward and optimizer_step (updates.py)
+    "_call_callback_hooks",
+    "_call_lightning_module_hook",
+    "_init_dist_connection",  # torch.distributed.init_process_group (core/placement.py)
+    "_set_num_threads_if_needed",  # core/placement.share_threads
+    "_hydra_subprocess_cmd",  # Hydra's HydraConfig (strategy/launcher.py)
+    "._trainer",  # LightningModule.trainer
+)
+
+
+def test_no_module_uses_a_lightning_internal_that_has_a_public_replacement() -> None:
+    from pathlib import Path
+
+    package = Path(patches.__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        used = [name for name in REPLACED if name in source]
+        assert not used, f"{path.relative_to(package)} uses {used}"

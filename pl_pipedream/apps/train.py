@@ -14,7 +14,7 @@ Before any rank starts, ``main`` merges ``smoke_settings`` over the config when 
 (``apply_smoke``: a recipe's reduced run for this machine) and refuses a config that asks for
 hardware this machine does not have (``check_machine``). At the end of ``train`` rank 0 writes
 ``results.json`` (config, seed, metrics, plan, wall time, versions, git commit) into the output
-directory (``write_results``).
+directory (``apps.results.write_results``).
 
 Cluster topologies describe the target machines, while ``trainer.devices`` says how many
 processes actually run. When the two differ the plan is made for the part of the cluster those
@@ -23,11 +23,8 @@ processes would occupy, filled innermost first (``topology_for_devices``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -39,6 +36,7 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pl_pipedream.apps.results import write_results
 from pl_pipedream.hydra_ranks import other_ranks
 from pl_pipedream.planner.topology import Topology, TopologyError, fill_innermost
 
@@ -51,7 +49,6 @@ __all__ = [
     "num_processes",
     "topology_for_devices",
     "train",
-    "write_results",
 ]
 
 log = logging.getLogger(__name__)
@@ -138,7 +135,7 @@ def _written(path: Path) -> float | None:
     return description.stat().st_mtime if description.is_file() else None
 
 
-# ----- smoke runs, the machine, the results file --------------------------------------------------
+# ----- smoke runs and the machine ---------------------------------------------------------------
 
 
 class MachineError(RuntimeError):
@@ -238,79 +235,6 @@ def check_machine(
                 f"{part.num_workers}, {shown}); give the layout by hand (strategy.balance=[...]) "
                 "or plan for this machine's links (cluster=local)"
             )
-
-
-def write_results(
-    cfg: DictConfig, metrics: Mapping[str, float], plan: Any, wall_time: float
-) -> Path:
-    """Write ``results.json`` into ``cfg.output_dir``: what a run was and what it gave.
-
-    The composed config (resolved, smoke settings merged), the seed, the final metrics, the plan
-    (stages and layers per stage, and the whole plan as the strategy made it), the wall time of
-    ``train`` in seconds, the versions of Python, torch, Lightning and this package, and the git
-    commit of the package's checkout (null when it is not one).
-    """
-    import lightning
-    import torch
-
-    import pl_pipedream
-
-    summary = None
-    if plan is not None:
-        summary = {
-            "stages": plan.num_stages,
-            "balance": [len(stage.nodes) for stage in plan.stages],
-            "replicas": [stage.replicas for stage in plan.stages],
-            "shape": plan.shape,
-            "full": plan.to_dict(),
-        }
-    results = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "seed": cfg.get("seed"),
-        "metrics": dict(metrics),
-        "plan": summary,
-        "wall_time_s": wall_time,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "pl_pipedream": pl_pipedream.__version__,
-        },
-        "git_commit": _git_commit(Path(pl_pipedream.__file__).resolve().parent),
-    }
-    path = Path(cfg.output_dir) / "results.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    return path
-
-
-def _git_commit(folder: Path) -> str | None:
-    """The commit checked out where the package ``folder`` lives, or None when git does not
-    track the package there.
-
-    A package installed into a virtual environment inside a clone (``.venv/lib/.../site-packages``)
-    lies in that clone's working tree too, yet its code is whatever ``pip install`` copied, which
-    ``HEAD`` does not describe: only a package file git tracks is.
-    """
-    if _git(folder, "ls-files", "--error-unmatch", "--", "__init__.py") is None:
-        return None
-    commit = _git(folder, "rev-parse", "HEAD")
-    return commit if commit is not None and len(commit) == 40 else None
-
-
-def _git(folder: Path, *arguments: str) -> str | None:
-    """``git -C folder arguments``'s output, or None when git fails or is missing."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(folder), *arguments],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 # ----- topology and pipeline ----------------------------------------------------------------------

@@ -6,13 +6,18 @@ device, and the optimizers keep only those parameters. On a GPU the process grou
 CUDA tensors and gloo for CPU ones (``process_group_backend``). On CPU, each rank is bound to an
 equal share of the cores its node's ranks may all use (``runtime.affinity``): the kernel could
 otherwise run two busy stages on one core while another idles, and the whole pipeline would run
-at that core's pace.
+at that core's pace. ``join_process_group`` joins the default process group from the cluster
+environment's address, port, rank and world size; ``share_threads`` gives each of a node's ranks
+an equal share of the cores for its threads.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import warnings
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,9 +26,53 @@ from torch.optim import Optimizer
 
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus
 
-__all__ = ["bind_to_cpu_share", "keep_local_parameters", "move_to_device", "process_group_backend"]
+__all__ = [
+    "bind_to_cpu_share",
+    "join_process_group",
+    "keep_local_parameters",
+    "move_to_device",
+    "process_group_backend",
+    "share_threads",
+]
 
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def join_process_group(
+    address: str, port: int, rank: int, world_size: int, backend: str, timeout: timedelta
+) -> None:
+    """Join the default process group through a TCP store at ``address:port`` (rank 0 serves
+    it), unless this process already belongs to one. A group that is NCCL alone is destroyed at
+    exit, as torch asks of NCCL groups."""
+    if dist.is_initialized():
+        return
+    host = f"[{address}]" if ":" in address else address  # an IPv6 address
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    if backend == "nccl":
+        atexit.register(_leave_process_group)
+
+
+def share_threads(num_processes: int) -> None:
+    """Unless ``OMP_NUM_THREADS`` is set, give this process (and, through the variable, the
+    ranks it starts) 1/``num_processes`` of the cores it may run on, as Lightning's launchers do:
+    one rank's intra-op threads would otherwise take every core from the others."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = current_cpus()
+    threads = max(1, (len(cpus) if cpus is not None else os.cpu_count() or 1) // num_processes)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def process_group_backend(device: torch.device, given: str | None) -> str:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy import lightning_patches
-from pl_pipedream.strategy.step_logs import StepLogCapture
+from pl_pipedream.strategy.step_logs import LOSS_NAME, StepLogCapture
 
 __all__ = [
     "TrainingBatch",
@@ -110,16 +110,17 @@ class TrainingBatch:
             )
         return loss
 
-    def log_loss(self, finished: float | None, device: torch.device) -> Tensor:
-        """Log ``train_loss``: ``finished``, the mean loss of the newest batch whose backward
-        passes have all finished (``PipelineRunner.loss``, the same on every rank). Returns it,
-        as ``training_step`` must return a tensor; while the pipeline is still filling for the
-        first time there is none: nothing is logged and the tensor returned is NaN."""
+    def log_loss(self, finished: float | None, device: torch.device, log: bool = True) -> Tensor:
+        """Log ``train_loss`` (unless not ``log``): ``finished``, the mean loss of the newest
+        batch whose backward passes have all finished (``PipelineRunner.loss``, the same on every
+        rank). Returns it, as ``training_step`` must return a tensor; while the pipeline is still
+        filling for the first time there is none: nothing is logged and the tensor returned is
+        NaN."""
         if finished is None:
             return torch.tensor(float("nan"), device=device)
-        value = finished
-        loss = torch.tensor(value, device=device)
-        lightning_patches.log_step_value(self.module, "train_loss", loss)
+        loss = torch.tensor(finished, device=device)
+        if log:
+            lightning_patches.log_step_value(self.module, LOSS_NAME, loss)
         return loss
 
 

@@ -14,6 +14,7 @@ LightningModule's names.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -24,16 +25,40 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_pipedream.core.checkpoint import merge_states
+from pl_pipedream.core.placement import share_threads
 from pl_pipedream.runtime.processes import RankProcesses, record_uncaught_errors, script_command
 from pl_pipedream.strategy.lightning_patches import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
     WorkerOutput,
-    hydra_child_command,
-    set_num_threads,
 )
 
-__all__ = ["PipelineScriptLauncher", "PipelineSpawnLauncher"]
+__all__ = ["PipelineScriptLauncher", "PipelineSpawnLauncher", "hydra_child_command"]
+
+
+def hydra_child_command(local_rank: int) -> tuple[list[str], str] | None:
+    """The command and working directory of local rank ``local_rank`` of a script that runs
+    under Hydra (``HydraConfig``, Hydra's public API), as Lightning's script launcher builds
+    them: the same script or module and overrides, in the same run directory, without a second
+    copy of the config; None when Hydra is not running."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.utils import get_original_cwd, to_absolute_path
+    except ImportError:
+        return None
+    if not HydraConfig.initialized():
+        return None
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    script = [to_absolute_path(sys.argv[0])] if spec is None else ["-m", spec.name]
+    command = [sys.executable, *script, *sys.argv[1:]]
+    command += [
+        f'hydra.run.dir="{HydraConfig.get().run.dir}"',
+        f"hydra.job.name=train_ddp_process_{local_rank}",
+        "hydra.output_subdir=null",
+    ]
+    return command, get_original_cwd()
 
 
 class PipelineScriptLauncher(SubprocessScriptLauncher):
@@ -56,7 +81,7 @@ class PipelineScriptLauncher(SubprocessScriptLauncher):
             record_uncaught_errors(self._first_rank() + environment.local_rank())
         else:
             self._start_other_ranks()
-        set_num_threads(self.num_processes)
+        share_threads(self.num_processes)
         return function(*args, **kwargs)
 
     @override
@@ -81,7 +106,7 @@ class PipelineScriptLauncher(SubprocessScriptLauncher):
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         commands, cwd = [], None
         for local_rank in range(1, self.num_processes):
-            hydra = hydra_child_command(local_rank)  # a Hydra script: Lightning's command
+            hydra = hydra_child_command(local_rank)  # a Hydra script
             command, cwd = hydra if hydra is not None else (script_command(), None)
             commands.append(command)
         self.ranks = RankProcesses.start(

@@ -9,7 +9,7 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: rank 0 broadcasts a SIGTERM flag before
   every training step; that collective would put every stage in lock-step. Each rank checks its
-  own flag instead, and runs the preemption check there (``strategy.preemption``).
+  own flag instead, and runs the preemption agreement there (``core.preemption``).
 * Preemption: ``_SignalConnector._slurm_sigusr_handler_fn`` (Lightning's SLURM requeue, run at
   the agreed step rather than in the handler).
 * ``_LoggerConnector.update_eval_epoch_metrics``: metrics are logged on the last stage only; every
@@ -21,11 +21,6 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   ``forward(example_input_array)`` on every rank, where other stages' layers are on ``meta``.
 * torchmetrics' ``Metric.sync_on_compute``: a metric would gather its state over every rank on
   ``compute()``, but only the last stage's first replica evaluates.
-* Called as Lightning calls them: ``trainer.call._call_callback_hooks`` and
-  ``_call_lightning_module_hook`` (a hook on every callback, then on the module), and
-  ``Precision._after_closure`` (``on_before_optimizer_step``, then clipping through
-  ``configure_gradient_clipping``): the modes that update inside the pipeline run the hooks of
-  gradient work at each of their updates, where Lightning's own optimizer step never comes.
 * ``_AcceleratorConnector.use_distributed_sampler`` (which ``_DataConnector.
   _requires_distributed_sampler`` reads): Lightning would replace each DataLoader's sampler by a
   ``DistributedSampler`` that shuffles every training loader; every stage must see the batches
@@ -33,20 +28,19 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
 * ``_ResultCollection.update_metrics`` (``trainer._results``) and ``_LoggerConnector.
   _current_fx``: the strategy logs ``train_loss`` at every step; after the first step of an
   epoch it updates the registered metric directly (``log_step_value``), which skips the
-  per-call checks and device moves of ``LightningModule.log`` (about a third of a millisecond
-  per step, measured; docs/performance.md).
+  per-call checks and device moves of ``LightningModule.log``, the public way, which costs
+  about a third of a millisecond per call, 11 times the update in place
+  (``benchmarks/log_cost.py``; docs/performance.md).
 * ``LightningModule.log`` (an instance attribute, while the strategy runs ``training_step`` on the
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
-  training batch, to plan with) and ``LightningModule._trainer`` (whether a module being torn
-  down is attached to a trainer that was interrupted; ``.trainer`` raises when it is not).
+  refused before launch, ``core.arguments``), and ``_FitLoop._data_source`` (the first
+  training batch, to plan with).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
-  ``_WorkerOutput`` (the spawn launcher), ``_hydra_subprocess_cmd`` (a Hydra script's child
-  command), ``_set_num_threads_if_needed``, ``_init_dist_connection``.
+  ``_WorkerOutput`` (the spawn launcher).
 """
 
 from __future__ import annotations
@@ -56,17 +50,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
-from lightning.fabric.utilities.distributed import (
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-)
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
@@ -77,19 +65,13 @@ from pl_pipedream.runtime.trees import map_tensors
 
 __all__ = [
     "MultiProcessingLauncher",
-    "attached_trainer",
     "SubprocessScriptLauncher",
-    "before_optimizer_step",
-    "call_hook",
     "capture_logs",
     "WorkerOutput",
     "clip_by_global_norm",
     "first_training_batch",
-    "init_dist_connection",
     "check_sigterm_per_rank",
     "slurm_requeue",
-    "hydra_child_command",
-    "set_num_threads",
     "keep_user_samplers",
     "layer_sync",
     "patch_for_pipeline",
@@ -101,7 +83,6 @@ __all__ = [
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 MultiProcessingLauncher = _MultiProcessingLauncher
 WorkerOutput = _WorkerOutput
-init_dist_connection = _init_dist_connection
 
 SUPPORTED = "lightning>=2.6,<2.7"
 
@@ -182,28 +163,6 @@ def slurm_requeue(trainer: Any, signum: int) -> None:
         _require(connector, "_slurm_sigusr_handler_fn", "_SignalConnector")(signum, None)
 
 
-def hydra_child_command(local_rank: int) -> tuple[list[str], str] | None:
-    """The command and working directory of local rank ``local_rank`` of a script that runs
-    under Hydra, as Lightning's script launcher builds them (``lightning.fabric.strategies.
-    launchers.subprocess_script._hydra_subprocess_cmd``: the same run directory, no second
-    config copy); None when Hydra is not running."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return None
-    if not HydraConfig.initialized():
-        return None
-    command, cwd = _hydra_subprocess_cmd(local_rank)
-    return list(command), cwd
-
-
-def set_num_threads(num_processes: int) -> None:
-    """Share the CPU's threads among ``num_processes`` ranks when ``OMP_NUM_THREADS`` is unset,
-    as Lightning's launchers do (``lightning.fabric.utilities.distributed.
-    _set_num_threads_if_needed``)."""
-    _set_num_threads_if_needed(num_processes=num_processes)
-
-
 def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], None]) -> None:
     """Wrap ``trainer._logger_connector.update_eval_epoch_metrics`` so that, after each
     evaluation, every rank adopts the metrics rank ``source`` logged (``before()``, then one
@@ -266,25 +225,6 @@ def stop_metric_sync(module: nn.Module) -> None:
                 metric._to_sync = False
 
 
-def call_hook(trainer: Any, name: str, *args: Any) -> None:
-    """Run hook ``name`` on every callback, then on the LightningModule, as Lightning's loops
-    do (``call._call_callback_hooks``, ``call._call_lightning_module_hook``: each sets the
-    module's ``_current_fx_name``, so ``self.log`` inside the hook is checked for that hook)."""
-    _require(call, "_call_callback_hooks", "lightning.pytorch.trainer.call")
-    _require(call, "_call_lightning_module_hook", "lightning.pytorch.trainer.call")
-    call._call_callback_hooks(trainer, name, *args)
-    call._call_lightning_module_hook(trainer, name, *args)
-
-
-def before_optimizer_step(trainer: Any, optimizer: Any) -> None:
-    """What Lightning runs between a backward and ``optimizer.step``
-    (``Precision._after_closure``): ``on_before_optimizer_step`` on callbacks and module, then
-    ``configure_gradient_clipping`` with the Trainer's clipping settings."""
-    precision = trainer.strategy.precision_plugin
-    after_closure = _require(precision, "_after_closure", type(precision).__name__)
-    after_closure(trainer.lightning_module, optimizer)
-
-
 def log_step_value(module: Any, name: str, value: Tensor) -> None:
     """``module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)`` inside a
     training step. Once that call has registered the metric in this epoch's results
@@ -340,12 +280,6 @@ def first_training_batch(trainer: Any) -> Any | None:
     if source is None or not source.is_defined():
         return None
     return next(iter(source.dataloader()))
-
-
-def attached_trainer(module: Any) -> Any | None:
-    """The trainer ``module`` is attached to, or None (``LightningModule._trainer``; the public
-    ``trainer`` property raises on a module without one)."""
-    return getattr(module, "_trainer", None)
 
 
 def _cpu(value: Any) -> Any:

@@ -33,6 +33,7 @@ from pl_pipedream.core.arguments import check_arguments, check_layer_sync, check
 from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import move_to_device
+from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -42,7 +43,6 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
-from pl_pipedream.strategy.preemption import Preemption, parse_signals
 from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
 from pl_pipedream.strategy.step import TrainingSteps, backward
 from pl_pipedream.strategy.updates import StageUpdates
@@ -79,7 +79,7 @@ class PipeDreamStrategy(ParallelStrategy):
             when the median of the last ``window`` logged losses stays above best + ``rise`` x
             (start - best) for ``patience`` logged losses in a row (docs/divergence.md).
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
-            (``strategy.preemption``); ``()`` leaves them to Lightning.
+            (``core.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
         memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
             memory by default (``memory_report``).

@@ -24,6 +24,7 @@ from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.materialize import materialize
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
+    join_process_group,
     keep_local_parameters,
     move_to_device,
     process_group_backend,
@@ -46,9 +47,17 @@ from pl_pipedream.strategy.precision import (
     convert_stage,
     stage_precision,
 )
+from pl_pipedream.strategy.preemption import stop_fit
 from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
 
-__all__ = ["build_pipeline", "end_fit", "set_up", "set_up_environment", "tear_down"]
+__all__ = [
+    "attached_trainer",
+    "build_pipeline",
+    "end_fit",
+    "set_up",
+    "set_up_environment",
+    "tear_down",
+]
 
 
 def set_up(strategy: Any, trainer: pl.Trainer) -> None:
@@ -105,7 +114,9 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         clip,
         strategy.evaluation.metrics_source,
         strategy.runner.executor.channel.flush,
-        lambda: strategy.preemption.at_step(trainer, strategy),
+        lambda: strategy.preemption.at_step(
+            strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
+        ),
     )
 
 
@@ -165,7 +176,11 @@ def set_up_environment(strategy: Any) -> None:
     if strategy.retain_freed_memory and on_cpu:
         retain_freed_memory()
     timeout = timedelta(seconds=strategy.timeout)
-    lightning_patches.init_dist_connection(environment, backend, timeout=timeout)
+    rank, world = environment.global_rank(), environment.world_size()
+    join_process_group(
+        environment.main_address, environment.main_port, rank, world, backend, timeout
+    )
+    rank_zero_info(f"PipeDreamStrategy: {world} processes joined (backend: {backend})")
     if strategy.bind_cpus and on_cpu:
         node = range(node_rank * processes, (node_rank + 1) * processes)
         bound = bind_to_cpu_share(strategy.global_rank, strategy.world_size, node)
@@ -176,7 +191,7 @@ def tear_down(strategy: Any) -> None:
     """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
     pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
     rank's cores given back."""
-    trainer = lightning_patches.attached_trainer(strategy.lightning_module)
+    trainer = attached_trainer(strategy.lightning_module)
     failed = trainer is not None and trainer.interrupted
     strategy.preemption.finish(failed)
     if strategy.runner is not None:
@@ -187,6 +202,16 @@ def tear_down(strategy: Any) -> None:
     if strategy._unbound_cpus is not None:
         bind_threads(strategy._unbound_cpus)
         strategy._unbound_cpus = strategy.cpu_binding = None
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """The trainer ``module`` is attached to, or None (the ``trainer`` property raises)."""
+    if module is None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
 
 
 def end_fit(strategy: Any) -> None:

@@ -3,7 +3,8 @@
 The batch is split into microbatches (``batches.TrainingBatch``), fingerprinted so that every
 rank is known to see the same data (``data.SameData``), and run by the ``PipelineRunner``; the
 pipeline drains where Lightning's loop ends (the last batch of an epoch, ``max_steps``) and in
-the flushed modes. The finished batch's mean loss is logged as ``train_loss`` and judged by the
+the flushed modes. The finished batch's mean loss is logged as ``train_loss`` (unless
+``training_step`` logs that name itself: ``step_logs.LossName``) and judged by the
 divergence watch (``divergence``): every rank sees the same logged losses and holds the same
 batches, so every rank decides alike, at one step, with one message. Lightning's ``backward``
 of the step (``backward``) reaches ``.grad`` in the flushed modes only.
@@ -30,7 +31,7 @@ from pl_pipedream.core.finite_data import FiniteData
 from pl_pipedream.runtime import ranks
 from pl_pipedream.schedule import rules
 from pl_pipedream.strategy.batches import TrainingBatch
-from pl_pipedream.strategy.step_logs import log_finished
+from pl_pipedream.strategy.step_logs import LossName, log_finished
 
 __all__ = ["TrainingSteps", "backward", "must_drain"]
 
@@ -46,11 +47,13 @@ class TrainingSteps:
         self.watch: DivergenceWatch | None = None
         self.finite_data = FiniteData()
         self.fingerprints = Fingerprints()
+        self.loss_name = LossName()
 
     def start_fit(self) -> None:
         """A fresh watch (none with ``divergence="off"``) and fresh notes for a new fit."""
         self.watch = DivergenceWatch(*self.rule) if self.divergence != "off" else None
         self.finite_data = FiniteData()
+        self.loss_name = LossName()
 
     def run(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
         """Run ``batch`` through ``strategy``'s pipeline; return the loss to log."""
@@ -69,8 +72,10 @@ class TrainingSteps:
         runner.train_batch(
             work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
         )
-        loss = work.log_loss(runner.loss, strategy.root_device)
-        log_finished(module, runner.take_logged(), strategy.root_device)
+        logged = runner.take_logged()
+        own = runner.loss is not None and self.loss_name.strategy_logs(logged, step)
+        loss = work.log_loss(runner.loss, strategy.root_device, own)
+        log_finished(module, logged, strategy.root_device)
         if self.watch is not None and runner.loss is not None:
             self._check_divergence(strategy, self.watch, runner.loss, module.trainer.global_step)
         return loss

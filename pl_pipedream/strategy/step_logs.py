@@ -15,6 +15,10 @@ maximum or the minimum. A metric that is a mean, sum, maximum or minimum over th
 therefore gets one device's value. ``sync_dist`` needs no collective (every rank already logs
 the same value), and ``torchmetrics.Metric`` objects are refused: their state lives on the last
 stage (log the tensor the metric returns instead).
+
+The strategy logs each batch's mean loss as ``train_loss`` (``LOSS_NAME``). A ``training_step``
+that logs ``train_loss`` itself keeps the name (``LossName``): the strategy then logs nothing
+under it, so Lightning holds the user's value with the user's options, as on one device.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from pl_pipedream.runtime.losses import Logged
 from pl_pipedream.runtime.streams import HostValue, read_later
 from pl_pipedream.strategy import lightning_patches
 
-__all__ = ["StepLogCapture", "combine", "log_finished"]
+__all__ = ["LOSS_NAME", "LossName", "StepLogCapture", "combine", "log_finished"]
+
+LOSS_NAME = "train_loss"  # what the strategy logs each batch's loss as
+_LOSS_KEY = json.dumps([LOSS_NAME])[:-1]  # how a captured key of that name begins
 
 _REDUCTIONS = {
     "mean": "mean",
@@ -85,6 +92,38 @@ class StepLogCapture:
     def logged(self, j: int) -> tuple[tuple[str, float | HostValue], ...]:
         """What microbatch ``j`` logged (handed over once)."""
         return tuple(self._logged.pop(j, {}).values())
+
+
+class LossName:
+    """Whether the strategy logs a batch's loss as ``train_loss`` in this fit: until
+    ``training_step`` is seen logging that name itself. Lightning refuses one name logged with
+    two sets of options, so the user's first value must come before the strategy logged its own:
+    from the first batch that finishes."""
+
+    def __init__(self) -> None:
+        self.users = False  # training_step logs train_loss itself
+        self._logged = False  # the strategy has logged its own in this fit
+
+    def strategy_logs(self, batches: list[tuple[Logged, ...]], step: int) -> bool:
+        """Whether the strategy logs this step's loss, given what ``training_step`` logged for
+        the batches that finished (``log_finished``'s ``batches``) at global step ``step``."""
+        if not self.users and any(
+            key.startswith(_LOSS_KEY)
+            for microbatches in batches
+            for logged in microbatches
+            for key, _ in logged
+        ):
+            if self._logged:
+                raise ValueError(
+                    f"PipeDreamStrategy logs each batch's loss as {LOSS_NAME} unless "
+                    f"training_step logs that name itself from the first batch on (name: "
+                    f"{LOSS_NAME}, first logged by training_step at step: {step}); log it at "
+                    f"every training step, or under another name, e.g. "
+                    f"self.log('my_{LOSS_NAME}', loss)"
+                )
+            self.users = True
+        self._logged = self._logged or not self.users
+        return not self.users
 
 
 def _reduction(name: str, reduce_fx: Any) -> str:

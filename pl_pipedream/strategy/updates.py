@@ -9,8 +9,12 @@ of that update (``runtime.executor``); what the update does with it depends on t
   Lightning step in the per-minibatch modes. Each update runs the hooks Lightning runs around an
   optimizer step, with the update's gradients on the stage's ``.grad``: ``on_after_backward``,
   then per optimizer ``on_before_optimizer_step`` and ``configure_gradient_clipping`` (so
-  clipping is per stage). Lightning's own backward and step do nothing; its step counter,
-  ``max_steps`` and LR schedulers still advance per batch.
+  clipping is per stage). They run through the precision plugin's public methods, as in
+  Lightning's own step: ``post_backward`` (``on_after_backward``), then ``optimizer_step``, which
+  runs the hooks before a step and then calls ``optimizer.step``; for that one call the stage's
+  own step (``runtime.update.step``, which keeps a stashed version intact) stands in for the
+  optimizer's. Lightning's own backward and step do nothing; its step counter, ``max_steps``
+  and LR schedulers still advance per batch.
 * ``TrainerUpdates`` (flushed modes: ``flush``, ``gpipe``): the one update of the batch holds
   its gradient until Lightning's ``backward`` hands it to the parameters; Lightning then clips
   (by the norm over every stage, as on one device), accumulates and steps as usual.
@@ -31,7 +35,6 @@ from torch.optim import Optimizer
 
 from pl_pipedream.runtime import update
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import lightning_patches
 
 __all__ = [
     "PipelineUpdates",
@@ -74,20 +77,21 @@ class PipelineUpdates(StageUpdates):
     a step (clipping included, per stage)."""
 
     steps_in_pipeline = True
+    _no_loss = torch.zeros(())  # what post_backward takes for a loss: an update has none
 
     def __call__(self, gradients: dict[str, Tensor], storage: dict[str, Tensor]) -> int:
         params = dict(self.module.named_parameters())
         for name, param in params.items():
             param.grad = gradients.get(name)
-        lightning_patches.call_hook(self.trainer, "on_after_backward")
+        precision, module = self.trainer.precision_plugin, self.trainer.lightning_module
+        precision.post_backward(self._no_loss, module)  # on_after_backward
         targets: dict[Tensor, Tensor] = {params[name]: t for name, t in storage.items()}
         optimizers = self.optimizers()
         stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         # a parameter no optimizer steps keeps its values; it still leaves the shared storage
         copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})
         for optimizer in optimizers:
-            lightning_patches.before_optimizer_step(self.trainer, optimizer)
-            copied += update.step(optimizer, targets)
+            copied += step_after_hooks(precision, module, optimizer, targets)
             optimizer.zero_grad(set_to_none=True)
         return copied
 
@@ -159,6 +163,47 @@ class TrainerUpdates(StageUpdates):
         if coefficient < 1.0:
             for grad in grads:
                 grad.mul_(coefficient)
+
+
+def step_after_hooks(
+    precision: Any, module: Any, optimizer: Optimizer, targets: dict[Tensor, Tensor]
+) -> int:
+    """``precision.optimizer_step(optimizer, module, closure)`` as Lightning's automatic
+    optimisation calls it (``on_before_optimizer_step`` on callbacks and module, then
+    ``configure_gradient_clipping`` with the Trainer's settings, then ``optimizer.step``), with
+    ``update.step(optimizer, targets)`` standing in for ``optimizer.step``; returns the bytes
+    that step copied. The closure has no backward to run: the gradients are on ``.grad``."""
+    own = vars(optimizer).get("step")  # an LR scheduler's wrapper, if any, is put back first
+    copied: list[int] = []
+
+    def restore() -> None:
+        if own is None:
+            vars(optimizer).pop("step", None)
+        else:
+            optimizer.step = own  # type: ignore[method-assign]
+
+    def stand_in(closure: Callable[[], Any] | None = None, **kwargs: Any) -> None:
+        if closure is not None:
+            closure()  # Lightning's wrapper: the hooks before a step
+        restore()
+        copied.append(update.step(optimizer, targets))
+
+    optimizer.step = stand_in  # type: ignore[method-assign, assignment]
+    try:
+        precision.optimizer_step(optimizer, model=module, closure=_no_backward)
+    finally:
+        restore()
+    if not copied:
+        raise ValueError(
+            f"the modes that update inside the pipeline need a precision plugin whose "
+            f"optimizer_step calls optimizer.step (precision: {type(precision).__name__}); use "
+            "Trainer(precision='32-true'), 'bf16-mixed' or another precision the strategy runs"
+        )
+    return copied[0]
+
+
+def _no_backward() -> None:
+    return None
 
 
 def check_trainer(mode: SyncMode, trainer: Any) -> None:

@@ -4,19 +4,23 @@ threads on its share of the cores."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
+    join_process_group,
     keep_local_parameters,
     move_to_device,
     process_group_backend,
+    share_threads,
 )
 from pl_pipedream.runtime.affinity import bind_threads, current_cpus
-from tests.runtime.distributed import one_rank_group, run
+from tests.runtime.distributed import free_port, one_rank_group, run
 
 
 def cut_module() -> nn.Module:
@@ -102,3 +106,30 @@ def test_ranks_on_one_node_are_bound_to_their_share_of_the_cores() -> None:
         assert value["bound"] == (pool, share)
         assert all(cpus == share for cpus in value["threads"])
         assert value["restored"] == pool
+
+
+def test_join_process_group_joins_once_from_the_address_port_rank_and_world() -> None:
+    assert not dist.is_initialized()
+    before = dict(os.environ)
+    try:
+        join_process_group("127.0.0.1", free_port(), 0, 1, "gloo", timedelta(seconds=30))
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
+        join_process_group("127.0.0.1", free_port(), 0, 1, "gloo", timedelta(seconds=30))  # no-op
+        assert dict(os.environ) == before  # no MASTER_ADDR / MASTER_PORT written
+    finally:
+        dist.destroy_process_group()
+
+
+def test_share_threads_splits_the_cores_unless_omp_num_threads_is_set(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS")  # recorded, so that the value written below goes too
+    try:
+        share_threads(2)
+        expected = max(1, len(current_cpus() or range(os.cpu_count() or 1)) // 2)
+        assert os.environ["OMP_NUM_THREADS"] == str(expected) == str(torch.get_num_threads())
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        share_threads(2)
+        assert os.environ["OMP_NUM_THREADS"] == "7"  # the user's setting stays
+    finally:
+        torch.set_num_threads(threads)

@@ -206,3 +206,23 @@ def test_every_rank_contributes_its_stage_merged_under_the_modules_names() -> No
         assert sorted(state) == ["net.0.weight", "net.1.weight", "scale"]
         assert torch.equal(state["net.1.weight"], torch.ones(2))
         assert torch.equal(state["scale"], torch.zeros(1))  # rank 0's state outside the pipeline
+
+
+def test_a_hydra_scripts_child_command_is_lightnings(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from hydra import compose, initialize
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.fabric.strategies.launchers.subprocess_script import _hydra_subprocess_cmd
+
+    from pl_pipedream.strategy.launcher import hydra_child_command
+
+    assert hydra_child_command(1) is None  # Hydra is not running
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "train.py"), "trainer.devices=2"])
+    with initialize(version_base=None, config_path=None):
+        config = compose(return_hydra_config=True, overrides=["hydra.run.dir=out/run"])
+        config.hydra.runtime.cwd = str(tmp_path)
+        HydraConfig.instance().set_config(config)
+        try:
+            command, cwd = _hydra_subprocess_cmd(1)
+            assert hydra_child_command(1) == (list(command), cwd)
+        finally:
+            HydraConfig.instance().cfg = None

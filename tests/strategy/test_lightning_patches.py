@@ -118,73 +118,6 @@ def test_clip_by_global_norm_replaces_only_clipping_by_norm(algorithm: str) -> N
         assert model.first.weight.grad.max() == 0.5
 
 
-# ----- call._call_callback_hooks, call._call_lightning_module_hook, Precision._after_closure ----
-
-
-class Hooked(Model):
-    """``Model`` noting its hooks of gradient work and the hook name Lightning had set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str | None]] = []
-
-    def on_after_backward(self) -> None:
-        self.calls.append(("on_after_backward", self._current_fx_name))
-
-    def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
-        self.calls.append(("on_before_optimizer_step", self._current_fx_name))
-
-    def configure_gradient_clipping(
-        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
-    ):  # type: ignore[no-untyped-def]
-        self.calls.append(("configure_gradient_clipping", gradient_clip_val))
-
-
-class NoteHooks(Callback):
-    def __init__(self, calls: list) -> None:  # type: ignore[type-arg]
-        self.calls = calls
-
-    def on_after_backward(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
-        self.calls.append(("callback on_after_backward", pl_module._current_fx_name))
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
-        self.calls.append(("callback on_before_optimizer_step", pl_module._current_fx_name))
-
-
-def test_lightning_runs_the_hooks_before_a_step_in_the_precision_plugins_after_closure() -> None:
-    source = inspect.getsource(Precision._after_closure)
-    assert source.index('"on_before_optimizer_step"') < source.index("self._clip_gradients(")
-    assert "_after_closure(" in inspect.getsource(Precision._wrap_closure)
-    assert '"on_after_backward"' in inspect.getsource(Precision.post_backward)
-
-
-def test_call_hook_and_before_optimizer_step_call_hooks_as_lightning_does() -> None:
-    module = Hooked()
-    run = trainer(gradient_clip_val=0.5, callbacks=[])
-    run.callbacks.append(NoteHooks(module.calls))
-    run.strategy.connect(module)
-    module.trainer = run
-    module._current_fx_name = "training_step"
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    patches.call_hook(run, "on_after_backward")
-    patches.before_optimizer_step(run, optimizer)
-    assert module.calls == [
-        ("callback on_after_backward", "on_after_backward"),
-        ("on_after_backward", "on_after_backward"),
-        ("callback on_before_optimizer_step", "on_before_optimizer_step"),
-        ("on_before_optimizer_step", "on_before_optimizer_step"),
-        ("configure_gradient_clipping", 0.5),
-    ]
-    assert module._current_fx_name == "training_step"  # restored after each hook
-
-
-def test_before_optimizer_step_checks_the_precision_plugin() -> None:
-    run = trainer()
-    run.strategy._precision_plugin = object()
-    with pytest.raises(LightningChangedError, match=r"\(object\._after_closure\)"):
-        patches.before_optimizer_step(run, None)
-
-
 # ----- LightningModule.forward for the model summary -------------------------------------------
 
 
@@ -251,13 +184,6 @@ def test_lightning_keeps_the_data_source_on_the_fit_loop() -> None:
     fit_loop = trainer().fit_loop
     assert isinstance(fit_loop, _FitLoop) and "_data_source" in vars(fit_loop)
     assert trainer().is_last_batch is False
-
-
-def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
-    module, run_trainer = Model(), trainer()
-    assert patches.attached_trainer(module) is None and patches.attached_trainer(None) is None
-    module.trainer = run_trainer
-    assert patches.attached_trainer(module) is run_trainer
 
 
 def test_outside_fit_there_is_no_first_training_batch() -> None:
@@ -409,3 +335,26 @@ def test_capture_logs_sees_every_log_and_log_dict_call_then_puts_log_back() -> N
         model.log_dict({"b": 2.0, "c": 3.0}, prog_bar=True)  # Lightning's log_dict calls log
     assert seen == [("a", 1.0, False), ("b", 2.0, True), ("c", 3.0, True)]
     assert "log" not in model.__dict__
+
+
+# ----- internals with a public replacement stay out of the package ------------------------------
+
+REPLACED = (
+    "_after_closure",  # the precision plugin's post_backward and optimizer_step (updates.py)
+    "_call_callback_hooks",
+    "_call_lightning_module_hook",
+    "_init_dist_connection",  # torch.distributed.init_process_group (core/placement.py)
+    "_set_num_threads_if_needed",  # core/placement.share_threads
+    "_hydra_subprocess_cmd",  # Hydra's HydraConfig (strategy/launcher.py)
+    "._trainer",  # LightningModule.trainer
+)
+
+
+def test_no_module_uses_a_lightning_internal_that_has_a_public_replacement() -> None:
+    from pathlib import Path
+
+    package = Path(patches.__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        used = [name for name in REPLACED if name in source]
+        assert not used, f"{path.relative_to(package)} uses {used}"

@@ -1,12 +1,12 @@
-"""Preemption: signal names, the exit status, and SIGTERM mid-training to one rank or to every
-rank, resumed to the weights of an uninterrupted run (``preempt_script.py``)."""
+"""Preemption under Lightning: SIGTERM mid-training to one rank or to every rank stops them at
+one step with ``last.ckpt``, which resumes to the weights of an uninterrupted run
+(``preempt_script.py``); where the checkpoint goes."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -14,19 +14,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from pl_pipedream.strategy.preemption import exit_code, parse_signals
+from pl_pipedream.strategy.preemption import checkpoint_path
 
 SCRIPT = Path(__file__).with_name("preempt_script.py")
 
 
-def test_signals_are_parsed_and_uncatchable_ones_refused() -> None:
-    assert parse_signals(("SIGTERM", "usr1", 15)) == (signal.SIGTERM, signal.SIGUSR1)
-    assert exit_code(signal.SIGTERM) == 143 and exit_code(signal.SIGUSR1) == 138
-    with pytest.raises(ValueError, match="preempt_signals must name signals"):
-        parse_signals(("SIGNOPE",))
-    with pytest.raises(ValueError, match="SIGKILL and SIGSTOP cannot be caught"):
-        parse_signals(("SIGKILL",))
+def test_a_preempted_fit_saves_the_checkpoint_callbacks_last_ckpt(tmp_path: Path) -> None:
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"))
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
+    assert checkpoint_path(trainer) == tmp_path / "ckpts" / "last.ckpt"
+    assert callback.last_model_path == str(tmp_path / "ckpts" / "last.ckpt")
+    bare = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    assert checkpoint_path(bare) == tmp_path / "last.ckpt"
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -72,60 +80,3 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
             assert torch.equal(got[key], want[key]), key
         else:  # the drain at the agreed step changes the staleness of the minibatches in flight
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3)
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _agree(rank: int, world: int, signal_at: int) -> dict:
-    """60 steps of ``at_step`` with no work between them (steps far below MIN_INTERVAL); rank 1
-    records SIGUSR1 at step ``signal_at``. Returns the steps at which this rank posted and the
-    step at which it was told to stop."""
-    from pl_pipedream.strategy import preemption
-
-    posted: list[int] = []
-    original = preemption.dist.all_reduce
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        posted.append(step)
-        return original(*args, **kwargs)
-
-    def stop(trainer, strategy, signum):  # type: ignore[no-untyped-def]
-        raise _Stopped(signum)
-
-    preemption.dist.all_reduce = counted
-    preemption.stop_fit = stop
-    watch = preemption.Preemption((signal.SIGUSR1,))
-
-    class Strategy:
-        timeout = 30.0
-
-    stopped = None
-    try:
-        for step in range(60):
-            if rank == 1 and step == signal_at:
-                watch._record(int(signal.SIGUSR1), None)
-            watch.at_step(None, Strategy())
-    except _Stopped as error:
-        stopped = (step, error.args[0])
-    watch.finish(failed=stopped is not None)
-    return {"posted": posted, "stopped": stopped}
-
-
-@pytest.mark.slow
-def test_short_steps_share_an_agreement_at_the_same_steps_on_every_rank() -> None:
-    from pl_pipedream.strategy.preemption import MAX_PERIOD
-    from tests.runtime.distributed import run as run_ranks
-
-    results = run_ranks(2, _agree, 30, timeout=60.0)
-    (status0, got0), (status1, got1) = results[0], results[1]
-    assert status0 == "ok" and status1 == "ok", (got0, got1)
-    assert got0["posted"] == got1["posted"]  # the same steps on both ranks
-    posted = got0["posted"]
-    assert len(posted) < 30  # fewer posts than steps: sub-millisecond steps share them
-    assert max(b - a for a, b in zip(posted, posted[1:], strict=False)) <= MAX_PERIOD
-    # both stop at the same step, within lag (2) posts of MAX_PERIOD steps after the signal
-    assert got0["stopped"] == got1["stopped"]
-    step, signum = got0["stopped"]
-    assert signum == int(signal.SIGUSR1) and 30 <= step <= 30 + 3 * MAX_PERIOD

@@ -5,7 +5,7 @@ test (``test_fit.py``, ``test_resume.py``, ``test_evaluation.py``)."""
 from __future__ import annotations
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.strategy.setup import end_fit, tear_down
+from pl_pipedream.strategy.setup import attached_trainer, end_fit, tear_down
 
 
 def test_a_strategy_without_a_pipeline_reports_nothing_and_tears_down() -> None:
@@ -14,3 +14,12 @@ def test_a_strategy_without_a_pipeline_reports_nothing_and_tears_down() -> None:
     assert strategy.memory_report == [] and strategy.bubbles == {}
     tear_down(strategy)
     assert strategy.runner is None and strategy.cpu_binding is None
+
+
+def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
+    from lightning.pytorch import LightningModule, Trainer
+
+    module, trainer = LightningModule(), Trainer(accelerator="cpu", devices=1, logger=False)
+    assert attached_trainer(module) is None and attached_trainer(None) is None
+    module.trainer = trainer
+    assert attached_trainer(module) is trainer

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics.classification import BinaryAccuracy
 
-from pl_pipedream.strategy.step_logs import StepLogCapture, combine
+from pl_pipedream.strategy.step_logs import LossName, StepLogCapture, combine
 
 
 class Logs(LightningModule):
@@ -82,3 +82,21 @@ def test_a_name_logged_with_other_options_on_another_microbatch_is_refused() -> 
     microbatches = (((key("m"), 1.0),), ((key("m", prog_bar=True), 2.0),))
     with pytest.raises(ValueError, match=r"same options on every microbatch \(name: m"):
         combine(microbatches)
+
+
+def test_the_strategy_leaves_train_loss_to_a_training_step_that_logs_it() -> None:
+    theirs = [(captured(lambda m: m.log("train_loss", 2.0)),)]
+    others = [(captured(lambda m: m.log("train_loss_x", 1.0)),)]
+    name = LossName()
+    assert name.strategy_logs(theirs, 0) is False  # the user's first value comes first
+    assert name.strategy_logs([], 1) is False  # and the name stays theirs
+    mine = LossName()
+    assert [mine.strategy_logs(others, step) for step in range(3)] == [True] * 3
+
+
+def test_a_train_loss_logged_only_after_the_strategys_is_refused_naming_the_fix() -> None:
+    name = LossName()
+    assert name.strategy_logs([], 0)
+    late = [(captured(lambda m: m.log("train_loss", 2.0)),)]
+    with pytest.raises(ValueError, match=r"first logged by training_step at step: 3\); log it"):
+        name.strategy_logs(late, 3)

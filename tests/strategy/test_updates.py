@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from pl_pipedream.schedule.modes import SyncMode
@@ -13,6 +13,7 @@ from pl_pipedream.strategy.updates import (
     TrainerUpdates,
     check_trainer,
     stage_updates,
+    step_after_hooks,
 )
 from tests.runtime.distributed import run
 
@@ -78,6 +79,60 @@ def test_each_update_runs_lightnings_hooks_with_the_stages_gradients_on_grad() -
         (h, [[2.0, 2.0]] * 2) for h in hooks
     ]
     assert all(p.grad is None for p in module.parameters())  # gone after the step
+
+
+class NoteHooks(Callback):
+    """Notes each hook of gradient work on a callback, with the hook name Lightning set."""
+
+    def __init__(self, calls: list) -> None:  # type: ignore[type-arg]
+        self.calls = calls
+
+    def on_after_backward(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("callback on_after_backward", pl_module._current_fx_name))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("callback on_before_optimizer_step", pl_module._current_fx_name))
+
+
+def test_the_hooks_run_through_the_precision_plugins_public_methods_as_lightning_runs_them() -> (
+    None
+):
+    module = stage()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    run_trainer = Trainer(accelerator="cpu", devices=1, logger=False, gradient_clip_val=0.5)
+    updates = pipeline_updates(module, optimizer, run_trainer)
+    recorder = updates.trainer.lightning_module
+    run_trainer.callbacks.append(NoteHooks(recorder.calls))
+    recorder._current_fx_name = "training_step"
+    updates(gradients(1.0), {})
+    names = [call[0] for call in recorder.calls]
+    assert names == [
+        "callback on_after_backward",
+        "on_after_backward",
+        "callback on_before_optimizer_step",
+        "on_before_optimizer_step",
+        "configure_gradient_clipping",
+    ]
+    assert recorder.calls[0][1] == "on_after_backward"  # Lightning set each hook's name
+    assert recorder._current_fx_name == "training_step"  # and put the step's back
+    assert module[0].weight.grad is None  # stepped (clipped to norm 0.5) and zeroed
+    assert "step" not in vars(optimizer)  # the optimizer's own step is back
+
+
+def test_step_after_hooks_puts_back_an_lr_schedulers_wrapper_of_step() -> None:
+    module = stage()
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)  # wraps optimizer.step
+    wrapper = vars(optimizer)["step"]
+    recorder = Recorder(module)
+    run_trainer = trainer()
+    run_trainer.strategy.connect(recorder)
+    recorder.trainer = run_trainer
+    for name, param in module.named_parameters():
+        param.grad = gradients()[name]
+    step_after_hooks(run_trainer.precision_plugin, recorder, optimizer, {})
+    assert vars(optimizer)["step"] is wrapper
+    assert optimizer.state_dict()["state"][0]["step"] == 1
 
 
 def test_a_hook_may_change_the_gradient_the_update_applies() -> None:

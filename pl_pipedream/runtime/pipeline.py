@@ -119,7 +119,7 @@ class PipelineRunner:
         messages = dist.new_group(list(range(plan.num_workers)))
         # per-minibatch modes: a tied parameter has versions of its own (runtime.tied_versions)
         versioned = sync.updates_per_minibatch
-        tied = TiedGradients.create(() if versioned else ties, rank)
+        tied = TiedGradients.create(() if versioned else ties, rank, timeout)
         stage = plan.stage_of_rank(rank)
         describe = ranks.describe(rank, stage.index)
         channel = Channel(rank, device, timeout, describe, messages)

@@ -3,12 +3,13 @@
 Runtime errors name the rank and its stage (STYLE.md); every module that builds that text calls
 ``describe``, so that the user meets one form, whichever layer raised. An exchange with another
 rank that failed (a message of the channel, a replica all-reduce) is worded once, by
-``peer_failure``: it names the peer, not the address and port the backend reports.
+``peer_failure``: it names the peer, not the address and port the backend reports; a collective
+over several ranks (a stage's replicas, a tie's holders), by ``group_failure``.
 """
 
 from __future__ import annotations
 
-__all__ = ["describe", "peer_failure"]
+__all__ = ["describe", "group_failure", "peer_failure"]
 
 
 def describe(rank: int, stage: int | None = None) -> str:
@@ -41,3 +42,24 @@ def peer_failure(
         f"{attempt}: the connection was closed by {peer} {after} ({detail}); {peer} has "
         f"stopped: look for its error above (or in its log)"
     )
+
+
+def group_failure(
+    who: str,
+    what: str,
+    kind: str,
+    others: list[str],
+    cause: BaseException,
+    waited: float | None,
+    timeout: float | None,
+) -> str:
+    """``who`` could not sum ``what`` in a collective with ``others`` (``describe``'s texts; each
+    one of ``who``'s ``kind``, e.g. "replica"): the backend does not say which of several
+    stopped, so with more than one, each is named as a candidate."""
+    if len(others) == 1:
+        peer = others[0]
+        attempt = f"{who} could not sum {what} with its {kind} {peer}"
+    else:
+        peer = f"one of {', '.join(others)}"
+        attempt = f"{who} could not sum {what} with its {kind}s ({', '.join(others)})"
+    return peer_failure(attempt, peer, cause, waited, timeout)

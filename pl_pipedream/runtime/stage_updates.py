@@ -39,7 +39,7 @@ from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.linear_sums import LinearGradientSums
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
-from pl_pipedream.runtime.ranks import describe, peer_failure
+from pl_pipedream.runtime.ranks import describe, group_failure
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.runtime.ties import TiedGradients
@@ -211,10 +211,4 @@ def replica_stopped(
     """``who`` could not sum ``what`` with the other replicas of ``stage`` (ranks ``others``):
     the error names the replica that stopped, or, with several, each that may have."""
     named = [describe(rank, stage) for rank in others]
-    if len(named) == 1:
-        peer = named[0]
-        attempt = f"{who} could not sum {what} with its replica {peer}"
-    else:
-        peer = f"one of {', '.join(named)}"
-        attempt = f"{who} could not sum {what} with its replicas ({', '.join(named)})"
-    return PeerError(peer_failure(attempt, peer, cause, waited, timeout))
+    return PeerError(group_failure(who, what, "replica", named, cause, waited, timeout))

@@ -6,9 +6,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.planner.ties import Tie
+from pl_pipedream.runtime.frames import PeerError
 from pl_pipedream.runtime.ties import TiedGradients
 from tests.runtime import distributed
 from tests.runtime.distributed import one_rank_group
@@ -57,3 +59,40 @@ def test_holders_get_the_sum_of_every_holders_partial_sum() -> None:
         assert names == {"weight"}
         assert torch.equal(total, torch.full((2, 2), 1.0 + 3.0))
     assert results[1][1] == (set(), None)
+
+
+GLOO_TEXT = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41563"
+
+
+def test_a_holder_that_stopped_is_named_by_rank_and_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The all-reduce's own error (gloo's text: an address and port) becomes the cause of a
+    ``PeerError`` naming the other holder."""
+
+    def closed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(GLOO_TEXT)
+
+    tie = Tie(
+        ("embed.weight", "head.weight"),
+        stages=(0, 2),
+        stage_names=("0.weight", "2.weight"),
+        stage_ranks=((0,), (3,)),
+    )
+    module = nn.Sequential(nn.Linear(2, 2))
+    with one_rank_group():
+        ties = TiedGradients([("0.weight", dist.group.WORLD, tie)], rank=0, timeout=30.0)
+        monkeypatch.setattr(dist, "all_reduce", closed)
+        with pytest.raises(PeerError) as raised:
+            ties.reduce({}, module)
+    text = str(raised.value)
+    assert text.startswith(
+        "rank 0 (stage 0) could not sum the gradient of the tied parameter embed.weight = "
+        "head.weight on stages [0, 2] with its fellow holder rank 3 (stage 2): the connection "
+        "was closed by rank 3 (stage 2)"
+    ), text
+    assert "rank 3 (stage 2) has stopped" in text
+
+
+def test_the_tie_groups_wait_the_pipelines_deadline() -> None:
+    with one_rank_group():
+        ties = TiedGradients.create([ONE_HOLDER], rank=0, timeout=12.5)
+    assert ties.timeout == 12.5 and ties.held[0][2] is ONE_HOLDER

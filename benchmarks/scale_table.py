@@ -17,10 +17,10 @@ Trainer, the popen launcher and gloo on CPU, and consolidates the weights. The t
 
 Part 2 (no processes). Weight versions a stage keeps (``schedule.memory.versions_kept``) on straight
 pipelines of 16 to 128 stages in ``async``, ``vertical_sync``, ``2bw`` and ``flush``; the input
-stage's bytes (``schedule.memory.stage_bytes``) for ``--stage-mib`` MiB of weights and
-``--activation-mib`` MiB of activations per minibatch per stage, beside the planner's own
-constraint figure (``planner.costs.stashed_bytes``); and the most stages with which the input
-stage still fits ``--device-gib`` GiB in each mode.
+stage's weight versions and activations in flight (``schedule.memory``; message frames left
+out) for ``--stage-mib`` MiB of weights and ``--activation-mib`` MiB of activations per
+minibatch per stage, beside the planner's own constraint figure (``planner.costs.stashed_bytes``);
+and the most stages with which the input stage still fits ``--device-gib`` GiB in each mode.
 
     python benchmarks/scale_table.py                                # 4, 8, 12, 16 processes
     python benchmarks/scale_table.py --processes 4 --width 8        # one quick row
@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pl_pipedream.planner.costs import stashed_bytes  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
-from pl_pipedream.schedule.memory import stage_bytes, versions_kept  # noqa: E402
+from pl_pipedream.schedule.memory import activations_kept, versions_kept  # noqa: E402
 from pl_pipedream.schedule.modes import SyncMode  # noqa: E402
 from pl_pipedream.schedule.stream import SegmentStream  # noqa: E402
 
@@ -208,16 +208,25 @@ def sized(stages: int, weights: float, activations: float) -> Plan:
     return replace(plan, stages=tuple(every))
 
 
+def stash_and_activations(plan: Plan, sync: SyncMode, stage: int) -> float:
+    """The bytes ``stage`` keeps in weight versions and activations in flight (``schedule.memory``;
+    message frames left out: they depend on the boundary sizes, not on the stash), with the
+    fewest microbatches the mode takes (``2bw``: as many as stages)."""
+    m = sync.min_microbatches(plan.num_stages)
+    weights = versions_kept(plan, sync, m, stage) * plan.stages[stage].parameter_bytes
+    return weights + activations_kept(plan, sync, m, stage)
+
+
 def most_stages(
     sync: SyncMode, weights: float, activations: float, memory: float, cap: int = CAP
 ) -> int:
     """The most stages (up to ``cap``) with which the input stage fits ``memory``."""
-    low, high = 1, cap  # stage_bytes grows with the stage count: bisect
-    if stage_bytes(sized(high, weights, activations), sync, 1, 0) <= memory:
+    low, high = 1, cap  # the input stage's bytes grow with the stage count: bisect
+    if stash_and_activations(sized(high, weights, activations), sync, 0) <= memory:
         return high
     while high - low > 1:
         middle = (low + high) // 2
-        fits = stage_bytes(sized(middle, weights, activations), sync, 1, 0) <= memory
+        fits = stash_and_activations(sized(middle, weights, activations), sync, 0) <= memory
         low, high = (middle, high) if fits else (low, middle)
     return low
 
@@ -225,7 +234,8 @@ def most_stages(
 def stash_table(args: argparse.Namespace) -> None:
     weights, activations = args.stage_mib * MIB, args.activation_mib * MIB
     print(
-        f"\nweight versions kept per stage (straight pipelines, one microbatch per batch), and the "
+        "\nweight versions kept per stage (straight pipelines, one microbatch per batch; 2bw: as "
+        "many as stages), and the "
         f"input stage's bytes for {args.stage_mib:g} MiB of weights and {args.activation_mib:g} "
         "MiB of activations per minibatch per stage"
     )
@@ -236,8 +246,9 @@ def stash_table(args: argparse.Namespace) -> None:
         planner = stashed_bytes(weights + activations, stages - 1, 1) / 2**30
         for name in MODES:
             sync = SyncMode.parse(name)
-            kept = [versions_kept(plan, sync, 1, s) for s in range(stages)]
-            stage0 = stage_bytes(plan, sync, 1, 0) / 2**30
+            m = sync.min_microbatches(stages)
+            kept = [versions_kept(plan, sync, m, s) for s in range(stages)]
+            stage0 = stash_and_activations(plan, sync, 0) / 2**30
             print(
                 f"{stages:>6} | {name:<13} | {kept[0]:>7} {kept[stages // 2]:>6} {kept[-1]:>4} | "
                 f"{sum(kept):>10} | {stage0:>11.2f} | {planner:>11.2f}"

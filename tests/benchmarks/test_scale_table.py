@@ -13,7 +13,6 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import scale_table  # noqa: E402
 
-from pl_pipedream.schedule.memory import stage_bytes  # noqa: E402
 from pl_pipedream.schedule.modes import SyncMode  # noqa: E402
 
 MIB = 2**20
@@ -40,7 +39,8 @@ def test_the_most_stages_that_fit_is_the_edge_of_the_memory_rule() -> None:
         sync = SyncMode.parse(name)
         most = scale_table.most_stages(sync, weights, activations, memory, cap=512)
         fits = [
-            stage_bytes(scale_table.sized(n, weights, activations), sync, 1, 0) <= memory
+            scale_table.stash_and_activations(scale_table.sized(n, weights, activations), sync, 0)
+            <= memory
             for n in (most, most + 1)
         ]
         assert fits == [True, False], name

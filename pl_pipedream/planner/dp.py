@@ -56,6 +56,7 @@ from pl_pipedream.planner.level import (
     crossing,
     first_crossing,
     fit,
+    fit_pairs,
     level_pairs,
 )
 
@@ -136,15 +137,7 @@ def solve_row(costs: LevelCosts, row: int, pairs: LevelPairs | None = None) -> R
         # candidate[r' - 1, p]: the rest of the pipeline, up to cut k, on m + 1 - r' workers,
         # against the appended stage on r' replicas.
         candidate = np.maximum(prefix[m - 1 :: -1][:width], stage[:width])
-        candidate = fit(
-            costs,
-            candidate,
-            pairs.stash[index],
-            workers - (m + 1),
-            primes[:width],
-            pairs.received[index],
-            pairs.sent[index],
-        )
+        candidate = fit_pairs(costs, candidate, pairs, index, workers - (m + 1), primes[:width])
         best = candidate[0] if width == 1 else candidate.min(axis=0)
         group_best = np.minimum.reduceat(best, heads)
         hits = np.where(best <= np.repeat(group_best, sizes) * (1 + TIE), positions, ks.size)
@@ -207,15 +200,7 @@ def row_times(costs: LevelCosts, row: int, pairs: LevelPairs) -> np.ndarray:
     for m in range(1, workers):
         width = min(m, max_prime)
         candidate = np.maximum(by_workers[m - 1 :: -1][:width][:, ks], stage[:width])
-        candidate = fit(
-            costs,
-            candidate,
-            pairs.stash[index],
-            workers - (m + 1),
-            primes[:width],
-            pairs.received[index],
-            pairs.sent[index],
-        )
+        candidate = fit_pairs(costs, candidate, pairs, index, workers - (m + 1), primes[:width])
         np.minimum.at(by_workers[m], js, candidate.min(axis=0) if width > 1 else candidate[0])
     return by_workers[-1]
 
@@ -284,15 +269,7 @@ def every_row(costs: LevelCosts, pairs: LevelPairs) -> np.ndarray:
             best = None
             for prime in range(1, min(m, max_prime) + 1):
                 stage = pairs.stage[prime - 1, low:high]
-                stage = fit(
-                    costs,
-                    stage,
-                    pairs.stash[low:high],
-                    workers - (m + 1),
-                    prime,
-                    pairs.received[low:high],
-                    pairs.sent[low:high],
-                )
+                stage = fit_pairs(costs, stage, pairs, slice(low, high), workers - (m + 1), prime)
                 candidate = np.maximum(column[m - prime][:, None], stage[None, :])
                 best = candidate if best is None else np.minimum(best, candidate)
             table = times[m]

@@ -15,7 +15,7 @@ import numpy as np
 from pl_pipedream.planner.costs import fitting_time, held_bytes, stage_time
 
 __all__ = ["LevelCosts", "LevelPairs", "admit", "all_pairs", "ancestor_matrix", "appended"]
-__all__ += ["crossing", "first_crossing", "fit", "level_pairs"]
+__all__ += ["crossing", "first_crossing", "fit", "fit_pairs", "level_pairs"]
 
 INF = math.inf
 
@@ -111,6 +111,20 @@ def fit(
         return time
     held = held_bytes(stage_bytes, workers_after, replicas, received, sent)
     return fitting_time(time, held, costs.memory)
+
+
+def fit_pairs(
+    costs: LevelCosts,
+    time: np.ndarray,
+    pairs: LevelPairs,
+    index: np.ndarray | slice,
+    workers_after: int | np.ndarray,
+    replicas: int | np.ndarray,
+) -> np.ndarray:
+    """``fit`` for the stages of ``pairs`` at ``index`` (their stash and the bytes crossing
+    their cuts, priced once in ``level_pairs``)."""
+    at = pairs.stash[index], pairs.received[index], pairs.sent[index]
+    return fit(costs, time, at[0], workers_after, replicas, at[1], at[2])
 
 
 def crossing(costs: LevelCosts, ks: np.ndarray, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,9 +22,11 @@ working directory: every rank writes what it printed to stderr during that fit t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -62,27 +64,24 @@ def main() -> None:
         name, case, sync, momentum, epochs = scenario.split(":")
         folder = Path(name)
         folder.mkdir(exist_ok=True)
-        rank = int(os.environ.get("LOCAL_RANK", "0"))  # the launcher sets it on ranks 1..n
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # unset on rank 0 until its first fit
         with warnings.catch_warnings(), stderr_to(folder / f"stderr-rank{rank}"):
             fit(case, sync, float(momentum), int(epochs), args.divergence, folder / "finished")
 
 
-class stderr_to:  # noqa: N801 (a context manager, used as one)
+@contextlib.contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
     """Points this process's file descriptor 2 (Python's and C's writes alike) at ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
         sys.stderr.flush()
-        self.saved = os.dup(2)
-        with open(self.path, "w") as file:
-            os.dup2(file.fileno(), 2)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def fit(

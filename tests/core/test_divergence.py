@@ -192,16 +192,51 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+class Scenario:
+    """One fit of a ``--scenarios`` launch: the launch's exit status, what every rank wrote to
+    stderr during this fit, and its folder (``finished`` there when the fit ended)."""
+
+    def __init__(self, launch: subprocess.CompletedProcess, folder: Path) -> None:
+        self.returncode = launch.returncode
+        ranks = sorted(folder.glob("stderr-rank*"))
+        self.stderr = "".join(f.read_text() for f in ranks) + launch.stderr[-3000:] * (
+            launch.returncode != 0
+        )
+        self.folder = folder
+
+
+def scenarios(tmp_path: Path, *specs: str) -> dict[str, Scenario]:
+    """The ``NAME:CASE:SYNC:MOMENTUM:EPOCHS`` fits of one stage count, in one launch."""
+    launch = run(tmp_path, "--scenarios", *specs)
+    return {s.split(":")[0]: Scenario(launch, tmp_path / s.split(":")[0]) for s in specs}
+
+
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario]:
+    """Issue 13's model on 3 stages, async, 2 epochs: momentum 0.9 (diverges) and 0.0."""
+    tmp_path = tmp_path_factory.mktemp("newcomer")
+    return scenarios(tmp_path, "diverging:newcomer:async:0.9:2", "healthy:newcomer:async:0.0:2")
+
+
+@pytest.fixture(scope="module")
+def noise(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario]:
+    """Issue 21's regression on random targets on 2 stages, 4 epochs, flush and async."""
+    tmp_path = tmp_path_factory.mktemp("noise")
+    return scenarios(tmp_path, "flush:noise:flush:0.9:4", "async:noise:async:0.9:4")
+
+
 @pytest.mark.slow
-def test_the_newcomers_diverging_run_is_reported_and_trains_on_by_default(tmp_path: Path) -> None:
+def test_the_newcomers_diverging_run_is_reported_and_trains_on_by_default(
+    newcomer: dict[str, Scenario],
+) -> None:
     """Issue 13's run (digits MLP, 3 stages, SGD lr 0.1 momentum 0.9, async): a warning on
     rank 0 in its second epoch, naming the delays and remedies; the run completes."""
-    result = run(tmp_path, "--sync", "async", "--momentum", "0.9", "--epochs", "2")
+    result = newcomer["diverging"]
     assert result.returncode == 0, result.stderr[-3000:]
     expected = "sync: async, stage delays in updates: [2, 1, 0], optimizer: lr 0.1, momentum 0.9)"
     assert result.stderr.count("UserWarning: training diverged: ") == 1
     assert expected in result.stderr and "stale weights" in result.stderr
-    assert float((tmp_path / "finished").read_text()) < 0.5  # one device: 0.98
+    assert float((result.folder / "finished").read_text()) < 0.5  # one device: 0.98
 
 
 @pytest.mark.slow
@@ -221,22 +256,24 @@ def test_strict_stops_the_newcomers_run_on_every_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_healthy_run_is_not_stopped(tmp_path: Path) -> None:
+def test_a_healthy_run_is_not_stopped(newcomer: dict[str, Scenario]) -> None:
     """The same model and lr with momentum 0 learns, as one device does: no report."""
-    result = run(tmp_path, "--sync", "async", "--momentum", "0.0", "--epochs", "2")
+    result = newcomer["healthy"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training diverged" not in result.stderr
-    assert float((tmp_path / "finished").read_text()) > 0.7  # val_acc (one device: 0.80)
+    assert float((result.folder / "finished").read_text()) > 0.7  # val_acc (one device: 0.80)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["flush", "async"])
-def test_regression_on_noise_completes_under_the_default(tmp_path: Path, sync: str) -> None:
+def test_regression_on_noise_completes_under_the_default(
+    noise: dict[str, Scenario], sync: str
+) -> None:
     """Issue 21: a run on random targets that one device completes was stopped at step 20."""
-    result = run(tmp_path, "--case", "noise", "--sync", sync, "--epochs", "4")
+    result = noise[sync]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training diverged" not in result.stderr
-    assert (tmp_path / "finished").exists()
+    assert (result.folder / "finished").exists()
 
 
 @pytest.mark.slow

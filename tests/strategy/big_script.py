@@ -8,6 +8,7 @@ layers in ``configure_model()``, ``init_module`` under ``trainer.init_module(emp
 Trainer) and reports whether that fits. Each rank writes ``rank{r}.json`` (peak RSS, its data
 size, its stage, the balance) and with ``--save`` ``weights-rank{r}.pt`` (its stage's parameters
 after training). ``--tie`` ties the last layer's weight to the first's (a tie across stages).
+``--builds B ...`` fits each of those builds in turn in one launch, each writing to ``DIR/B``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def cap(megabytes: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--build", choices=("configure", "init_module", "whole", "alone"))
+    builds = ("configure", "init_module", "whole", "alone")
+    parser.add_argument("--build", choices=builds)
+    parser.add_argument("--builds", choices=builds[:3], nargs="*", default=[], help="in turn")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--balance", type=int, nargs="*", default=None)
     parser.add_argument("--width", type=int, default=64)
@@ -43,7 +46,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.cap_mb:
         cap(args.cap_mb)
-    run(args)
+    if not args.builds:
+        run(args)
+    for build in args.builds:
+        run(argparse.Namespace(**{**vars(args), "build": build, "out": f"{args.out}/{build}"}))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -6,6 +6,8 @@ Lightning's script launcher starts rank 1 by re-running this file. Checkpoints g
 ``DIR/ckpts``; rank 0 consolidates ``last.ckpt`` into ``DIR/weights.pt`` at the end. With
 ``--block``, rank 1 writes half of its shard of the second ``last.ckpt`` save (the end of epoch
 1), writes its process id to ``DIR/blocked`` and sleeps, so that the test can kill it mid-save.
+``--straight-out DIR2`` fits once more in the same launch, from scratch, into ``DIR2`` (the
+uninterrupted reference).
 """
 
 from __future__ import annotations
@@ -52,25 +54,31 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--block", action="store_true")
     parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--straight-out", default=None, help="then fit from scratch into it")
     args = parser.parse_args()
-    out = Path(args.out)
+    fit(Path(args.out), args.epochs, args.resume, args.block, args.timeout)
+    if args.straight_out is not None:
+        fit(Path(args.straight_out), args.epochs, None, False, args.timeout)
+
+
+def fit(out: Path, epochs: int, resume: str | None, block: bool, timeout: float) -> None:
     ckpts = out / "ckpts"
-    if args.block and os.environ.get("LOCAL_RANK", "0") == "1":
+    if block and os.environ.get("LOCAL_RANK", "0") == "1":
         block_second_save_of(ckpts / "last.ckpt", out)
     saver = ModelCheckpoint(dirpath=ckpts, save_top_k=2, monitor="step", mode="max", save_last=True)
-    strategy = PipeDreamStrategy(sync="flush", balance=[3, 3], microbatches=2, timeout=args.timeout)
+    strategy = PipeDreamStrategy(sync="flush", balance=[3, 3], microbatches=2, timeout=timeout)
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         use_distributed_sampler=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
         callbacks=[saver],
     )
-    trainer.fit(Net(optimizer="adam"), loader(2), ckpt_path=args.resume)
+    trainer.fit(Net(optimizer="adam"), loader(2), ckpt_path=resume)
     if trainer.is_global_zero:
         torch.save(consolidate_checkpoint(ckpts / "last.ckpt"), out / "weights.pt")
 

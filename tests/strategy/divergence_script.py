@@ -12,12 +12,21 @@ Run as ``python tests/strategy/divergence_script.py --case newcomer --sync async
 Lightning's script launcher starts the other ranks by re-running it. Rank 0 writes the final
 ``val_acc`` (``val_loss`` for ``noise``) to ``finished`` in the working directory when the fit
 ends without an error.
+
+``--scenarios NAME:CASE:SYNC:MOMENTUM:EPOCHS ...`` fits each scenario in turn in one launch
+(cases of one stage count, under the default ``divergence``), each in a folder ``NAME`` of the
+working directory: every rank writes what it printed to stderr during that fit to
+``NAME/stderr-rank{r}`` (warnings shown afresh per scenario), and rank 0 writes ``NAME/finished``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -47,27 +56,55 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--divergence", default="error")
+    parser.add_argument("--scenarios", nargs="*", default=[], help="NAME:CASE:SYNC:MOMENTUM:EPOCHS")
     args = parser.parse_args()
+    if not args.scenarios:
+        fit(args.case, args.sync, args.momentum, args.epochs, args.divergence, Path("finished"))
+    for scenario in args.scenarios:
+        name, case, sync, momentum, epochs = scenario.split(":")
+        folder = Path(name)
+        folder.mkdir(exist_ok=True)
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # unset on rank 0 until its first fit
+        with warnings.catch_warnings(), stderr_to(folder / f"stderr-rank{rank}"):
+            fit(case, sync, float(momentum), int(epochs), args.divergence, folder / "finished")
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
+    """Points this process's file descriptor 2 (Python's and C's writes alike) at ``path``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def fit(
+    case: str, sync: str, momentum: float, epochs: int, divergence: str, finished: Path
+) -> None:
     torch.manual_seed(0)
-    if args.case == "noise":
+    if case == "noise":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
         from convergence import noise_regression
 
         model, data = noise_regression(16)
         balance, metric = [3, 2], "val_loss"
     else:
-        momentum = 0.0 if args.case == "nan-data" else args.momentum
+        momentum = 0.0 if case == "nan-data" else momentum
         model = MLP((1, 8, 8), 10, hidden=(128, 128), optimizer="sgd", lr=0.1, momentum=momentum)
-        data = (NanData if args.case == "nan-data" else DigitsDataModule)(batch_size=32)
+        data = (NanData if case == "nan-data" else DigitsDataModule)(batch_size=32)
         balance, metric = [2, 2, 2], "val_acc"
-    strategy = PipeDreamStrategy(
-        sync=args.sync, balance=balance, timeout=60, divergence=args.divergence
-    )
+    strategy = PipeDreamStrategy(sync=sync, balance=balance, timeout=60, divergence=divergence)
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=len(balance),
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         enable_progress_bar=False,
@@ -77,7 +114,7 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data)
     if trainer.global_rank == 0:
-        Path("finished").write_text(str(float(trainer.callback_metrics[metric])))
+        finished.write_text(str(float(trainer.callback_metrics[metric])))
 
 
 if __name__ == "__main__":

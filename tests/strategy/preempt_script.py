@@ -6,7 +6,8 @@ Run as ``python tests/strategy/preempt_script.py --out DIR --sync flush [--signa
 consolidates ``DIR/ckpts/last.ckpt`` into ``DIR/weights.pt`` at the end of a fit that ends; each
 rank whose fit raises ``SystemExit`` writes its code and the time to ``DIR/exit-rank{r}.json``.
 The loader is stateful (``state_dict``/``load_state_dict``), so a fit resumed mid-epoch goes on
-with the next batch, as Lightning resumes on one device.
+with the next batch, as Lightning resumes on one device. ``--straight-out DIR2`` fits once more
+in the same launch, from scratch without a signal, into ``DIR2`` (the uninterrupted reference).
 """
 
 from __future__ import annotations
@@ -86,29 +87,35 @@ def main() -> None:
     parser.add_argument("--signal-at", type=int, default=-1)
     parser.add_argument("--target", choices=("rank1", "group"), default="rank1")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--straight-out", default=None, help="then fit uninterrupted into it")
     args = parser.parse_args()
-    out = Path(args.out)
+    fit(Path(args.out), args.sync, args.epochs, args.signal_at, args.target, args.resume)
+    if args.straight_out is not None:
+        fit(Path(args.straight_out), args.sync, args.epochs, -1, args.target, resume=False)
+
+
+def fit(out: Path, sync: str, epochs: int, signal_at: int, target: str, resume: bool) -> None:
     ckpts = out / "ckpts"
     out.mkdir(parents=True, exist_ok=True)
     saver = ModelCheckpoint(dirpath=ckpts, save_last=True, save_top_k=0)
     torch.manual_seed(0)
     model = Net(optimizer="adam")
     strategy = PipeDreamStrategy(
-        sync=args.sync, balance=[3, 3], microbatches=2, timeout=60, divergence="off"
+        sync=sync, balance=[3, 3], microbatches=2, timeout=60, divergence="off"
     )
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         use_distributed_sampler=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[saver, Signal(args.signal_at, args.target, out)],
+        callbacks=[saver, Signal(signal_at, target, out)],
     )
     try:
-        trainer.fit(model, data(), ckpt_path="last" if args.resume else None)
+        trainer.fit(model, data(), ckpt_path="last" if resume else None)
     except SystemExit as stopped:
         record = {"code": stopped.code, "time": time.time(), "step": trainer.global_step}
         (out / f"exit-rank{trainer.global_rank}.json").write_text(json.dumps(record))

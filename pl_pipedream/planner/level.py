@@ -14,8 +14,19 @@ import numpy as np
 
 from pl_pipedream.planner.costs import fitting_time, held_bytes, stage_time
 
-__all__ = ["LevelCosts", "LevelPairs", "admit", "all_pairs", "ancestor_matrix", "appended"]
-__all__ += ["crossing", "first_crossing", "fit", "fit_pairs", "level_pairs"]
+__all__ = [
+    "LevelCosts",
+    "LevelPairs",
+    "admit",
+    "all_pairs",
+    "ancestor_matrix",
+    "appended",
+    "crossing",
+    "first_crossing",
+    "fit",
+    "fit_pairs",
+    "level_pairs",
+]
 
 INF = math.inf
 

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from pl_pipedream.planner.costs import stashed_bytes  # noqa: E402
 from pl_pipedream.planner.plan import Plan  # noqa: E402
-from pl_pipedream.schedule.memory import activations_kept, versions_kept  # noqa: E402
+from pl_pipedream.schedule.memory import kept_bytes, versions_kept  # noqa: E402
 from pl_pipedream.schedule.modes import SyncMode  # noqa: E402
 from pl_pipedream.schedule.stream import SegmentStream  # noqa: E402
 
@@ -209,12 +209,10 @@ def sized(stages: int, weights: float, activations: float) -> Plan:
 
 
 def stash_and_activations(plan: Plan, sync: SyncMode, stage: int) -> float:
-    """The bytes ``stage`` keeps in weight versions and activations in flight (``schedule.memory``;
+    """``schedule.memory.kept_bytes`` of ``stage`` (weight versions and activations in flight;
     message frames left out: they depend on the boundary sizes, not on the stash), with the
     fewest microbatches the mode takes (``2bw``: as many as stages)."""
-    m = sync.min_microbatches(plan.num_stages)
-    weights = versions_kept(plan, sync, m, stage) * plan.stages[stage].parameter_bytes
-    return weights + activations_kept(plan, sync, m, stage)
+    return kept_bytes(plan, sync, sync.min_microbatches(plan.num_stages), stage)
 
 
 def most_stages(

@@ -43,6 +43,7 @@ __all__ = [
     "activations_kept",
     "frame_bytes",
     "frames_in_flight",
+    "kept_bytes",
     "minibatches_in_flight",
     "rank_frame_bytes",
     "stage_bytes",
@@ -93,12 +94,19 @@ def minibatches_in_flight(plan: Plan, sync: SyncMode, microbatches: int, stage: 
 def stage_bytes(
     plan: Plan, sync: SyncMode, microbatches: int, stage: int, recompute: bool = False
 ) -> float:
-    """The bytes a replica of ``stage`` needs under ``sync``: its weights times the versions it
-    keeps plus what its minibatches in flight keep for their backward passes."""
-    this = plan.stages[stage]
-    weights = versions_kept(plan, sync, microbatches, stage) * this.parameter_bytes
-    activations = activations_kept(plan, sync, microbatches, stage, recompute)
-    return weights + activations + frame_bytes(plan, sync, microbatches, stage)
+    """The bytes a replica of ``stage`` needs under ``sync``: ``kept_bytes`` plus the frames of
+    its messages in flight."""
+    kept = kept_bytes(plan, sync, microbatches, stage, recompute)
+    return kept + frame_bytes(plan, sync, microbatches, stage)
+
+
+def kept_bytes(
+    plan: Plan, sync: SyncMode, microbatches: int, stage: int, recompute: bool = False
+) -> float:
+    """A replica of ``stage``'s weights times the versions it keeps plus what its minibatches in
+    flight keep for their backward passes (no message frames)."""
+    weights = versions_kept(plan, sync, microbatches, stage) * plan.stages[stage].parameter_bytes
+    return weights + activations_kept(plan, sync, microbatches, stage, recompute)
 
 
 def activations_kept(

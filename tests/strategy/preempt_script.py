@@ -2,11 +2,12 @@
 send SIGTERM at a given step, to rank 1 alone or to every rank (the process group).
 
 Run as ``python tests/strategy/preempt_script.py --out DIR --sync flush [--signal-at K
---target rank1|group] [--resume]``, in a session of its own for ``--target group``. Rank 0
+--target rank1|group] [--agree-every-step] [--resume]``, in a session of its own for
+``--target group``. Rank 0
 consolidates ``DIR/ckpts/last.ckpt`` into ``DIR/weights.pt`` at the end of a fit that ends; each
 rank whose fit raises ``SystemExit`` writes its code and the time to ``DIR/exit-rank{r}.json``.
-The loader is stateful (``state_dict``/``load_state_dict``), so a fit resumed mid-epoch goes on
-with the next batch, as Lightning resumes on one device. ``--straight-out DIR2`` fits once more
+The loader is the package's ``ResumableLoader``, so a fit resumed mid-epoch goes on with the
+next batch, as Lightning resumes on one device. ``--straight-out DIR2`` fits once more
 in the same launch, from scratch without a signal, into ``DIR2`` (the uninterrupted reference).
 """
 
@@ -25,34 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
 
 from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
+from pl_pipedream.core import preemption  # noqa: E402
+from pl_pipedream.data.resumable import ResumableLoader  # noqa: E402
 from tests.strategy.test_lightning_features import Net  # noqa: E402
 
 BATCHES = 24  # per epoch
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that, restored from a checkpoint, skips the batches already trained on."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.seen = 0
-        self.skip = 0
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        self.seen, skip, self.skip = 0, self.skip, 0
-        for index, batch in enumerate(super().__iter__()):
-            if index >= skip:
-                self.seen = index + 1
-                yield batch
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.skip = state["seen"]
 
 
 def data() -> ResumableLoader:
@@ -88,7 +69,10 @@ def main() -> None:
     parser.add_argument("--target", choices=("rank1", "group"), default="rank1")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--straight-out", default=None, help="then fit uninterrupted into it")
+    parser.add_argument("--agree-every-step", action="store_true", help="a known stop step")
     args = parser.parse_args()
+    if args.agree_every_step:  # the ranks agree at every step: they stop 3 steps after the signal
+        preemption.MAX_PERIOD = 1
     fit(Path(args.out), args.sync, args.epochs, args.signal_at, args.target, args.resume)
     if args.straight_out is not None:
         fit(Path(args.straight_out), args.sync, args.epochs, -1, args.target, resume=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -48,22 +47,32 @@ def run(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sync", "target", "seed"),
-    # one rank signalled (flush: bitwise) and every rank at once, as scancel does (async)
-    [("flush", "rank1", 1), ("async", "group", 3)],
+    ("sync", "target", "at", "every_step"),
+    [
+        # one rank signalled (flush: bitwise), the ranks agreeing at every step so that they
+        # stop at step 24, the first of the second epoch: the checkpoint must not say that
+        # epoch has ended, nor the loader that it has given its batches
+        ("flush", "rank1", 21, True),
+        # every rank at once, as scancel does (async), the agreement's own period
+        ("async", "group", 17, False),
+    ],
     ids=str,
 )
 def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
-    tmp_path: Path, sync: str, target: str, seed: int
+    tmp_path: Path, sync: str, target: str, at: int, every_step: bool
 ) -> None:
-    at = random.Random(seed).randrange(2, 40)  # 48 steps in all
-    stopped = run(tmp_path / "stopped", "--sync", sync, "--signal-at", str(at), "--target", target)
+    signal = ["--signal-at", str(at), "--target", target]
+    stopped = run(
+        tmp_path / "stopped", "--sync", sync, *signal, *["--agree-every-step"] * every_step
+    )
     ended = time.time()
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     signalled = float((tmp_path / "stopped" / "signalled").read_text())
     exits = [json.loads((tmp_path / "stopped" / f"exit-rank{r}.json").read_text()) for r in (0, 1)]
     assert [e["code"] for e in exits] == [143, 143]
     assert exits[0]["step"] == exits[1]["step"] > at  # one agreed step, after the signal
+    if every_step:
+        assert exits[0]["step"] == 24  # 24 batches per epoch
     assert ended - signalled < 30, ended - signalled
     last = tmp_path / "stopped" / "ckpts" / "last.ckpt"
     assert json.loads((last / "pipeline.json").read_text())["step"] == exits[0]["step"]

@@ -9,10 +9,13 @@ Subcommands:
   neighbourhood) and prints its timeline and figures;
 * ``reproduce [ROW ...|all]`` plans PipeDream's published profiles for the rows of the paper's
   Table 1 and prints the paper's configuration and speedup beside the planner's
-  (``pl_pipedream.reproduce``).
+  (``pl_pipedream.reproduce``);
+* ``checkpoint inspect|to-torch|from-torch`` prints a sharded checkpoint, writes it as one plain
+  state dict, or makes one from a plain state dict (``apps.checkpoint_command``, which loads
+  torch only when it runs).
 
 This module imports neither torch nor Lightning (planner and schedule are pure Python), so
-neither command pays for loading them.
+no planning command pays for loading them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import math
 import sys
 from collections.abc import Sequence
 
+from pl_pipedream.apps.checkpoint_command import add_arguments as add_checkpoint_arguments
+from pl_pipedream.apps.checkpoint_command import run as run_checkpoint
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.planner.states import StateSpaceError
@@ -69,7 +74,7 @@ def _add_planning_arguments(parser: argparse.ArgumentParser, required: bool) -> 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pl-pipedream", description="PipeDream pipeline planning and schedule simulation."
+        prog="pl-pipedream", description="PipeDream pipeline planning, schedule simulation and checkpoints."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     plan_parser = commands.add_parser("plan", help="partition a profiled model over a topology")
@@ -101,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
         "reproduce", help="PipeDream's Table 1 beside the planner's prediction for each row"
     )
     add_reproduce_arguments(reproduce)
+
+    checkpoint = commands.add_parser(
+        "checkpoint", help="inspect a checkpoint, or convert it to or from a plain state dict"
+    )
+    add_checkpoint_arguments(checkpoint)
     return parser
 
 
@@ -201,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_plan(args, parser)
         if args.command == "reproduce":
             return run_reproduce(args)
+        if args.command == "checkpoint":
+            return run_checkpoint(args)
         return _run_simulate(args, parser)
     except (ProfileError, PlanError, TopologyError, StateSpaceError, ValueError) as error:
         print(f"pl-pipedream {args.command}: error: {error}", file=sys.stderr)

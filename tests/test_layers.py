@@ -48,7 +48,7 @@ LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 TORCH = frozenset({"torch"})
 LIGHTNING_USERS = frozenset({"strategy", "models", "data", "apps"})
 # Of the Lightning users' units, the modules that must not import Lightning all the same.
-NOT_LIGHTNING = ("apps/__init__.py", "apps/cli.py")
+NOT_LIGHTNING = ("apps/__init__.py", "apps/cli.py", "apps/checkpoint_command.py")
 # Modules that must import neither torch nor Lightning (paths relative to the package).
 PURE = (
     "planner",
@@ -59,6 +59,7 @@ PURE = (
     "published",
     "configs",
     "apps/cli.py",
+    "apps/checkpoint_command.py",
     "reproduce/__init__.py",
     "reproduce/table.py",
     "reproduce/epochs.py",

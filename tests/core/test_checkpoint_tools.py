@@ -227,7 +227,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``checkpoint_script.py``: 2 ranks, ``flush``, balance [3, 3], 2 microbatches, Adam, one
     epoch; ``ckpts/last.ckpt`` and rank 0's ``consolidate_checkpoint`` of it in ``weights.pt``."""
     out = tmp_path_factory.mktemp("saved")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "1"]
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "1", "--timeout", "120"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]

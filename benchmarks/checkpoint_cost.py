@@ -9,7 +9,9 @@ over gloo, through Lightning's Trainer, two launches per rank count:
   and reads its peak resident memory during it (``VmHWM``, reset just before through
   ``/proc/self/clear_refs``);
 * ``load``: a fresh launch fits with ``ckpt_path=DIR/nN/run.ckpt``; each rank times from the
-  ``fit`` call to the end of its first step and reads its peak resident memory (``VmHWM``) there.
+  ``fit`` call to the end of its first step, and from the ``setup`` hook to ``on_train_start``
+  (the pipeline's setup plus Lightning's restore: reading the checkpoint, the weights, the
+  optimizer and loop state), and reads its peak resident memory (``VmHWM``) at the first step.
   The ``save`` launch's own time and peak at the end of its first step (a fit from scratch) are
   the baseline, so that the checkpoint's part is the difference.
 
@@ -100,6 +102,12 @@ def run_worker(args: argparse.Namespace) -> None:
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
     class Measure(Callback):
+        def setup(self, trainer, module, stage) -> None:  # type: ignore[no-untyped-def]
+            figures["setup_at"] = time.perf_counter()
+
+        def on_train_start(self, trainer, module) -> None:  # type: ignore[no-untyped-def]
+            figures["setup_s"] = time.perf_counter() - figures.pop("setup_at")
+
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
             if "first_step_s" not in figures:
                 figures["first_step_s"] = time.perf_counter() - started
@@ -171,6 +179,8 @@ def measure(args: argparse.Namespace, devices: int) -> list[dict[str, Any]]:
                 "save_s": saved["save_s"],
                 "save_peak": saved["save_peak"],
                 "rss_before_save": saved["rss_before_save"],
+                "fresh_setup_s": saved["setup_s"],
+                "resume_setup_s": loaded["setup_s"],
                 "fresh_first_step_s": saved["first_step_s"],
                 "fresh_peak": saved["first_step_peak"],
                 "resume_first_step_s": loaded["first_step_s"],
@@ -185,13 +195,15 @@ def measure(args: argparse.Namespace, devices: int) -> list[dict[str, Any]]:
 def render(rows: list[dict[str, Any]], model_bytes: int) -> str:
     lines = [
         "ranks | rank | stage | checkpoint MiB | save s | peak in save MiB (RSS before) | "
-        "fit to 1st step s: fresh / resumed | peak at 1st step MiB: fresh / resumed",
-        "---|---|---|---|---|---|---|---",
+        "setup to train start s: fresh / resumed | fit to 1st step s: fresh / resumed | "
+        "peak at 1st step MiB: fresh / resumed",
+        "---|---|---|---|---|---|---|---|---",
     ]
     for r in rows:
         lines.append(
             f"{r['ranks']} | {r['rank']} | {r['stage']} | {r['checkpoint_bytes'] / MIB:,.0f} | "
             f"{r['save_s']:.2f} | {r['save_peak'] / MIB:,.0f} ({r['rss_before_save'] / MIB:,.0f})"
+            f" | {r['fresh_setup_s']:.1f} / {r['resume_setup_s']:.1f}"
             f" | {r['fresh_first_step_s']:.1f} / {r['resume_first_step_s']:.1f} | "
             f"{r['fresh_peak'] / MIB:,.0f} / {r['resume_peak'] / MIB:,.0f}"
         )
@@ -200,7 +212,8 @@ def render(rows: list[dict[str, Any]], model_bytes: int) -> str:
 
 
 def sane(rows: list[dict[str, Any]]) -> bool:
-    keys = ("save_s", "save_peak", "resume_first_step_s", "resume_peak", "checkpoint_bytes")
+    keys = ("save_s", "save_peak", "resume_setup_s", "resume_first_step_s", "resume_peak")
+    keys += ("checkpoint_bytes",)
     return bool(rows) and all(r[k] > 0 for r in rows for k in keys)
 
 

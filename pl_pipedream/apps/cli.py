@@ -74,7 +74,8 @@ def _add_planning_arguments(parser: argparse.ArgumentParser, required: bool) -> 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pl-pipedream", description="PipeDream pipeline planning, schedule simulation and checkpoints."
+        prog="pl-pipedream",
+        description="PipeDream pipeline planning, schedule simulation and checkpoints.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     plan_parser = commands.add_parser("plan", help="partition a profiled model over a topology")

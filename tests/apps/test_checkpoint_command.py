@@ -30,7 +30,9 @@ def test_to_torch_then_from_torch_then_to_torch_is_bit_for_bit(
     plain, again = tmp_path / "plain.pt", tmp_path / "again.pt"
     assert main(["checkpoint", "to-torch", str(tmp_path / "run.ckpt"), str(plain)]) == 0
     assert "wrote 3 names to" in capsys.readouterr().out
-    assert same_bits(torch.load(plain, weights_only=True), consolidate_checkpoint(tmp_path / "run.ckpt"))
+    assert same_bits(
+        torch.load(plain, weights_only=True), consolidate_checkpoint(tmp_path / "run.ckpt")
+    )
     made = tmp_path / "made.ckpt"
     assert main(["checkpoint", "from-torch", str(plain), str(made), "--layers", "2"]) == 0
     assert "one stage on one worker, step 0" in capsys.readouterr().out
@@ -81,7 +83,10 @@ def test_the_command_runs_from_torch_and_inspect_in_a_process(tmp_path: Path) ->
     )
     assert made.returncode == 0, made.stderr
     shown = subprocess.run(
-        [*module, "inspect", str(tmp_path / "run.ckpt")], capture_output=True, text=True, timeout=120
+        [*module, "inspect", str(tmp_path / "run.ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert shown.returncode == 0, shown.stderr
     assert "net.1.num_batches_tracked" in shown.stdout and "int64" in shown.stdout

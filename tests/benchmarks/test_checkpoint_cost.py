@@ -25,6 +25,7 @@ def test_the_layer_count_makes_the_asked_size() -> None:
 
 def test_sane_needs_every_figure_positive() -> None:
     row = {"save_s": 1.0, "save_peak": 1, "resume_first_step_s": 2.0, "resume_peak": 1}
+    row["resume_setup_s"] = 1.5
     assert checkpoint_cost.sane([{**row, "checkpoint_bytes": 10}])
     assert not checkpoint_cost.sane([{**row, "checkpoint_bytes": 0}])
     assert not checkpoint_cost.sane([])
@@ -47,6 +48,7 @@ def test_the_quick_run_prints_every_ranks_figures(tmp_path: Path) -> None:
     for row in rows:
         assert weights <= row["checkpoint_bytes"] < weights + 2**20
         assert 0 < row["save_s"] < 60 and 0 < row["resume_first_step_s"] < 120
+        assert 0 < row["resume_setup_s"] <= row["resume_first_step_s"]
         assert 2**20 < row["save_peak"] < 4 * 2**30 and 2**20 < row["resume_peak"] < 4 * 2**30
         assert f"2 | {row['rank']} | {row['stage']} | 2 | " in result.stdout
     assert not (tmp_path / "n2" / "run.ckpt").exists()  # removed without --keep

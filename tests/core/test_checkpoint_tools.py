@@ -268,4 +268,4 @@ def test_to_torch_and_from_torch_round_trip_a_two_stage_checkpoint(
     from_torch(tmp_path / "plain.pt", tmp_path / "one.ckpt", layers=6)
     assert same_bits(consolidate_checkpoint(tmp_path / "one.ckpt"), plain)
     text = describe(tmp_path / "one.ckpt")
-    assert "configuration        1 on 1 workers" in text and "0,1,2,3,4,5" in text
+    assert "configuration        1 on 1 workers" in text and "0..5 (6)" in text

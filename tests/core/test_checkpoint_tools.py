@@ -269,3 +269,31 @@ def test_to_torch_and_from_torch_round_trip_a_two_stage_checkpoint(
     assert same_bits(consolidate_checkpoint(tmp_path / "one.ckpt"), plain)
     text = describe(tmp_path / "one.ckpt")
     assert "configuration        1 on 1 workers" in text and "0..5 (6)" in text
+
+
+def test_a_from_torch_shard_is_a_lightning_checkpoint_one_device_resumes_from(
+    tmp_path: Path,
+) -> None:
+    """``stage-00.pt`` is Lightning's own checkpoint dict: a one-device fit resumes from it at
+    step 0 with the file's weights and a fresh optimizer (Lightning's checks pass)."""
+    from lightning.pytorch import Callback
+
+    from tests.strategy.test_lightning_features import Net, loader, trainer
+
+    torch.manual_seed(3)
+    state = {n: t.clone() for n, t in Net().state_dict().items()}
+    torch.save(state, tmp_path / "plain.pt")
+    from_torch(tmp_path / "plain.pt", tmp_path / "run.ckpt", layers=6)
+    seen: dict[str, object] = {}
+
+    class Look(Callback):
+        def on_train_start(self, trainer, module) -> None:  # type: ignore[no-untyped-def]
+            seen["state"] = {n: t.clone() for n, t in module.state_dict().items()}
+            seen["step"] = trainer.global_step
+            seen["optimizer"] = trainer.optimizers[0].state_dict()["state"]
+
+    torch.manual_seed(4)  # other initial weights: the checkpoint's must replace them
+    shard = tmp_path / "run.ckpt" / "stage-00.pt"
+    trainer(devices=1, max_steps=1, callbacks=[Look()]).fit(Net(), loader(2), ckpt_path=shard)
+    assert same_bits(seen["state"], state)  # type: ignore[arg-type]
+    assert seen["step"] == 0 and seen["optimizer"] == {}

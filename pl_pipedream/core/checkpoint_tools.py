@@ -191,8 +191,8 @@ def from_torch(source: str | Path, out: str | Path, layers: int = 1) -> Plan:
             f"from-torch writes into an existing directory (output: {target}, no directory "
             f"{target.parent}); create it first"
         )
+    plan = Plan.from_balance([layers])  # a bad count is refused before a large file is read
     state = read_state_dict(source)
-    plan = Plan.from_balance([layers])
     checkpoint = {
         "epoch": 0,
         "global_step": 0,

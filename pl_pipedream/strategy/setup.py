@@ -2,7 +2,8 @@
 
 ``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
 checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
-LightningModule (``stage``) and created from its empty build (``materialize``), the other
+LightningModule (``stage``) and created from its empty build (``materialize``) or filled from
+pretrained weights (``core.pretrained``; not read when ``fit(ckpt_path=...)`` resumes), the other
 stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
 updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
 evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning
@@ -29,6 +30,7 @@ from pl_pipedream.core.placement import (
     move_to_device,
     process_group_backend,
 )
+from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
@@ -54,6 +56,7 @@ __all__ = [
     "attached_trainer",
     "build_pipeline",
     "end_fit",
+    "pretrained_weights",
     "set_up",
     "set_up_environment",
     "tear_down",
@@ -88,7 +91,11 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
     strategy.local_stage = local_stage
     local = [int(node) for node in local_stage.stage.nodes]
-    materialize(module, layers, local, strategy.root_device, strategy.empty_build)
+    initial = (module, layers, local, strategy.root_device, strategy.empty_build)
+    if pretrained_weights(strategy.pretrained, trainer.ckpt_path) is not None:
+        load_stage(strategy.pretrained, *initial)
+    else:
+        materialize(*initial)
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]
@@ -118,6 +125,18 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
             strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
         ),
     )
+
+
+def pretrained_weights(pretrained: Pretrained | None, ckpt_path: Any) -> Pretrained | None:
+    """The pretrained weights to read: none when ``fit(ckpt_path=...)`` resumes, which restores
+    the weights the run had reached (said on rank 0, so that it is not silent)."""
+    if pretrained is not None and ckpt_path:
+        rank_zero_info(
+            f"PipeDreamStrategy: resuming from {ckpt_path}; the pretrained weights "
+            f"({pretrained.path}) are not read, the checkpoint holds the weights to continue from"
+        )
+        return None
+    return pretrained
 
 
 def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:

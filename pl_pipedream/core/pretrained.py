@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ class Pretrained:
     then reshapes its value (Hugging Face's ``Conv1D`` weights are ``nn.Linear``'s transposed).
     """
 
-    path: str | os.PathLike
+    path: str | os.PathLike | Mapping[str, Tensor]  # a mapping: a state dict already loaded
     prefix: str = ""
     rename: Callable[[str], str | None] | None = None
     convert: Callable[[str, Tensor], Tensor] | None = None
@@ -70,6 +70,9 @@ class Pretrained:
             f"pretrained must be a path or a Pretrained (pretrained: {type(value).__name__}); "
             "pass PipeDreamStrategy(pretrained='model.safetensors') or pretrained=Pretrained(...)"
         )
+
+    def describe(self) -> str:
+        return "a state dict" if isinstance(self.path, Mapping) else str(self.path)
 
     def module_name(self, name: str) -> str | None:
         renamed = self.rename(name) if self.rename is not None else name
@@ -91,9 +94,13 @@ class WeightsFile:
 
 
 @contextlib.contextmanager
-def open_weights(path: str | os.PathLike) -> Iterator[WeightsFile]:
-    """The weights at ``path`` (see the module docstring for the forms), open for the block."""
-    path = Path(path)
+def open_weights(source: str | os.PathLike | Mapping[str, Tensor]) -> Iterator[WeightsFile]:
+    """The weights at ``source`` (see the module docstring for the forms; or a state dict
+    already in memory, as a resumed checkpoint's), open for the block."""
+    if isinstance(source, Mapping):
+        yield _tensors(source)
+        return
+    path = Path(source)
     if path.is_dir():
         path = _file_in(path)
     if not path.is_file():
@@ -138,8 +145,8 @@ def match(module: nn.Module, weights: WeightsFile, spec: Pretrained) -> dict[int
         raise PipelineSetupError(
             "pretrained weights must hold every tensor of the module's state dict under its name "
             f"and shape ({_listed('missing', missing)}, {_listed('unexpected', unexpected)}, "
-            f"{_listed('shape mismatches', misshapen)}; file: {spec.path}); map the file's names "
-            "with Pretrained(path, prefix=..., rename=...) and reshape with convert=... "
+            f"{_listed('shape mismatches', misshapen)}; file: {spec.describe()}); map the file's "
+            "names with Pretrained(path, prefix=..., rename=...) and reshape with convert=... "
             "(docs/pretrained.md)"
         )
     return found
@@ -236,6 +243,10 @@ def _torch_file(path: Path) -> WeightsFile:
             f"pretrained torch weights must be a state dict (path: {path} holds a "
             f"{type(state).__name__}); save model.state_dict()"
         )
+    return _tensors(state)
+
+
+def _tensors(state: Mapping[str, Any]) -> WeightsFile:
     tensors = {name: t for name, t in state.items() if isinstance(t, Tensor)}
     shapes = {name: t.to("meta") for name, t in tensors.items()}
     return WeightsFile(shapes, tensors.__getitem__)

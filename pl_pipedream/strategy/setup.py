@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.core.elsewhere import mark_other_stages
-from pl_pipedream.core.materialize import materialize
+from pl_pipedream.core.materialize import materialize, model_tensors
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
     join_process_group,
@@ -56,9 +56,9 @@ __all__ = [
     "attached_trainer",
     "build_pipeline",
     "end_fit",
-    "pretrained_weights",
     "set_up",
     "set_up_environment",
+    "stage_weights",
     "tear_down",
 ]
 
@@ -71,6 +71,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     check_trainer(strategy.sync, trainer)
     check_precision(strategy.precision_plugin, strategy.sync)
     layers = pipeline_layers(module)
+    built_empty = any(tensor.is_meta for tensor in model_tensors(module))
     strategy.loader_seeds.agree()
     resumed = Plan.from_dict(strategy._resume[0]["plan"]) if strategy._resume else None
     planner = SetupPlanner(
@@ -92,8 +93,9 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     strategy.local_stage = local_stage
     local = [int(node) for node in local_stage.stage.nodes]
     initial = (module, layers, local, strategy.root_device, strategy.empty_build)
-    if pretrained_weights(strategy.pretrained, trainer.ckpt_path) is not None:
-        load_stage(strategy.pretrained, *initial)
+    weights = stage_weights(strategy.pretrained, trainer, built_empty)
+    if weights is not None:
+        load_stage(weights, *initial)
     else:
         materialize(*initial)
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
@@ -127,16 +129,20 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     )
 
 
-def pretrained_weights(pretrained: Pretrained | None, ckpt_path: Any) -> Pretrained | None:
-    """The pretrained weights to read: none when ``fit(ckpt_path=...)`` resumes, which restores
-    the weights the run had reached (said on rank 0, so that it is not silent)."""
-    if pretrained is not None and ckpt_path:
+def stage_weights(pretrained: Pretrained | None, trainer: Any, built_empty: bool) -> Any:
+    """The weights that fill this rank's stage at setup (``core.pretrained``), or None: when
+    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): its weights for a module
+    built empty (Lightning restored them into ``meta`` tensors, which hold nothing), none for a
+    module built whole (restored already); otherwise the pretrained weights."""
+    if not trainer.ckpt_path:
+        return pretrained
+    if pretrained is not None:
         rank_zero_info(
-            f"PipeDreamStrategy: resuming from {ckpt_path}; the pretrained weights "
-            f"({pretrained.path}) are not read, the checkpoint holds the weights to continue from"
+            f"PipeDreamStrategy: resuming from {trainer.ckpt_path}; the pretrained weights "
+            f"({pretrained.describe()}) are not read, the checkpoint's weights continue"
         )
-        return None
-    return pretrained
+    state = lightning_patches.resumed_state_dict(trainer)
+    return Pretrained(state) if built_empty and state is not None else None
 
 
 def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:

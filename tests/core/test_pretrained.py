@@ -68,7 +68,8 @@ def write(model: nn.Module, tmp_path: Path, form: str) -> Path:
         safetensors_torch.save_file(unique, tmp_path / "model.safetensors")
         return tmp_path / "model.safetensors"
     names = sorted(unique)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}  # fmt: skip
+    shards = {"model-00001-of-00002.safetensors": names[::2]}
+    shards["model-00002-of-00002.safetensors"] = names[1::2]
     for shard, keys in shards.items():
         safetensors_torch.save_file({k: unique[k] for k in keys}, tmp_path / shard)
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}

@@ -3,12 +3,17 @@
 Each stage of an empty build, filled from a ``torch.save`` state dict, a ``.safetensors`` file
 and a sharded Hugging Face directory, equals the saved model on the tensors it keeps, reads only
 those (a tied weight on each stage that holds it), and leaves the others on ``meta``; names
-mapped with ``prefix``, ``rename`` and ``convert``; every mismatch listed in one error.
+mapped with ``prefix``, ``rename`` and ``convert``; every mismatch listed in one error. Through
+Lightning on 2 ranks (slow): fine-tuning from either file equals one device loading the same
+weights, a mismatch stops every rank at setup, and ``fit(ckpt_path=...)`` wins over
+``pretrained=`` (a module built empty continues from the checkpoint's weights).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -187,3 +192,111 @@ def test_parse_takes_a_path_or_a_pretrained() -> None:
     assert Pretrained.parse(None) is None
     with pytest.raises(PipelineSetupError, match="path or a Pretrained"):
         Pretrained.parse(3)  # type: ignore[arg-type]
+
+
+# ----- through Lightning, 2 ranks (slow): tests/strategy/pretrained_script.py -----------------
+
+SCRIPT = Path(__file__).parents[1] / "strategy" / "pretrained_script.py"
+
+
+def launch(*args: object) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=os.environ)
+
+
+def pipelined(out: Path) -> dict[str, torch.Tensor]:
+    """The stages' states after training, merged (each rank wrote its own)."""
+    return {**torch.load(out / "rank0.pt"), **torch.load(out / "rank1.pt")}
+
+
+def tiny_weights(tmp_path: Path) -> tuple[Path, Path]:
+    """A trained-looking ``Tiny`` as a ``torch.save`` state dict and as safetensors (the tied
+    head under its embedding's name only, as Hugging Face writes GPT-2)."""
+    from tests.strategy.pretrained_script import Tiny
+
+    torch.manual_seed(3)
+    model = Tiny("whole")
+    for param in model.parameters():
+        nn.init.normal_(param, std=0.3)
+    state = model.state_dict()
+    torch.save(state, tmp_path / "tiny.pt")
+    unique = {k: v for k, v in state.items() if k != "head.weight"}
+    safetensors_torch.save_file(unique, tmp_path / "tiny.safetensors")
+    return tmp_path / "tiny.pt", tmp_path / "tiny.safetensors"
+
+
+def one_device(weights: Path, epochs: int) -> dict[str, torch.Tensor]:
+    """The oracle: the same weights loaded on one device, trained as a user would."""
+    from lightning.pytorch import Trainer
+
+    from tests.strategy.pretrained_script import Tiny, loader, settings
+
+    model = Tiny("whole")
+    model.load_state_dict(torch.load(weights))
+    Trainer(**settings(devices=1, max_epochs=epochs, enable_checkpointing=False)).fit(
+        model, loader()
+    )
+    return model.state_dict()
+
+
+def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        diff = (actual[name] - tensor).abs().max().item()
+        assert diff <= 1e-6, f"{name}: {diff}"
+
+
+@pytest.mark.slow
+def test_two_stages_fine_tune_from_pretrained_weights_as_one_device(tmp_path) -> None:
+    torch_file, safetensors_file = tiny_weights(tmp_path)
+    run = launch("--weights", torch_file, safetensors_file, "--out", tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = one_device(torch_file, epochs=2)
+    start = torch.load(torch_file)
+    assert max((expected[k] - start[k]).abs().max().item() for k in start) > 1e-2  # it trained
+    assert_close(pipelined(tmp_path / "run" / "0"), expected)
+    assert_close(pipelined(tmp_path / "run" / "1"), expected)
+
+
+@pytest.mark.slow
+def test_names_that_do_not_match_stop_every_rank_before_training(tmp_path) -> None:
+    torch_file, _ = tiny_weights(tmp_path)
+    state = torch.load(torch_file)
+    state["blocks.1.1.bias"] = state.pop("blocks.1.1.weight")  # misnamed, and misshapen
+    torch.save(state, tmp_path / "bad.pt")
+    run = launch("--weights", tmp_path / "bad.pt", "--out", tmp_path / "run")
+    assert run.returncode != 0
+    assert "missing: ['blocks.1.1.weight']" in run.stderr
+    assert "blocks.1.1.bias: file (8, 8), module (8,)" in run.stderr
+    assert not (tmp_path / "run" / "0" / "rank0.pt").exists()
+
+
+@pytest.mark.slow
+def test_resuming_wins_over_pretrained_weights_and_continues_the_checkpoint(tmp_path) -> None:
+    """``fit(ckpt_path=...)`` with ``pretrained=`` still given (the same command re-run after a
+    preemption) continues from the checkpoint; the model is built empty with an initialisation
+    no replay can redo, so only the checkpoint's weights can fill it."""
+    torch_file, _ = tiny_weights(tmp_path)
+    first = launch("--weights", torch_file, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "a" / "0" / "ckpts" / "last.ckpt"
+    args = ("--weights", torch_file, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
+    resumed = launch(*args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the pretrained weights (" in resumed.stderr + resumed.stdout
+    assert_close(pipelined(tmp_path / "b" / "0"), one_device(torch_file, epochs=2))
+
+
+@pytest.mark.slow
+def test_a_module_built_empty_resumes_from_the_checkpoint_s_weights(tmp_path) -> None:
+    """Without pretrained weights: Lightning restores a checkpoint before the strategy's setup,
+    into the ``meta`` tensors of a module built in ``configure_model()``; the stage must still
+    continue from the checkpoint's weights, not from a fresh initialisation."""
+    common = ("--weights", "none", "--init", "reset")
+    straight = launch(*common, "--out", tmp_path / "straight", "--epochs", 2)
+    first = launch(*common, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
+    last = tmp_path / "a" / "0" / "ckpts" / "last.ckpt"
+    resumed = launch(*common, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
+    for run in (straight, first, resumed):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(pipelined(tmp_path / "b" / "0"), pipelined(tmp_path / "straight" / "0"))

@@ -5,6 +5,7 @@ keeps each rank's memory to its own stage; no rank builds or reads the whole mod
 Hardware: CPU, 2 processes (gloo). Command:
 
     python benchmarks/pretrained_memory.py [--out /tmp/pretrained_memory] [--steps 2]
+    python benchmarks/pretrained_memory.py --one-device   # the whole model in one process
 
 It first writes, in a separate process, a GPT-2-shaped checkpoint as Hugging Face lays it out
 (``model.safetensors``, Hugging Face's names, ``Conv1D`` weights, the ``attn.bias`` masks;
@@ -13,7 +14,9 @@ embedding and 6 blocks | 6 blocks and the head, which holds the tied embedding t
 prints per rank: its stage's bytes (parameters and buffers it holds), the whole model's bytes,
 and the rise of the resident set (``VmHWM`` minus the resident set before the build, read from
 ``/proc/self/status``) over setup (build on ``meta`` and load) and over training (AdamW's two
-moments and the gradients come on top of the weights). Expected: the setup rise near the
+moments and the gradients come on top of the weights). ``--one-device`` runs the same
+fine-tuning in one process (``strategy="auto"``), the whole model loaded from the same file with
+``safetensors.torch.load_file``, for comparison. Expected: the setup rise near the
 stage's bytes and well below the whole model's; training near 4x the stage's (weights,
 gradients, two moments) plus activations. The mapping of Hugging Face's names (``hf_name``,
 ``from_conv1d``) is the one docs/pretrained.md shows.
@@ -120,9 +123,10 @@ class Head(nn.Module):
 class GPT2(LightningModule):
     """GPT-2 small under names that ``hf_name`` maps Hugging Face's onto, built empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_whole: Path | None = None) -> None:
         super().__init__()
         self.embed: Embed | None = None
+        self.load_whole = load_whole  # one device: load the whole file here, as users do
 
     def configure_model(self) -> None:
         if self.embed is not None:
@@ -131,6 +135,12 @@ class GPT2(LightningModule):
         self.h = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = Head()
         self.head.lm_head.weight = self.embed.wte.weight  # tied, as GPT-2 ties them
+        if self.load_whole is not None:
+            from safetensors.torch import load_file
+
+            state = load_file(self.load_whole)
+            mapped = {hf_name(n): from_conv1d(n, t) for n, t in state.items() if hf_name(n)}
+            self.load_state_dict(mapped, strict=False)  # head.lm_head.weight: the tie
 
     def configure_pipeline(self) -> nn.Sequential:
         return nn.Sequential(self.embed, *self.h, self.head)
@@ -210,6 +220,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--length", type=int, default=64, help="tokens per example")
     parser.add_argument("--write", action="store_true", help="only write the checkpoint")
+    parser.add_argument("--one-device", action="store_true", help="the whole model, 1 process")
     args = parser.parse_args()
     out, rank = Path(args.out), int(os.environ.get("LOCAL_RANK", "0"))
     weights = out / "gpt2"
@@ -220,20 +231,26 @@ def main() -> None:
             old.unlink()
         if not (weights / "model.safetensors").is_file():
             subprocess.run([sys.executable, __file__, "--write", "--out", str(out)], check=True)
-    tokens = torch.randint(0, VOCAB, (4 * args.steps, args.length + 1))
+    generator = torch.Generator().manual_seed(0)  # the same batches on every rank
+    tokens = torch.randint(0, VOCAB, (4 * args.steps, args.length + 1), generator=generator)
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     spec = Pretrained(weights, rename=hf_name, convert=from_conv1d)
     strategy = PipeDreamStrategy(sync="flush", balance=[7, 7], microbatches=2, pretrained=spec)
     measure = Measure()
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
+        strategy="auto" if args.one_device else strategy, accelerator="cpu",
+        devices=1 if args.one_device else 2, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[measure],
     )  # fmt: skip
-    model = GPT2()
+    model = GPT2(weights / "model.safetensors" if args.one_device else None)
     trainer.fit(model, data)
-    assert strategy.local_stage is not None
-    held = strategy.local_stage.module.state_dict(keep_vars=True).values()
+    if args.one_device:
+        rank = 2  # reported as "one device"
+        held = model.state_dict(keep_vars=True).values()
+    else:
+        assert strategy.local_stage is not None
+        held = strategy.local_stage.module.state_dict(keep_vars=True).values()
     stage = sum(t.nbytes for t in {id(t): t for t in held}.values())
     every = model.state_dict(keep_vars=True).values()  # other stages' on meta: no memory
     whole = sum(t.nbytes for t in {id(t): t for t in every}.values())
@@ -241,18 +258,21 @@ def main() -> None:
     figures |= measure.figures
     (out / f"rank{rank}.json").write_text(json.dumps(figures))
     if rank == 0:
-        report(out)
+        report(out, [0, 1])
+    if rank == 2:
+        report(out, [2])
 
 
-def report(out: Path) -> None:
+def report(out: Path, ranks: list[int]) -> None:
     deadline = time.time() + 120
-    while not (out / "rank1.json").is_file() and time.time() < deadline:
+    while not all((out / f"rank{r}.json").is_file() for r in ranks) and time.time() < deadline:
         time.sleep(0.5)
-    print("rank  stage MiB  whole model MiB  setup rise MiB  train rise MiB  train s")
-    for rank in (0, 1):
+    print("    rank  stage MiB  whole model MiB  setup rise MiB  train rise MiB  train s")
+    for rank in ranks:
         f = json.loads((out / f"rank{rank}.json").read_text())
+        name = "1 device" if rank == 2 else f"{rank:>8}"
         print(
-            f"{rank:>4}  {f['stage_mib']:>9.0f}  {f['whole_mib']:>15.0f}  "
+            f"{name}  {f['stage_mib']:>9.0f}  {f['whole_mib']:>15.0f}  "
             f"{f['setup_rise_mib']:>14.0f}  {f['train_rise_mib']:>14.0f}  "
             f"{f['train_seconds']:>7.1f}"
         )

@@ -38,6 +38,7 @@ __all__ = ["Pretrained", "WeightsFile", "load_stage", "match", "open_weights"]
 
 INDEX = "model.safetensors.index.json"
 SHOWN = 8  # names listed per kind of mismatch
+MAPPED_BYTES = 64 * 2**20  # read through one opening of a file (WeightsFile)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -80,17 +81,32 @@ class Pretrained:
 
 
 class WeightsFile:
-    """The tensors of a weights file by name: their shapes (the header only) and values (read
-    one at a time); ``read`` records every name it read."""
+    """The tensors of a weights file by name: their shapes (the header only) and values, read
+    one at a time; ``read`` records every name it read.
 
-    def __init__(self, shapes: dict[str, Tensor], reader: Callable[[str], Tensor]) -> None:
+    A page of a memory-mapped file that was read stays in the resident set for as long as the
+    file is mapped, so ``read`` opens the file again (``open_reader``, dropping the previous
+    mapping) once it has read ``MAPPED_BYTES`` since the last opening: at most about that much
+    of the file, plus the tensor being read, is resident beside the stage's own tensors.
+    """
+
+    def __init__(
+        self, shapes: dict[str, Tensor], open_reader: Callable[[], Callable[[str], Tensor]]
+    ) -> None:
         self.shapes = shapes  # name -> a meta tensor of the file's shape and dtype
-        self._reader = reader
+        self._open_reader = open_reader
+        self._reader: Callable[[str], Tensor] | None = None
+        self._mapped = 0
         self.read_names: list[str] = []
 
     def read(self, name: str) -> Tensor:
         self.read_names.append(name)
-        return self._reader(name)
+        if self._reader is None or self._mapped >= MAPPED_BYTES:
+            self._reader = None  # unmaps what was read through it
+            self._reader, self._mapped = self._open_reader(), 0
+        value = self._reader(name)
+        self._mapped += value.nbytes
+        return value
 
 
 @contextlib.contextmanager
@@ -109,11 +125,8 @@ def open_weights(source: str | os.PathLike | Mapping[str, Tensor]) -> Iterator[W
             "found); pass the path of a torch.save state dict, a .safetensors file or a "
             "Hugging Face model directory"
         )
-    if path.name.endswith(".safetensors") or path.name.endswith(".safetensors.index.json"):
-        with _safetensors(path) as weights:
-            yield weights
-        return
-    yield _torch_file(path)
+    safetensors = path.name.endswith((".safetensors", ".safetensors.index.json"))
+    yield _safetensors(path) if safetensors else _torch_file(path)
 
 
 def match(module: nn.Module, weights: WeightsFile, spec: Pretrained) -> dict[int, list[str]]:
@@ -228,6 +241,11 @@ def _file_in(directory: Path) -> Path:
 
 def _torch_file(path: Path) -> WeightsFile:
     """A ``torch.save`` state dict, memory-mapped: a tensor's bytes are read when copied."""
+    state = _torch_state(path)
+    return WeightsFile(_shapes(state), lambda: _torch_state(path).__getitem__)
+
+
+def _torch_state(path: Path) -> dict[str, Tensor]:
     try:
         state: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except RuntimeError as error:
@@ -243,18 +261,21 @@ def _torch_file(path: Path) -> WeightsFile:
             f"pretrained torch weights must be a state dict (path: {path} holds a "
             f"{type(state).__name__}); save model.state_dict()"
         )
-    return _tensors(state)
+    return {name: t for name, t in state.items() if isinstance(t, Tensor)}
 
 
 def _tensors(state: Mapping[str, Any]) -> WeightsFile:
     tensors = {name: t for name, t in state.items() if isinstance(t, Tensor)}
-    shapes = {name: t.to("meta") for name, t in tensors.items()}
-    return WeightsFile(shapes, tensors.__getitem__)
+    return WeightsFile(_shapes(tensors), lambda: tensors.__getitem__)
 
 
-@contextlib.contextmanager
-def _safetensors(path: Path) -> Iterator[WeightsFile]:
-    """One ``.safetensors`` file, or the shards an ``index.json`` maps each name to."""
+def _shapes(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {name: t.to("meta") for name, t in tensors.items()}
+
+
+def _safetensors(path: Path) -> WeightsFile:
+    """One ``.safetensors`` file, or the shards an ``index.json`` maps each name to, read
+    through ``safe_open`` (which maps each file)."""
     try:
         from safetensors import safe_open
     except ImportError as error:
@@ -266,16 +287,24 @@ def _safetensors(path: Path) -> Iterator[WeightsFile]:
         weight_map = json.loads(path.read_text())["weight_map"]
         files = {name: path.parent / shard for name, shard in weight_map.items()}
     else:
-        files = {}
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-        for file in sorted(set(files.values())) or [path]:
-            handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-        if not files:
-            files = {name: path for name in handles[path].keys()}  # noqa: SIM118 - not a dict
-        shapes = {}
-        for name, file in files.items():
-            piece = handles[file].get_slice(name)
+        files = dict.fromkeys(safe_open(str(path), framework="pt").keys(), path)
+    shapes = {}
+    for file in sorted(set(files.values())):
+        handle = safe_open(str(file), framework="pt")
+        for name in (n for n, f in files.items() if f == file):
+            piece = handle.get_slice(name)
             dtype = SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
             shapes[name] = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
-        yield WeightsFile(shapes, lambda name: handles[files[name]].get_tensor(name))
+
+    def open_reader() -> Callable[[str], Tensor]:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> Tensor:
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            return handles[file].get_tensor(name)
+
+        return read
+
+    return WeightsFile(shapes, open_reader)

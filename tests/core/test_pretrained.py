@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from pl_pipedream.core import pretrained
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.pretrained import Pretrained, load_stage, open_weights
@@ -106,6 +107,22 @@ def test_a_stage_reads_and_holds_only_its_own_tensors(tmp_path, form, local) -> 
     assert model.head.weight is model.embed.weight
     if 4 in local and 0 not in local:  # the head's stage holds the tied copy too
         assert set(read) & tied
+
+
+@pytest.mark.parametrize("form", ["torch", "safetensors"])
+def test_the_file_is_opened_again_after_each_budget_of_bytes_read(tmp_path, form, monkeypatch):  # type: ignore[no-untyped-def]
+    """Pages of a mapped file stay resident while it is mapped: reading reopens it (here after
+    every tensor, with a budget of one byte), and still gives the file's values."""
+    monkeypatch.setattr(pretrained, "MAPPED_BYTES", 1)
+    opened = []
+    with open_weights(write(saved(), tmp_path, form)) as weights:
+        reopen = weights._open_reader
+        weights._open_reader = lambda: opened.append(1) or reopen()  # type: ignore[method-assign]
+        names = sorted(weights.shapes)[:3]
+        values = [weights.read(name) for name in names]
+    assert len(opened) == 3
+    for name, value in zip(names, values, strict=True):
+        assert torch.equal(value, saved().state_dict()[name])
 
 
 def test_a_lightning_checkpoint_file_gives_its_state_dict(tmp_path) -> None:

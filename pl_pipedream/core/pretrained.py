@@ -142,9 +142,10 @@ def match(module: nn.Module, weights: WeightsFile, spec: Pretrained) -> dict[int
     found: dict[int, list[str]] = {}
     unexpected, misshapen = [], []
     for file_name, meta in weights.shapes.items():
-        name = spec.module_name(file_name)
-        if name is None:
+        mapped = spec.module_name(file_name)
+        if mapped is None:
             continue
+        name = mapped
         if name not in owner:
             unexpected.append(name if name == file_name else f"{file_name} (as {name})")
             continue

@@ -156,29 +156,39 @@ class GPT2(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
 
+def hf_layout() -> dict[str, tuple[int, ...]]:
+    """The names and shapes of Hugging Face's GPT-2 small ``model.safetensors``."""
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (VOCAB, WIDTH)}
+    shapes["wpe.weight"] = (POSITIONS, WIDTH)
+    block = {
+        "ln_1.weight": (WIDTH,), "ln_1.bias": (WIDTH,), "attn.bias": (1, 1, POSITIONS, POSITIONS),
+        "attn.c_attn.weight": (WIDTH, 3 * WIDTH), "attn.c_attn.bias": (3 * WIDTH,),
+        "attn.c_proj.weight": (WIDTH, WIDTH), "attn.c_proj.bias": (WIDTH,),
+        "ln_2.weight": (WIDTH,), "ln_2.bias": (WIDTH,),
+        "mlp.c_fc.weight": (WIDTH, 4 * WIDTH), "mlp.c_fc.bias": (4 * WIDTH,),
+        "mlp.c_proj.weight": (4 * WIDTH, WIDTH), "mlp.c_proj.bias": (WIDTH,),
+    }  # fmt: skip
+    for i in range(LAYERS):
+        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"ln_f.weight": (WIDTH,), "ln_f.bias": (WIDTH,)})
+    return shapes
+
+
 def write_checkpoint(directory: Path) -> None:
     """A GPT-2-shaped ``model.safetensors`` as Hugging Face writes it (random values)."""
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(0)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * 0.02
-
-    state = {"wte.weight": randn(VOCAB, WIDTH), "wpe.weight": randn(POSITIONS, WIDTH)}
-    mask = torch.tril(torch.ones(POSITIONS, POSITIONS)).view(1, 1, POSITIONS, POSITIONS)
-    for i in range(LAYERS):
-        block = {
-            "ln_1.weight": torch.ones(WIDTH), "ln_1.bias": torch.zeros(WIDTH),
-            "attn.bias": mask, "attn.c_attn.weight": randn(WIDTH, 3 * WIDTH),
-            "attn.c_attn.bias": torch.zeros(3 * WIDTH), "attn.c_proj.weight": randn(WIDTH, WIDTH),
-            "attn.c_proj.bias": torch.zeros(WIDTH), "ln_2.weight": torch.ones(WIDTH),
-            "ln_2.bias": torch.zeros(WIDTH), "mlp.c_fc.weight": randn(WIDTH, 4 * WIDTH),
-            "mlp.c_fc.bias": torch.zeros(4 * WIDTH), "mlp.c_proj.weight": randn(4 * WIDTH, WIDTH),
-            "mlp.c_proj.bias": torch.zeros(WIDTH),
-        }  # fmt: skip
-        state.update({f"h.{i}.{name}": value.clone() for name, value in block.items()})
-    state.update({"ln_f.weight": torch.ones(WIDTH), "ln_f.bias": torch.zeros(WIDTH)})
+    state = {}
+    for name, shape in hf_layout().items():
+        if name.endswith("attn.bias"):
+            state[name] = torch.tril(torch.ones(shape))  # the causal mask
+        elif ".ln_" in name or name.startswith("ln_f."):
+            state[name] = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        elif name.endswith(".bias"):
+            state[name] = torch.zeros(shape)
+        else:
+            state[name] = torch.randn(shape, generator=generator) * 0.02
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
 

@@ -129,7 +129,9 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     )
 
 
-def stage_weights(pretrained: Pretrained | None, trainer: Any, built_empty: bool) -> Any:
+def stage_weights(
+    pretrained: Pretrained | None, trainer: Any, built_empty: bool
+) -> Pretrained | None:
     """The weights that fill this rank's stage at setup (``core.pretrained``), or None: when
     ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): its weights for a module
     built empty (Lightning restored them into ``meta`` tensors, which hold nothing), none for a

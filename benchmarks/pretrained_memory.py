@@ -181,7 +181,7 @@ def write_checkpoint(directory: Path) -> None:
     generator = torch.Generator().manual_seed(0)
     state = {}
     for name, shape in hf_layout().items():
-        if name.endswith("attn.bias"):
+        if name.endswith(".attn.bias"):
             state[name] = torch.tril(torch.ones(shape))  # the causal mask
         elif ".ln_" in name or name.startswith("ln_f."):
             state[name] = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)

@@ -24,6 +24,7 @@ __all__ = [
     "Level",
     "PipeDreamStrategy",
     "Plan",
+    "Pretrained",
     "Profile",
     "Stage",
     "Topology",
@@ -70,6 +71,10 @@ elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Pretrained":
+        from pl_pipedream.core.pretrained import Pretrained
+
+        return Pretrained
     if name in ("PipeDreamStrategy", "consolidate_checkpoint"):
         import pl_pipedream.strategy as strategy
 

@@ -35,8 +35,10 @@ What needs patching, and why (DESIGN.md, "Inside Lightning"):
   last stage, ``capture_logs``): what ``training_step`` logs is captured there and logged on
   every rank once the batch's loss reaches it (``strategy.step_logs``).
 * Read-only: ``ParallelStrategy._layer_sync`` (what ``Trainer(sync_batchnorm=True)`` sets;
-  refused before launch, ``core.arguments``), and ``_FitLoop._data_source`` (the first
-  training batch, to plan with).
+  refused before launch, ``core.arguments``), ``_FitLoop._data_source`` (the first
+  training batch, to plan with), and ``_CheckpointConnector._loaded_checkpoint`` (a resumed
+  checkpoint's weights: Lightning restores them before the strategy's setup, into a module
+  built empty on ``meta``, where they are lost; setup fills the stage from them).
 * Private classes and functions used as they are: ``_SubprocessScriptLauncher`` (the popen
   launcher's base, for Lightning's ``launcher.kill`` on SIGTERM and Ctrl-C; its ``launch`` is
   replaced, so its observer thread never starts), ``_MultiProcessingLauncher`` and
@@ -280,6 +282,15 @@ def first_training_batch(trainer: Any) -> Any | None:
     if source is None or not source.is_defined():
         return None
     return next(iter(source.dataloader()))
+
+
+def resumed_state_dict(trainer: Any) -> dict[str, Tensor] | None:
+    """The model state of the checkpoint ``fit(ckpt_path=...)`` loaded (``trainer.
+    _checkpoint_connector._loaded_checkpoint``, from before the strategy's setup to the end of
+    the restore), or None."""
+    connector = _require(trainer, "_checkpoint_connector", "Trainer")
+    loaded = _require(connector, "_loaded_checkpoint", "_CheckpointConnector")
+    return loaded.get("state_dict") if loaded else None
 
 
 def _cpu(value: Any) -> Any:

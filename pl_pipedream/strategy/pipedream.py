@@ -4,10 +4,9 @@ Every rank runs its own Lightning loop over the same batches. In each training s
 runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
 the activations and gradients they exchange, and every rank logs the same ``train_loss``.
 
-The class holds Lightning's hooks in the order Lightning calls them, each delegating to the
-module that does the job: ``setup`` (environment, plan, stage, pipeline, teardown), ``step``,
-``updates``, ``evaluation``, ``checkpoint``, ``collectives``; ``lightning_patches`` holds every
-Lightning internal touched.
+The class holds Lightning's hooks in Lightning's call order, each delegating to the module
+that does the job: ``setup`` (environment, plan, stage, pipeline, pretrained weights, teardown),
+``step``, ``updates``, ``evaluation``, ``checkpoint``, ``collectives``; ``lightning_patches``.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
+from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -75,14 +75,15 @@ class PipeDreamStrategy(ParallelStrategy):
             non-finite loss (``TrainingDiverged``; ``BadData`` when the batch held a NaN or inf)
             and warns once on a loss that gave back its progress; ``"strict"`` stops on both;
             ``"warn"`` warns on either; ``"off"`` watches nothing, as one device.
-        divergence_rise, divergence_patience, divergence_window: a loss gave back its progress
-            when the median of the last ``window`` logged losses stays above best + ``rise`` x
-            (start - best) for ``patience`` logged losses in a row (docs/divergence.md).
+        divergence_rise, divergence_patience, divergence_window: when a loss gave back its
+            progress (docs/divergence.md).
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
             (``core.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
         memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
             memory by default (``memory_report``).
+        pretrained: weights to start from, a path or a ``Pretrained``; each rank reads only its
+            stage's tensors at setup, unless ``fit(ckpt_path=...)`` resumes (docs/pretrained.md).
     """
 
     strategy_name = "pipedream"
@@ -108,6 +109,7 @@ class PipeDreamStrategy(ParallelStrategy):
         preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
         recompute: bool = False,
         memory: int | float | str | None = None,
+        pretrained: str | os.PathLike | Pretrained | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,8 +127,7 @@ class PipeDreamStrategy(ParallelStrategy):
         check_arguments(microbatches, start_method, divergence, timeout)
         self.sync = SyncMode.parse(sync)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
-        self.weight_prediction = weight_prediction
-        self.lr_warmup_per_delay = lr_warmup_per_delay
+        self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
         self.plan = plan  # the plan in use; set at setup when planned or built from balance
@@ -137,8 +138,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
         self._start_method = start_method
-        self.retain_freed_memory = retain_freed_memory
-        self.bind_cpus = bind_cpus
+        self.retain_freed_memory, self.bind_cpus = retain_freed_memory, bind_cpus
         self.divergence = divergence
         rule = (divergence_rise, divergence_patience, divergence_window)
         self.steps = TrainingSteps(divergence, rule)  # refuses bad thresholds now
@@ -158,6 +158,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.memory = memory_report.parse_memory(memory)
         check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
+        self.pretrained = Pretrained.parse(pretrained)
 
     @property
     @override

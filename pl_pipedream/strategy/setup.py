@@ -2,7 +2,8 @@
 
 ``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
 checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
-LightningModule (``stage``) and created from its empty build (``materialize``), the other
+LightningModule (``stage``) and created from its empty build (``materialize``) or filled from
+pretrained weights (``core.pretrained``; not read when ``fit(ckpt_path=...)`` resumes), the other
 stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
 updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
 evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning
@@ -21,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.core.elsewhere import mark_other_stages
-from pl_pipedream.core.materialize import materialize
+from pl_pipedream.core.materialize import materialize, model_tensors
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
     join_process_group,
@@ -29,6 +30,7 @@ from pl_pipedream.core.placement import (
     move_to_device,
     process_group_backend,
 )
+from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
@@ -56,6 +58,7 @@ __all__ = [
     "end_fit",
     "set_up",
     "set_up_environment",
+    "stage_weights",
     "tear_down",
 ]
 
@@ -68,6 +71,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     check_trainer(strategy.sync, trainer)
     check_precision(strategy.precision_plugin, strategy.sync)
     layers = pipeline_layers(module)
+    built_empty = any(tensor.is_meta for tensor in model_tensors(module))
     strategy.loader_seeds.agree()
     resumed = Plan.from_dict(strategy._resume[0]["plan"]) if strategy._resume else None
     planner = SetupPlanner(
@@ -88,7 +92,12 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
     strategy.local_stage = local_stage
     local = [int(node) for node in local_stage.stage.nodes]
-    materialize(module, layers, local, strategy.root_device, strategy.empty_build)
+    initial = (module, layers, local, strategy.root_device, strategy.empty_build)
+    weights = stage_weights(strategy.pretrained, trainer, built_empty)
+    if weights is not None:
+        load_stage(weights, *initial)
+    else:
+        materialize(*initial)
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]
@@ -118,6 +127,24 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
             strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
         ),
     )
+
+
+def stage_weights(
+    pretrained: Pretrained | None, trainer: Any, built_empty: bool
+) -> Pretrained | None:
+    """The weights that fill this rank's stage at setup (``core.pretrained``), or None: when
+    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): its weights for a module
+    built empty (Lightning restored them into ``meta`` tensors, which hold nothing), none for a
+    module built whole (restored already); otherwise the pretrained weights."""
+    if not trainer.ckpt_path:
+        return pretrained
+    if pretrained is not None:
+        rank_zero_info(
+            f"PipeDreamStrategy: resuming from {trainer.ckpt_path}; the pretrained weights "
+            f"({pretrained.describe()}) are not read, the checkpoint's weights continue"
+        )
+    state = lightning_patches.resumed_state_dict(trainer)
+    return Pretrained(state) if built_empty and state is not None else None
 
 
 def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:

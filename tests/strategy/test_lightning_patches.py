@@ -358,3 +358,20 @@ def test_no_module_uses_a_lightning_internal_that_has_a_public_replacement() -> 
         source = path.read_text()
         used = [name for name in REPLACED if name in source]
         assert not used, f"{path.relative_to(package)} uses {used}"
+
+
+# ----- _CheckpointConnector._loaded_checkpoint -------------------------------------------------
+
+
+def test_the_resumed_checkpoint_s_weights_are_readable_at_setup(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = DataLoader(TensorDataset(torch.ones(4, 4), torch.zeros(4)), batch_size=2)
+    first = trainer(max_steps=1, default_root_dir=tmp_path)
+    first.fit(Model(), data)
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    assert patches.resumed_state_dict(first) is None  # released after the restore
+    # Lightning's fit calls resume_start before the strategy's setup, resume_end after.
+    fresh = trainer(max_steps=2, default_root_dir=tmp_path)
+    fresh._checkpoint_connector.resume_start(tmp_path / "one.ckpt")
+    state = patches.resumed_state_dict(fresh)
+    assert state is not None and torch.equal(state["first.weight"], first.model.first.weight)
+    assert patches.resumed_state_dict(trainer()) is None

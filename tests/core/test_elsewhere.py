@@ -64,7 +64,7 @@ class L2(Net):
 
 @pytest.mark.slow
 def test_an_l2_term_over_all_parameters_stops_fit_naming_the_parameter() -> None:
-    strategy = PipeDreamStrategy(balance=[3, 3], start_method="spawn", timeout=30)
+    strategy = PipeDreamStrategy(balance=[3, 3], start_method="fork", timeout=30)
     run = trainer(devices=2, strategy=strategy, enable_model_summary=True)
     with pytest.raises(Exception) as error:
         run.fit(L2(), loader(2))

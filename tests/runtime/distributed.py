@@ -1,5 +1,10 @@
 """Run a function on N gloo (or NCCL) ranks in fresh processes and collect what each returns
-or raises; or make this process a one-rank gloo group for the duration of a test."""
+or raises; or make this process a one-rank gloo group for the duration of a test.
+
+The ranks are forked from the test process, which has torch and the package imported already:
+a spawned rank spends about 2-7 CPU-seconds importing them again, which on two cores was most of
+the runtime tier's time. A rank is spawned instead where forking is unsafe: for CUDA (NCCL), and
+while this process is itself in a process group (its gloo threads would not survive the fork)."""
 
 from __future__ import annotations
 
@@ -43,6 +48,14 @@ def _worker(  # type: ignore[no-untyped-def]
             dist.destroy_process_group()
 
 
+def start_method(backend: str) -> str:
+    """``fork`` for gloo ranks on the CPU from a process outside any process group, else
+    ``spawn`` (see the module docstring)."""
+    if "nccl" in backend or dist.is_initialized() or torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
 def run(
     world: int,
     fn: Callable[..., Any],
@@ -54,7 +67,7 @@ def run(
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return {rank: (status, value)}.
     With an NCCL ``backend`` (``"cpu:gloo,cuda:nccl"``), rank r uses GPU r. The ranks in
     ``killed`` end their process themselves (a test of a dead rank) and report nothing."""
-    context = mp.get_context("spawn")
+    context = mp.get_context(start_method(backend))
     queue = context.Queue()
     port = free_port()
     procs = [

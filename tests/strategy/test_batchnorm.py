@@ -63,7 +63,7 @@ def trainer(**kwargs) -> Trainer:  # type: ignore[no-untyped-def]
 
 
 def test_sync_batchnorm_is_refused_naming_the_fix() -> None:
-    strategy = PipeDreamStrategy(sync="flush", plan=PLAN, start_method="spawn")
+    strategy = PipeDreamStrategy(sync="flush", plan=PLAN, start_method="fork")
     with pytest.raises(ValueError, match=r"sync_batchnorm: True.*Trainer\(sync_batchnorm=False\)"):
         trainer(devices=3, strategy=strategy, sync_batchnorm=True)
 
@@ -80,7 +80,7 @@ def test_replicated_batchnorm_equals_one_device_in_weights_evaluation_and_checkp
 
     pipelined = Net()
     strategy = PipeDreamStrategy(
-        sync="flush", plan=PLAN, microbatches=MICROBATCHES, start_method="spawn", timeout=60
+        sync="flush", plan=PLAN, microbatches=MICROBATCHES, start_method="fork", timeout=60
     )
     saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     run = trainer(devices=3, strategy=strategy, callbacks=[saver])

@@ -30,7 +30,7 @@ def test_too_few_microbatches_for_2bw() -> None:
 
 @pytest.mark.slow
 def test_devices_different_from_the_plan() -> None:
-    strategy = PipeDreamStrategy(balance=[2, 2, 2], start_method="spawn", timeout=30)
+    strategy = PipeDreamStrategy(balance=[2, 2, 2], start_method="fork", timeout=30)
     with pytest.raises(Exception, match=r"plan workers: 3, devices: 2\); use Trainer\(devices=3\)"):
         trainer(devices=2, strategy=strategy).fit(Net(), loader(2))
 

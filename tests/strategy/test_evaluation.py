@@ -103,7 +103,7 @@ def test_fit_validate_test_predict_on_three_stages(tmp_path) -> None:
         accelerator="cpu",
         devices=3,
         strategy=PipeDreamStrategy(
-            sync="async", balance=[2, 2, 1], microbatches=3, start_method="spawn", timeout=60
+            sync="async", balance=[2, 2, 1], microbatches=3, start_method="fork", timeout=60
         ),
         max_epochs=3,
         use_distributed_sampler=False,

@@ -121,6 +121,6 @@ def test_every_rank_raises_rank_zeros_verdict_and_undefined_forward_is_not_check
 
 @pytest.mark.slow
 def test_a_forward_that_does_more_stops_fit_on_every_rank() -> None:
-    strategy = PipeDreamStrategy(balance=[3, 3], start_method="spawn", timeout=30)
+    strategy = PipeDreamStrategy(balance=[3, 3], start_method="fork", timeout=30)
     with pytest.raises(Exception, match=r"Scaled.forward computes something else \(checked at"):
         trainer(devices=2, strategy=strategy).fit(Scaled(), loader(2))

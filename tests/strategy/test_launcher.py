@@ -4,7 +4,7 @@ process that spawned the ranks.
 Here: the popen launcher run end to end (``failing_script.py``: a rank failing or hanging after
 ``fit``, a SIGKILL of a middle rank on 4 processes, of a replica on 3), the Lightning internals
 the spawn launcher overrides and builds, the launcher chosen by ``start_method``, and the gather
-of every rank's stage over gloo. End to end, every spawn test
+of every rank's stage over gloo. End to end, every fork test (the same launcher)
 in ``test_lightning_features.py`` compares the launching process's model with the oracle, which
 only this launcher's gather fills (Lightning loads the returned weights with ``strict=False``,
 so a stage missing from them would otherwise go unnoticed).

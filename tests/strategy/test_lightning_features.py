@@ -74,7 +74,7 @@ def test_flush_equals_single_device_with_accumulation_clipping_and_scheduler() -
     trainer(devices=1, **settings).fit(reference, loader(2))
     pipelined = Net(schedule=True)
     strategy = PipeDreamStrategy(
-        sync="flush", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+        sync="flush", balance=[3, 3], microbatches=2, start_method="fork", timeout=60
     )
     run = trainer(devices=2, strategy=strategy, **settings)
     run.fit(pipelined, loader(2))
@@ -90,7 +90,7 @@ def test_async_stops_at_max_steps_drained_and_rank_zero_sees_the_loss(tmp_path) 
         sync="async",
         balance=[3, 3],
         microbatches=2,
-        start_method="spawn",
+        start_method="fork",
         timeout=60,
         timeline=tmp_path / "trace.json",
     )
@@ -132,7 +132,7 @@ def test_async_keeps_a_parameter_no_optimizer_steps_and_stashes_the_rest() -> No
     model = PartlyOptimized()
     before = model.net[0].weight.detach().clone()
     strategy = PipeDreamStrategy(
-        sync="async", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+        sync="async", balance=[3, 3], microbatches=2, start_method="fork", timeout=60
     )
     trainer(devices=2, strategy=strategy, max_steps=3).fit(model, loader(2))
     assert_async_three_steps_equal_the_oracle(model, optimizer_without_first_weight)

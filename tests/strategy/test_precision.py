@@ -279,7 +279,7 @@ def test_an_inf_on_one_stage_skips_the_step_on_every_stage(tmp_path: Path) -> No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_found_inf_worker, (port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_found_inf_worker, (port, str(tmp_path)), nprocs=2, start_method="fork")
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record == {"stepped": False, "scale": 2.0}
@@ -315,7 +315,7 @@ def test_a_precision_plugin_the_strategy_does_not_know_is_refused() -> None:
 @pytest.mark.slow
 def test_async_16_mixed_stops_at_setup_naming_the_alternatives() -> None:
     strategy = PipeDreamStrategy(
-        sync="async", balance=[3, 3], microbatches=2, start_method="spawn", timeout=30
+        sync="async", balance=[3, 3], microbatches=2, start_method="fork", timeout=30
     )
     run = trainer(devices=2, strategy=strategy, plugins=[MixedPrecision("16-mixed", "cpu")])
     with pytest.raises(Exception, match=r"sync: async\); use Trainer\(precision='bf16-mixed'\)"):

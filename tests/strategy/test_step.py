@@ -69,7 +69,7 @@ def _fit(devices: int, first: int = 0) -> Trainer:
     strategy: Any = "auto"
     if devices > 1:
         strategy = PipeDreamStrategy(
-            sync="flush", balance=[3, 3], microbatches=1, start_method="spawn", timeout=60
+            sync="flush", balance=[3, 3], microbatches=1, start_method="fork", timeout=60
         )
     run = Trainer(
         accelerator="cpu",

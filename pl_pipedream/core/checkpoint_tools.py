@@ -31,10 +31,11 @@ from pl_pipedream.core.checkpoint import (
 )
 from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["describe", "from_torch", "read_state_dict", "require_checkpoint", "to_torch"]
 
-FROM_TORCH_SYNC = "flush"  # a one-stage flush pipeline trains as one device does
+FROM_TORCH_SYNC = SyncMode.FLUSH  # a one-stage flush pipeline trains as one device does
 
 
 def require_checkpoint(path: str | Path) -> Path:

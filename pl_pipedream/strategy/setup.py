@@ -30,7 +30,6 @@ from pl_pipedream.core.placement import (
     process_group_backend,
 )
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
-from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
@@ -69,7 +68,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     check_precision(strategy.precision_plugin, strategy.sync)
     layers = pipeline_layers(module)
     strategy.loader_seeds.agree()
-    resumed = Plan.from_dict(strategy._resume[0]["plan"]) if strategy._resume else None
+    resumed = strategy.resume.saved_plan
     planner = SetupPlanner(
         strategy._given_plan,
         strategy.balance,
@@ -87,6 +86,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     strategy.setup_seconds = planner.seconds or strategy.setup_seconds
     local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
     strategy.local_stage = local_stage
+    strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
     local = [int(node) for node in local_stage.stage.nodes]
     materialize(module, layers, local, strategy.root_device, strategy.empty_build)
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
@@ -101,6 +101,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.setup_optimizers(trainer)
         check_optimizers(strategy.precision_plugin, strategy.optimizers)
         strategy.steps.start_fit()
+        strategy.resume.record(module, strategy.optimizers)  # configure_optimizers' names
         keep_local_parameters(module, strategy.optimizers)
     strategy.setup_precision_plugin()
     assert strategy.evaluation is not None and strategy.runner is not None

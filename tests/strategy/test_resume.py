@@ -1,18 +1,28 @@
-"""Resuming from a sharded checkpoint equals the uninterrupted run (async drains at epoch end)."""
+"""Resuming from a sharded checkpoint equals the uninterrupted run: under the plan that saved it
+(async drains at epoch end), under another plan (3 stages, another balance, another sync mode),
+and from one device to the pipeline and back (``core.resume``, ``core.checkpoint.to_lightning``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.checkpoint import consolidate_checkpoint, to_lightning
+from pl_pipedream.planner.plan import Plan
+from tests.runtime import oracle
+from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
+FLUSH = 1e-6  # flush equals the uninterrupted run to float rounding
 
-def strategy() -> PipeDreamStrategy:
+
+def strategy(sync: str = "async", balance: list[int] | None = None) -> PipeDreamStrategy:
     return PipeDreamStrategy(
-        sync="async", balance=[3, 3], microbatches=2, start_method="spawn", timeout=60
+        sync=sync, balance=balance or [3, 3], microbatches=2, start_method="spawn", timeout=60
     )
 
 
@@ -33,6 +43,138 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
         for param in resumed.parameters():
             param.add_(1.0)
     trainer(devices=2, strategy=strategy(), max_epochs=2).fit(resumed, loader(2), ckpt_path=last)
-    for key, tensor in straight.state_dict().items():
-        diff = (resumed.state_dict()[key] - tensor).abs().max().item()
-        assert diff <= 1e-6, f"{key}: {diff}"
+    assert_equal_weights(resumed.state_dict(), straight.state_dict(), 1e-6)
+
+
+class Scheduled(Net):
+    """Adam with a learning rate that decays every step: its state must carry over."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        optimizer = OPTIMIZERS[self.optimizer_name](self.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def fit(folder: Path, epochs: int, devices: int = 2, ckpt_path=None, **kwargs) -> Scheduled:  # type: ignore[no-untyped-def]
+    """Fit ``Scheduled`` for ``epochs`` (of 5 steps), saving ``folder/last.ckpt`` each epoch;
+    ``strategy`` in ``kwargs``, else one device."""
+    model = Scheduled(optimizer="adam")
+    saver = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)
+    run = trainer(devices=devices, max_epochs=epochs, callbacks=[saver], **kwargs)
+    run.fit(model, loader(2), ckpt_path=ckpt_path)
+    return model
+
+
+def one_device(path: Path) -> dict:
+    """A checkpoint in one device's form: a pipeline's converted, or Lightning's file."""
+    return to_lightning(path) if path.is_dir() else torch.load(path, weights_only=False)
+
+
+def assert_equal_weights(got: dict, expected: dict, tolerance: float) -> None:
+    assert sorted(got) == sorted(expected)
+    for key, tensor in expected.items():
+        diff = (got[key] - tensor).abs().max().item()
+        assert diff <= tolerance, f"{key}: {diff}"
+
+
+def assert_same_training_state(got: Path, expected: Path, tolerance: float) -> None:
+    """The step, the scheduler, the learning rate and Adam's step counts and moments."""
+    got_state, expected_state = one_device(got), one_device(expected)
+    assert got_state["global_step"] == expected_state["global_step"] == 10
+    assert got_state["lr_schedulers"] == expected_state["lr_schedulers"]
+    got_adam, expected_adam = (
+        got_state["optimizer_states"][0],
+        expected_state["optimizer_states"][0],
+    )
+    lr = expected_adam["param_groups"][0]["lr"]
+    assert got_adam["param_groups"][0]["lr"] == pytest.approx(lr, rel=1e-12)
+    assert lr == pytest.approx(0.01 * 0.9**10)
+    assert sorted(got_adam["state"]) == sorted(expected_adam["state"]) == list(range(6))
+    for index, state in expected_adam["state"].items():
+        assert float(got_adam["state"][index]["step"]) == float(state["step"]) == 10.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            diff = (got_adam["state"][index][key] - state[key]).abs().max().item()
+            assert diff <= tolerance, f"{index} {key}: {diff}"
+    assert_equal_weights(got_state["state_dict"], expected_state["state_dict"], tolerance)
+
+
+@pytest.fixture(scope="module")
+def flush_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted 2-stage flush run (10 steps) and one stopped at step 5, saved."""
+    root = tmp_path_factory.mktemp("flush")
+    fit(root / "straight", 2, strategy=strategy("flush"))
+    fit(root / "first", 1, strategy=strategy("flush"))
+    return {"straight": root / "straight" / "last.ckpt", "first": root / "first" / "last.ckpt"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "balance", [[2, 2, 2], [2, 4]], ids=["2 stages to 3", "another balance on 2"]
+)
+def test_flush_resumes_under_another_plan_as_uninterrupted(
+    flush_runs: dict[str, Path], tmp_path: Path, balance: list[int]
+) -> None:
+    layout = strategy("flush", balance)
+    resumed = fit(tmp_path, 2, len(balance), flush_runs["first"], strategy=layout)
+    assert_same_training_state(tmp_path / "last.ckpt", flush_runs["straight"], FLUSH)
+    straight = consolidate_checkpoint(flush_runs["straight"])
+    assert_equal_weights(resumed.state_dict(), straight, FLUSH)
+
+
+@pytest.mark.slow
+def test_one_device_and_the_pipeline_resume_each_others_checkpoints(
+    flush_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    straight = fit(tmp_path / "straight", 2, 1)  # one device, uninterrupted
+    fit(tmp_path / "first", 1, 1)
+    reference = tmp_path / "straight" / "last.ckpt"
+    # one device's Lightning checkpoint file, continued on 2 stages
+    piped = fit(
+        tmp_path / "piped", 2, 2, tmp_path / "first" / "last.ckpt", strategy=strategy("flush")
+    )
+    assert_equal_weights(piped.state_dict(), straight.state_dict(), FLUSH)
+    assert_same_training_state(tmp_path / "piped" / "last.ckpt", reference, FLUSH)
+    # the 2-stage checkpoint, converted, continued on one device
+    torch.save(to_lightning(flush_runs["first"]), tmp_path / "converted.ckpt")
+    alone = fit(tmp_path / "alone", 2, 1, tmp_path / "converted.ckpt")
+    assert_equal_weights(alone.state_dict(), straight.state_dict(), FLUSH)
+    assert_same_training_state(tmp_path / "alone" / "last.ckpt", reference, FLUSH)
+
+
+@pytest.mark.slow
+def test_async_resumed_under_another_plan_equals_the_oracle_from_the_drained_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Async saved drained at step 5 on 2 stages, continued async on 3 stages: the oracle of
+    the 3-stage pipeline started from the checkpoint's weights and momentum."""
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    run = trainer(devices=2, strategy=strategy("async"), max_epochs=1, callbacks=[saver])
+    run.fit(Net(optimizer="sgd"), loader(2))
+    resumed = Net(optimizer="sgd")
+    plan = Plan.from_balance([2, 2, 2])
+    layout = strategy("async", [2, 2, 2])
+    trainer(devices=3, strategy=layout, max_epochs=2).fit(
+        resumed, loader(2), ckpt_path=tmp_path / "last.ckpt"
+    )
+    saved = to_lightning(tmp_path / "last.ckpt")
+    start = make_model()
+    start.load_state_dict({k.removeprefix("net."): v for k, v in saved["state_dict"].items()})
+    momentum = [
+        s["momentum_buffer"] for _, s in sorted(saved["optimizer_states"][0]["state"].items())
+    ]
+    built: list[int] = []
+
+    def sgd_from_checkpoint(params):  # type: ignore[no-untyped-def]
+        """The oracle builds one optimizer per stage, in stage order: 2 parameters each."""
+        optimizer = OPTIMIZERS["sgd"](params)
+        for offset, param in enumerate(params):
+            optimizer.state[param]["momentum_buffer"] = momentum[2 * len(built) + offset].clone()
+        built.append(len(params))
+        return optimizer
+
+    expected = oracle.train(start, plan, "async", make_batches(2), 2, loss_fn, sgd_from_checkpoint)
+    expected = {f"net.{k}": v for k, v in expected.items()}
+    assert_equal_weights(resumed.state_dict(), expected, 1e-6)

@@ -178,3 +178,45 @@ def test_async_resumed_under_another_plan_equals_the_oracle_from_the_drained_che
     expected = oracle.train(start, plan, "async", make_batches(2), 2, loss_fn, sgd_from_checkpoint)
     expected = {f"net.{k}": v for k, v in expected.items()}
     assert_equal_weights(resumed.state_dict(), expected, 1e-6)
+
+
+FIRST_FORMAT = Path(__file__).parent / "checkpoints" / "first-format.ckpt"
+"""Written by the base commit 323e383 (optimizer state by position over each stage's parameters):
+``Scheduled``, flush, balance [3, 3], microbatches 2, saved at the end of epoch 1 (step 5)."""
+
+
+@pytest.mark.slow
+def test_a_first_format_checkpoint_resumes_under_its_plan_and_is_refused_under_another(
+    flush_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    fit(tmp_path, 2, 2, FIRST_FORMAT, strategy=strategy("flush"))
+    assert_same_training_state(tmp_path / "last.ckpt", flush_runs["straight"], FLUSH)
+    with pytest.raises(Exception) as error:
+        fit(tmp_path / "other", 2, 3, FIRST_FORMAT, strategy=strategy("flush", [2, 2, 2]))
+    assert (
+        "a checkpoint whose optimizer state is keyed by position resumes only under the plan "
+        "that saved it (saved: 1-1 with layers [['0', '1', '2'], ['3', '4', '5']], now: 1-1-1"
+    ) in str(error.value)
+    assert "resume it once with Trainer(devices=2) and PipeDreamStrategy(plan=" in str(error.value)
+
+
+class WrongModel(Scheduled):
+    """Another last layer and one more module than the checkpoint's model."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.net[4] = torch.nn.Linear(8, 4)
+        self.extra = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.slow
+def test_a_wrong_model_is_listed_before_any_rank_trains(flush_runs: dict[str, Path]) -> None:
+    run = trainer(devices=3, strategy=strategy("flush", [2, 2, 2]), max_epochs=2)
+    with pytest.raises(Exception) as error:
+        run.fit(WrongModel(), loader(2), ckpt_path=flush_runs["first"])
+    assert (
+        "a checkpoint resumes into the model that saved it: the same state names and shapes "
+        "(missing: [extra.weight, extra.bias]; shapes: [net.4.weight [3, 8] in the checkpoint, "
+        "[4, 8] in the model, net.4.bias [3] in the checkpoint, [4] in the model]); resume with "
+        "the model"
+    ) in str(error.value)

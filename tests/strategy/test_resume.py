@@ -16,6 +16,7 @@ from pl_pipedream.planner.plan import Plan
 from tests.runtime import oracle
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 from tests.strategy.test_lightning_features import Net, loader, trainer
+from tests.strategy.tied_script import tied_loader, tied_model
 
 FLUSH = 1e-6  # flush equals the uninterrupted run to float rounding
 
@@ -220,3 +221,28 @@ def test_a_wrong_model_is_listed_before_any_rank_trains(flush_runs: dict[str, Pa
         "[4, 8] in the model, net.4.bias [3] in the checkpoint, [4] in the model]); resume with "
         "the model"
     ) in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_tied_parameter_resumes_on_every_holder_of_another_plan(tmp_path: Path) -> None:
+    """CharGPT's head is its token embedding: held by stages 0 and 1 of [1, 3] when saved, by
+    stages 0 and 2 of [1, 1, 2] when resumed; both holders must take its one momentum."""
+
+    def tied_fit(folder: Path, epochs: int, balance: list[int], ckpt_path=None):  # type: ignore[no-untyped-def]
+        model = tied_model("sgd")
+        saver = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)
+        layout = strategy("flush", balance)
+        run = trainer(devices=len(balance), strategy=layout, max_epochs=epochs, callbacks=[saver])
+        run.fit(model, tied_loader(2), ckpt_path=ckpt_path)
+        return model
+
+    straight = tied_fit(tmp_path / "straight", 2, [1, 3])
+    tied_fit(tmp_path / "first", 1, [1, 3])
+    resumed = tied_fit(tmp_path / "resumed", 2, [1, 1, 2], tmp_path / "first" / "last.ckpt")
+    assert_equal_weights(resumed.state_dict(), straight.state_dict(), FLUSH)
+    got = to_lightning(tmp_path / "resumed" / "last.ckpt")["optimizer_states"][0]["state"]
+    expected = to_lightning(tmp_path / "straight" / "last.ckpt")["optimizer_states"][0]["state"]
+    assert sorted(got) == sorted(expected)
+    for index, state in expected.items():
+        diff = (got[index]["momentum_buffer"] - state["momentum_buffer"]).abs().max().item()
+        assert diff <= FLUSH, f"{index}: {diff}"

@@ -12,7 +12,8 @@ run.ckpt/
 ```
 
 The first replica of each stage writes that stage's shard; state outside the pipeline (shared
-by every rank) goes into stage 0's shard. Each shard's record lists the state names it holds.
+by every rank) goes into stage 0's shard. Each shard's record lists the state names it holds
+with their shapes, so that a rank reads only the shards that hold its stage's names.
 ``consolidate_checkpoint`` merges the shards back into the LightningModule's full
 ``state_dict``; ``merged_checkpoint`` merges the optimizer states too, which is what any plan
 resumes from, and ``to_lightning`` gives the checkpoint dict one device resumes from.
@@ -65,10 +66,13 @@ __all__ = [
     "is_sharded",
     "merge_states",
     "merged_checkpoint",
+    "read_description",
+    "read_shard",
     "read_shards",
     "remove",
     "save",
     "shard_name",
+    "state_shapes",
     "to_lightning",
     "write_description",
     "write_shard",
@@ -139,7 +143,11 @@ def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> dic
         "file": shard_name(stage),
         "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
-        "names": sorted(checkpoint.get("state_dict", {})),
+        "shapes": {
+            name: list(tensor.shape)
+            for name, tensor in checkpoint.get("state_dict", {}).items()
+            if isinstance(tensor, torch.Tensor)
+        },
     }
 
 
@@ -179,6 +187,12 @@ def merge_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.T
 def read_shards(path: str | Path) -> Shards:
     """The pipeline description and every stage's checkpoint dict, in stage order, each shard
     checked against its record in the description (size, sha256, step)."""
+    meta = read_description(path)
+    return meta, [read_shard(path, meta, stage) for stage in range(len(meta["shards"]))]
+
+
+def read_description(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``pipeline.json``; refused where there is none."""
     root = Path(path)
     meta_path = root / META_FILE
     if not meta_path.is_file():
@@ -193,10 +207,21 @@ def read_shards(path: str | Path) -> Shards:
             f"a PipeDream checkpoint is a directory with {META_FILE} and one shard per stage "
             f"(path: {root}); pass the path given to trainer.save_checkpoint{hint}"
         )
-    meta = json.loads(meta_path.read_text())
-    return meta, [
-        _read_shard(root, stage, record, meta) for stage, record in enumerate(meta["shards"])
-    ]
+    return json.loads(meta_path.read_text())
+
+
+def read_shard(path: str | Path, meta: dict[str, Any], stage: int) -> dict[str, Any]:
+    """Stage ``stage``'s checkpoint dict, checked against its record in ``meta``."""
+    return _read_shard(Path(path), stage, meta["shards"][stage], meta)
+
+
+def state_shapes(meta: dict[str, Any]) -> list[dict[str, list[int]]] | None:
+    """Per shard, the shape of each state name it holds; None for a checkpoint whose records
+    do not list them (written before they did)."""
+    records = meta["shards"]
+    if not all(isinstance(record, dict) and "shapes" in record for record in records):
+        return None
+    return [record["shapes"] for record in records]
 
 
 def _read_shard(root: Path, stage: int, record: Any, meta: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ that stage's parameters: it resumes under its own layout only (``check_layout``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from pl_pipedream.core import named_state
 from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 
-__all__ = ["Resume", "check_layout", "check_state_names", "optimizer_states"]
+__all__ = ["Resume", "check_layout", "check_state_names", "optimizer_states", "shapes_of"]
 
 
 def check_layout(saved: Plan, plan: Plan) -> None:
@@ -56,10 +56,10 @@ def optimizer_states(saved: sharded.Shards, plan: Plan, stage: int) -> list[dict
 
 
 def check_state_names(
-    model: dict[str, torch.Tensor], saved: dict[str, Any], strict: bool = True
+    model: dict[str, torch.Tensor], saved: Mapping[str, Sequence[int]], strict: bool = True
 ) -> None:
-    """Raise one error listing every name the checkpoint lacks or has beyond the model
-    (``strict`` only) and every shape that differs."""
+    """Raise one error listing every name the checkpoint (``saved``: name -> shape) lacks or
+    has beyond the model (``strict`` only) and every shape that differs."""
     problems = []
     if strict:
         missing = [name for name in model if name not in saved]
@@ -67,10 +67,9 @@ def check_state_names(
         problems += [f"missing: {_listed(missing)}"] if missing else []
         problems += [f"unexpected: {_listed(unexpected)}"] if unexpected else []
     shapes = [
-        f"{name} {list(saved[name].shape)} in the checkpoint, {list(tensor.shape)} in the model"
+        f"{name} {list(saved[name])} in the checkpoint, {list(tensor.shape)} in the model"
         for name, tensor in model.items()
-        if name in saved and isinstance(saved[name], torch.Tensor)
-        if tuple(saved[name].shape) != tuple(tensor.shape)
+        if name in saved and tuple(saved[name]) != tuple(tensor.shape)
     ]
     problems += [f"shapes: {_listed(shapes)}"] if shapes else []
     if problems:
@@ -82,6 +81,11 @@ def check_state_names(
         )
 
 
+def shapes_of(state: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The shape of each tensor of a ``state_dict``."""
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
 def _listed(items: Sequence[str], most: int = 8) -> str:
     more = f" and {len(items) - most} more" if len(items) > most else ""
     return f"[{', '.join(items[:most])}]{more}"
@@ -89,11 +93,19 @@ def _listed(items: Sequence[str], most: int = 8) -> str:
 
 @dataclass
 class Resume:
-    """What a rank keeps to save and resume: the sharded checkpoint being resumed (None for a
-    Lightning checkpoint file, or no resume), and each optimizer's parameter names, group by
-    group, as ``configure_optimizers`` built it (``record``)."""
+    """What a rank keeps to save and resume: the sharded checkpoint being resumed (its
+    description and the shards read so far; none for a Lightning checkpoint file, or no
+    resume), and each optimizer's parameter names, group by group, as ``configure_optimizers``
+    built it (``record``).
 
-    saved: sharded.Shards | None = None
+    A checkpoint whose records list each shard's state shapes is read lazily: Lightning gets
+    stage 0's shard (loops, callbacks, schedulers) before setup, the names are checked against
+    the description, and once the stage is cut each rank reads only the shards that hold its
+    names (``load_stage``). Older checkpoints are read whole before setup."""
+
+    path: Path | None = None
+    meta: dict[str, Any] | None = None  # pipeline.json
+    shards: dict[int, dict[str, Any]] = field(default_factory=dict)  # read so far, by stage
     groups: list[list[list[str]]] = field(default_factory=list)  # per optimizer, per group
     names: dict[int, str] = field(default_factory=dict)  # parameter id -> its (first) name
     plan: Plan | None = None  # this run's, and this rank's stage in it (``check_plan``)
@@ -101,21 +113,67 @@ class Resume:
 
     @property
     def saved_plan(self) -> Plan | None:
-        return Plan.from_dict(self.saved[0]["plan"]) if self.saved is not None else None
+        return Plan.from_dict(self.meta["plan"]) if self.meta is not None else None
 
     @property
     def keyed_by_position(self) -> bool:
         """A sharded checkpoint whose optimizer state is keyed by position (the first format)."""
-        return self.saved is not None and not sharded.is_keyed_by_name(self.saved[1])
+        return self.meta is not None and not sharded.is_keyed_by_name(list(self.shards.values()))
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the weights come per stage at setup (``load_stage``): the records list the
+        shards' names, and the optimizer states are keyed by name."""
+        shapes = self.meta is not None and sharded.state_shapes(self.meta) is not None
+        return shapes and not self.keyed_by_position
 
     def read(self, path: str | Path, read_file: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Lightning's checkpoint dict from ``path``: a sharded checkpoint merged (every
-        stage's weights and optimizer states), else what ``read_file`` reads."""
+        """Lightning's checkpoint dict from ``path``: of a sharded checkpoint, stage 0's shard
+        (``lazy``) or every stage's merged; else what ``read_file`` reads."""
+        self.forget()
         if not sharded.is_sharded(path):
-            self.saved = None
             return read_file()
-        self.saved = sharded.read_shards(path)
-        return sharded.merged_checkpoint(self.saved[1])
+        self.path, self.meta = Path(path), sharded.read_description(path)
+        self._read([0])
+        if self.lazy:
+            return dict(self.shards[0])
+        self._read(range(len(self.meta["shards"])))
+        return sharded.merged_checkpoint([self.shards[k] for k in sorted(self.shards)])
+
+    def forget(self) -> None:
+        """No checkpoint is being resumed."""
+        self.path, self.meta, self.shards = None, None, {}
+
+    def check_model(
+        self, model: dict[str, torch.Tensor], checkpoint: dict[str, Any], strict: bool
+    ) -> bool:
+        """Check the checkpoint's names and shapes against ``model``'s state; whether its
+        ``state_dict`` is to be loaded now (else ``load_stage`` loads it at setup)."""
+        if self.lazy:
+            assert self.meta is not None
+            saved: dict[str, list[int]] = {}
+            for shapes in sharded.state_shapes(self.meta) or []:
+                saved = {**shapes, **saved}
+            check_state_names(model, saved, strict)
+            return False
+        check_state_names(model, shapes_of(checkpoint["state_dict"]), strict)
+        return True
+
+    def load_stage(self, module: nn.Module) -> None:
+        """Load the state this rank holds (every tensor not on ``meta``), reading only the
+        shards that hold it (a name's first shard, as ``merge_states``)."""
+        if not self.lazy:
+            return
+        assert self.meta is not None
+        shapes = sharded.state_shapes(self.meta) or []
+        sources = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            holders = [k for k, names in enumerate(shapes) if name in names]
+            if not tensor.is_meta and holders:
+                sources[name] = holders[0]
+        self._read(sorted(set(sources.values())))
+        state = {name: self.shards[k]["state_dict"][name] for name, k in sources.items()}
+        module.load_state_dict(state, strict=False)
 
     def check_plan(self, plan: Plan, stage: int) -> None:
         """At setup, once the plan is chosen: a checkpoint keyed by position needs its own.
@@ -141,9 +199,13 @@ class Resume:
 
     def load_optimizers(self, checkpoint: dict[str, Any], optimizers: Sequence[Any]) -> None:
         """Each optimizer takes the state of the parameters it holds now."""
-        if self.saved is not None and self.keyed_by_position:
-            assert self.plan is not None, "check_plan() comes first"
-            states = optimizer_states(self.saved, self.plan, self.stage)
+        if self.keyed_by_position:
+            assert self.plan is not None and self.meta is not None, "check_plan() comes first"
+            saved = (self.meta, [self.shards[k] for k in sorted(self.shards)])
+            states = optimizer_states(saved, self.plan, self.stage)
+        elif self.lazy:  # the shards this stage read hold its parameters' states
+            read = [self.shards[k].get("optimizer_states", []) for k in sorted(self.shards)]
+            states = [named_state.merge(each) for each in zip(*read, strict=True)]
         else:
             states = checkpoint["optimizer_states"]
         if len(states) != len(optimizers):
@@ -154,12 +216,18 @@ class Resume:
             )
         for number, (optimizer, state) in enumerate(zip(optimizers, states, strict=True)):
             optimizer = _unwrapped(optimizer)
-            if self.saved is not None and self.keyed_by_position:
+            if self.keyed_by_position:
                 optimizer.load_state_dict(state)
                 continue
             if not named_state.is_named(state):  # one device's: by position over the module
                 state = named_state.to_named(state, self.groups[number], self.groups[number])
             optimizer.load_state_dict(named_state.to_positional(state, self._local(optimizer)))
+
+    def _read(self, stages: Any) -> None:
+        assert self.path is not None and self.meta is not None
+        for stage in stages:
+            if stage not in self.shards:
+                self.shards[stage] = sharded.read_shard(self.path, self.meta, stage)
 
     def _local(self, optimizer: Any) -> list[list[str]]:
         return named_state.group_names(_unwrapped(optimizer).param_groups, self.names)

@@ -33,7 +33,7 @@ from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
-from pl_pipedream.core.resume import Resume, check_state_names
+from pl_pipedream.core.resume import Resume
 from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -300,10 +300,10 @@ class PipeDreamStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Every rank loads the whole state before its stage is cut; wrong names fail first."""
+        """Wrong names fail on every rank first; a sharded checkpoint's weights load at setup."""
         assert self.lightning_module is not None
-        check_state_names(self.lightning_module.state_dict(), checkpoint["state_dict"], strict)
-        super().load_model_state_dict(checkpoint, strict)
+        if self.resume.check_model(self.lightning_module.state_dict(), checkpoint, strict):
+            super().load_model_state_dict(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

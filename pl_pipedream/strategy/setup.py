@@ -68,6 +68,8 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     check_precision(strategy.precision_plugin, strategy.sync)
     layers = pipeline_layers(module)
     strategy.loader_seeds.agree()
+    if trainer.ckpt_path is None:
+        strategy.resume.forget()  # a checkpoint of an earlier fit is not this run's
     resumed = strategy.resume.saved_plan
     planner = SetupPlanner(
         strategy._given_plan,
@@ -89,6 +91,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
     local = [int(node) for node in local_stage.stage.nodes]
     materialize(module, layers, local, strategy.root_device, strategy.empty_build)
+    strategy.resume.load_stage(module)  # the checkpoint's state of this stage, if resuming
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]

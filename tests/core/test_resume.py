@@ -12,7 +12,13 @@ from torch import nn
 
 from pl_pipedream.core.checkpoint import read_shards, to_lightning, write_description, write_shard
 from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
-from pl_pipedream.core.resume import Resume, check_layout, check_state_names, optimizer_states
+from pl_pipedream.core.resume import (
+    Resume,
+    check_layout,
+    check_state_names,
+    optimizer_states,
+    shapes_of,
+)
 from pl_pipedream.planner.plan import Plan
 from tests.core.test_named_state import adam, keep, model, trained
 
@@ -43,9 +49,16 @@ def save(path: Path, stages: list[list[int]], positional: bool = False) -> nn.Se
 def resumed(
     path: Path, layers: list[int], plan: Plan, stage: int
 ) -> tuple[Resume, torch.optim.Adam]:
+    """A rank of ``plan`` holding ``layers`` resumes ``path``: the module cut (the other
+    layers on ``meta``), then the optimizers over the whole module cut down to the stage."""
     module = model()
     resume = Resume()
     checkpoint = resume.read(path, dict)
+    resume.check_model(module.state_dict(), checkpoint, strict=True)
+    for index, layer in enumerate(module):
+        if index not in layers:
+            layer.to("meta")
+    resume.load_stage(module)
     optimizer = adam(module)
     resume.check_plan(plan, stage)
     resume.record(module, [optimizer])
@@ -70,6 +83,29 @@ def test_each_stage_of_another_plan_loads_the_state_of_the_names_it_holds(tmp_pa
         weight = optimizer.param_groups[0]["params"][0]
         exp_avg = optimizer.state[weight]["exp_avg"]
         assert torch.equal(exp_avg, expected[f"{stage}.weight"]["exp_avg"])
+
+
+def test_each_rank_reads_only_the_shards_holding_its_names(tmp_path: Path) -> None:
+    """Stage 0's shard always (the loops, callbacks and schedulers); the others where they
+    hold a name the stage needs."""
+    save(tmp_path / "run.ckpt", [[0, 1], [2]])
+    plan = Plan.from_balance([1, 1, 1])
+    reads = [sorted(resumed(tmp_path / "run.ckpt", [s], plan, s)[0].shards) for s in range(3)]
+    assert reads == [[0], [0], [0, 1]]
+
+
+def test_a_stage_takes_the_saved_weights_of_its_names_only(tmp_path: Path) -> None:
+    saved = save(tmp_path / "run.ckpt", [[0, 1], [2]])
+    module, resume = model(), Resume()
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(1.0)
+    resume.read(tmp_path / "run.ckpt", dict)
+    module[0].to("meta")
+    resume.load_stage(module)
+    for name, tensor in module.state_dict().items():
+        if not name.startswith("0."):
+            assert torch.equal(tensor, saved.state_dict()[name]), name
 
 
 def test_to_lightning_gives_one_devices_optimizer_state(tmp_path: Path) -> None:
@@ -141,12 +177,12 @@ def test_wrong_names_and_shapes_are_listed_in_one_error() -> None:
     model_state = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4), "c": torch.zeros(1)}
     saved = {"a.weight": torch.zeros(3, 2), "c": torch.zeros(1), "d.bias": torch.zeros(1)}
     with pytest.raises(CheckpointError) as error:
-        check_state_names(model_state, saved)
+        check_state_names(model_state, shapes_of(saved))
     assert (
         "a checkpoint resumes into the model that saved it: the same state names and shapes "
         "(missing: [b.weight]; unexpected: [d.bias]; shapes: [a.weight [3, 2] in the "
         "checkpoint, [2, 3] in the model]); resume with the model"
     ) in str(error.value)
     with pytest.raises(CheckpointError, match=r"shapes \(shapes: \[a.weight"):
-        check_state_names(model_state, saved, strict=False)
-    check_state_names(model_state, dict(model_state))
+        check_state_names(model_state, shapes_of(saved), strict=False)
+    check_state_names(model_state, shapes_of(model_state))

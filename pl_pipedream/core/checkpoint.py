@@ -94,8 +94,7 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def merged_checkpoint(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """Lightning's checkpoint dict: every stage's weights merged, and when the optimizer states
-    are keyed by name every stage's merged too; the rest from stage 0."""
+    """Lightning's checkpoint dict: every stage's weights (and named optimizer states) merged."""
     merged = {**shards[0], "state_dict": merge_states(shard["state_dict"] for shard in shards)}
     if is_keyed_by_name(shards):
         per_optimizer = zip(*(shard.get("optimizer_states", []) for shard in shards), strict=True)
@@ -104,17 +103,15 @@ def merged_checkpoint(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def is_keyed_by_name(shards: list[dict[str, Any]]) -> bool:
-    """Whether the shards key their optimizer states by parameter name (``core.named_state``);
-    a checkpoint written before that keys them by position over each stage's parameters."""
+    """Whether the optimizer states are keyed by name (``core.named_state``), not position."""
     states = [state for shard in shards for state in shard.get("optimizer_states", [])]
     return all(named_state.is_named(state) for state in states)
 
 
 def to_lightning(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` as one Lightning checkpoint dict that one device resumes
-    from (``torch.save`` it, then ``Trainer(strategy="auto").fit(ckpt_path=file)``): the full
-    ``state_dict``, and each optimizer's state by position over the module's parameters in
-    ``configure_optimizers``' order."""
+    """The checkpoint at ``path`` as one Lightning checkpoint dict, which one device resumes
+    (``Trainer(strategy="auto").fit(ckpt_path=file)`` once saved): the full ``state_dict``,
+    each optimizer's state by position in ``configure_optimizers``' order."""
     _, shards = read_shards(path)
     if not is_keyed_by_name(shards):
         raise CheckpointError(
@@ -132,7 +129,7 @@ def to_lightning(path: str | Path) -> dict[str, Any]:
 
 def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Write and fsync ``stage``'s checkpoint dict into the directory ``path``; return the
-    shard's record for the description: its file name, size and sha256."""
+    shard's record for the description: its file name, size, sha256 and state shapes."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

@@ -21,9 +21,16 @@ from tests.strategy.tied_script import tied_loader, tied_model
 FLUSH = 1e-6  # flush equals the uninterrupted run to float rounding
 
 
-def strategy(sync: str = "async", balance: list[int] | None = None) -> PipeDreamStrategy:
+def strategy(
+    sync: str = "async", balance: list[int] | None = None, plan: Plan | None = None
+) -> PipeDreamStrategy:
     return PipeDreamStrategy(
-        sync=sync, balance=balance or [3, 3], microbatches=2, start_method="spawn", timeout=60
+        sync=sync,
+        balance=None if plan is not None else balance or [3, 3],
+        plan=plan,
+        microbatches=2,
+        start_method="spawn",
+        timeout=60,
     )
 
 
@@ -111,15 +118,20 @@ def flush_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"straight": root / "straight" / "last.ckpt", "first": root / "first" / "last.ckpt"}
 
 
+REPLICATED = Plan.from_balance([3, 3], replicas=[2, 1])  # stage 0 on ranks 0 and 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "balance", [[2, 2, 2], [2, 4]], ids=["2 stages to 3", "another balance on 2"]
+    "plan",
+    [Plan.from_balance([2, 2, 2]), Plan.from_balance([2, 4]), REPLICATED],
+    ids=["2 stages to 3", "another balance on 2", "replicated 2-1 on 3"],
 )
 def test_flush_resumes_under_another_plan_as_uninterrupted(
-    flush_runs: dict[str, Path], tmp_path: Path, balance: list[int]
+    flush_runs: dict[str, Path], tmp_path: Path, plan: Plan
 ) -> None:
-    layout = strategy("flush", balance)
-    resumed = fit(tmp_path, 2, len(balance), flush_runs["first"], strategy=layout)
+    layout = strategy("flush", plan=plan)
+    resumed = fit(tmp_path, 2, plan.num_workers, flush_runs["first"], strategy=layout)
     assert_same_training_state(tmp_path / "last.ckpt", flush_runs["straight"], FLUSH)
     straight = consolidate_checkpoint(flush_runs["straight"])
     assert_equal_weights(resumed.state_dict(), straight, FLUSH)
@@ -146,37 +158,42 @@ def test_one_device_and_the_pipeline_resume_each_others_checkpoints(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sync", "balance"),
+    [("async", [2, 2, 2]), ("2bw", [2, 4])],
+    ids=["async on 3 stages", "2bw on another balance"],
+)
 def test_async_resumed_under_another_plan_equals_the_oracle_from_the_drained_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, sync: str, balance: list[int]
 ) -> None:
-    """Async saved drained at step 5 on 2 stages, continued async on 3 stages: the oracle of
-    the 3-stage pipeline started from the checkpoint's weights and momentum."""
+    """Async saved drained at step 5 on 2 stages, continued under another plan (and sync
+    mode): the oracle of the new pipeline started from the checkpoint's weights and momentum."""
     saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     run = trainer(devices=2, strategy=strategy("async"), max_epochs=1, callbacks=[saver])
     run.fit(Net(optimizer="sgd"), loader(2))
     resumed = Net(optimizer="sgd")
-    plan = Plan.from_balance([2, 2, 2])
-    layout = strategy("async", [2, 2, 2])
-    trainer(devices=3, strategy=layout, max_epochs=2).fit(
+    plan = Plan.from_balance(balance)
+    layout = strategy(sync, balance)
+    trainer(devices=len(balance), strategy=layout, max_epochs=2).fit(
         resumed, loader(2), ckpt_path=tmp_path / "last.ckpt"
     )
     saved = to_lightning(tmp_path / "last.ckpt")
     start = make_model()
     start.load_state_dict({k.removeprefix("net."): v for k, v in saved["state_dict"].items()})
-    momentum = [
-        s["momentum_buffer"] for _, s in sorted(saved["optimizer_states"][0]["state"].items())
-    ]
-    built: list[int] = []
+    state = saved["optimizer_states"][0]["state"]
+    momentum = [state[index]["momentum_buffer"] for index in sorted(state)]  # module order
+    given: list[int] = []
 
     def sgd_from_checkpoint(params):  # type: ignore[no-untyped-def]
-        """The oracle builds one optimizer per stage, in stage order: 2 parameters each."""
+        """The oracle's optimizer of one stage (built in stage order, over a copy of
+        ``start``), with the saved momentum of its parameters."""
         optimizer = OPTIMIZERS["sgd"](params)
-        for offset, param in enumerate(params):
-            optimizer.state[param]["momentum_buffer"] = momentum[2 * len(built) + offset].clone()
-        built.append(len(params))
+        for param in params:
+            optimizer.state[param]["momentum_buffer"] = momentum[len(given)].clone()
+            given.append(1)
         return optimizer
 
-    expected = oracle.train(start, plan, "async", make_batches(2), 2, loss_fn, sgd_from_checkpoint)
+    expected = oracle.train(start, plan, sync, make_batches(2), 2, loss_fn, sgd_from_checkpoint)
     expected = {f"net.{k}": v for k, v in expected.items()}
     assert_equal_weights(resumed.state_dict(), expected, 1e-6)
 

@@ -2,11 +2,12 @@
 
 A checkpoint holds the weights and the optimizer state under the LightningModule's names
 (``core.checkpoint``, ``core.named_state``), so the plan that saved it is information only:
-every rank takes the whole module's ``state_dict`` before its stage is cut (the cut keeps what
-the stage holds) and, once the optimizers are cut down to the stage's parameters, the optimizer
-state of the names it holds. A Lightning checkpoint file from one device (optimizer state by
-position over the whole module, in ``configure_optimizers``' order) is read the same way, by
-naming its positions with the order recorded at setup (``Resume.record``).
+once its stage is cut, every rank loads the weights of the names its stage holds, reading only
+the shards that hold them (``Resume.load_stage``), and once the optimizers are cut down to the
+stage's parameters, the optimizer state of those names. A Lightning checkpoint file from one
+device (optimizer state by position over the whole module, in ``configure_optimizers``' order)
+is loaded whole before setup, its positions named with the order recorded at setup
+(``Resume.record``).
 
 A checkpoint of the first sharded format keys each stage's optimizer state by position over
 that stage's parameters: it resumes under its own layout only (``check_layout``).

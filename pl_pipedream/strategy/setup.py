@@ -2,7 +2,8 @@
 
 ``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
 checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
-LightningModule (``stage``) and created from its empty build (``materialize``), the other
+LightningModule (``stage``) and created from its empty build (``materialize``) with a resumed
+checkpoint's state of the stage loaded (``core.resume``), the other
 stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
 updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
 evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning

@@ -7,12 +7,16 @@ run.ckpt/
   pipeline.json        the plan, the sync mode, the microbatches, the step, and every shard's
                        file name, size and sha256
   stage-00.pt          Lightning's checkpoint dict as stage 0 sees it (its state_dict holds only
-  stage-01.pt          stage 0's parameters and buffers, under the LightningModule's names)
+  stage-01.pt          stage 0's parameters and buffers, under the LightningModule's names; its
+                       optimizer states keyed by those names, ``core.named_state``)
 ```
 
 The first replica of each stage writes that stage's shard; state outside the pipeline (shared
-by every rank) goes into stage 0's shard. ``consolidate_checkpoint`` merges the shards back into
-the LightningModule's full ``state_dict``.
+by every rank) goes into stage 0's shard. Each shard's record lists the state names it holds
+with their shapes, so that a rank reads only the shards that hold its stage's names.
+``consolidate_checkpoint`` merges the shards back into the LightningModule's full
+``state_dict``; ``merged_checkpoint`` merges the optimizer states too, which is what any plan
+resumes from, and ``to_lightning`` gives the checkpoint dict one device resumes from.
 
 A save is atomic: the writers (each stage's first replica) write and fsync their shards into a
 staging directory beside the target (``.pipedream-partial-<key>-<token>``, a name no reader or
@@ -40,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pl_pipedream.core import named_state
 from pl_pipedream.core.atomic import (
     RETIRED,
     fsync_dir,
@@ -49,24 +54,26 @@ from pl_pipedream.core.atomic import (
     staging_dir,
     write_file,
 )
-from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import PeerError
 from pl_pipedream.runtime.tags import Tag
 
 __all__ = [
     "SaveExchange",
-    "check_layout",
     "consolidate_checkpoint",
+    "is_keyed_by_name",
     "is_sharded",
-    "load_optimizer_states",
     "merge_states",
     "merged_checkpoint",
-    "optimizer_states",
+    "read_description",
+    "read_shard",
     "read_shards",
     "remove",
     "save",
     "shard_name",
+    "state_shapes",
+    "to_lightning",
     "write_description",
     "write_shard",
 ]
@@ -87,20 +94,42 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def merged_checkpoint(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """Lightning's checkpoint dict: every stage's weights merged, the rest from stage 0."""
-    return {**shards[0], "state_dict": merge_states(shard["state_dict"] for shard in shards)}
+    """Lightning's checkpoint dict: every stage's weights (and named optimizer states) merged."""
+    merged = {**shards[0], "state_dict": merge_states(shard["state_dict"] for shard in shards)}
+    if is_keyed_by_name(shards):
+        per_optimizer = zip(*(shard.get("optimizer_states", []) for shard in shards), strict=True)
+        merged["optimizer_states"] = [named_state.merge(states) for states in per_optimizer]
+    return merged
 
 
-def optimizer_states(saved: Shards, plan: Plan, stage: int) -> list[dict[str, Any]]:
-    """The optimizer states ``stage`` saved, once ``plan`` is checked against the saved one."""
-    meta, shards = saved
-    check_layout(Plan.from_dict(meta["plan"]), plan)
-    return shards[stage]["optimizer_states"]
+def is_keyed_by_name(shards: list[dict[str, Any]]) -> bool:
+    """Whether the optimizer states are keyed by name (``core.named_state``), not position."""
+    states = [state for shard in shards for state in shard.get("optimizer_states", [])]
+    return all(named_state.is_named(state) for state in states)
+
+
+def to_lightning(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at ``path`` as one Lightning checkpoint dict, which one device resumes
+    (``Trainer(strategy="auto").fit(ckpt_path=file)`` once saved): the full ``state_dict``,
+    each optimizer's state by position in ``configure_optimizers``' order."""
+    _, shards = read_shards(path)
+    if not is_keyed_by_name(shards):
+        raise CheckpointError(
+            f"a checkpoint converts to one device only when its optimizer state is keyed by "
+            f"name (path: {path}: keyed by position); resume it once under the plan that "
+            "saved it and save again, or load only the weights with consolidate_checkpoint()"
+        )
+    merged = merged_checkpoint(shards)
+    merged["optimizer_states"] = [
+        named_state.to_positional(state, [g["params"] for g in state["param_groups"]])
+        for state in merged["optimizer_states"]
+    ]
+    return merged
 
 
 def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Write and fsync ``stage``'s checkpoint dict into the directory ``path``; return the
-    shard's record for the description: its file name, size and sha256."""
+    shard's record for the description: its file name, size, sha256 and state shapes."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -111,6 +140,11 @@ def write_shard(path: str | Path, stage: int, checkpoint: dict[str, Any]) -> dic
         "file": shard_name(stage),
         "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
+        "shapes": {
+            name: list(tensor.shape)
+            for name, tensor in checkpoint.get("state_dict", {}).items()
+            if isinstance(tensor, torch.Tensor)
+        },
     }
 
 
@@ -147,22 +181,15 @@ def merge_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.T
     return merged
 
 
-def check_layout(saved: Plan, plan: Plan) -> None:
-    """Raise unless ``plan`` places layers and replicas as the ``saved`` plan did."""
-    layout = [(s.nodes, s.replicas) for s in saved.stages]
-    if layout != [(s.nodes, s.replicas) for s in plan.stages]:
-        raise PipelineSetupError(
-            f"a checkpoint resumes only under the plan that saved it (saved: {saved.shape} "
-            f"with layers {[list(s.nodes) for s in saved.stages]}, now: {plan.shape} with "
-            f"layers {[list(s.nodes) for s in plan.stages]}); resume with "
-            f"PipeDreamStrategy(plan=...) from the checkpoint's pipeline.json, or load only "
-            "the weights with consolidate_checkpoint()"
-        )
-
-
 def read_shards(path: str | Path) -> Shards:
     """The pipeline description and every stage's checkpoint dict, in stage order, each shard
     checked against its record in the description (size, sha256, step)."""
+    meta = read_description(path)
+    return meta, [read_shard(path, meta, stage) for stage in range(len(meta["shards"]))]
+
+
+def read_description(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``pipeline.json``; refused where there is none."""
     root = Path(path)
     meta_path = root / META_FILE
     if not meta_path.is_file():
@@ -177,10 +204,21 @@ def read_shards(path: str | Path) -> Shards:
             f"a PipeDream checkpoint is a directory with {META_FILE} and one shard per stage "
             f"(path: {root}); pass the path given to trainer.save_checkpoint{hint}"
         )
-    meta = json.loads(meta_path.read_text())
-    return meta, [
-        _read_shard(root, stage, record, meta) for stage, record in enumerate(meta["shards"])
-    ]
+    return json.loads(meta_path.read_text())
+
+
+def read_shard(path: str | Path, meta: dict[str, Any], stage: int) -> dict[str, Any]:
+    """Stage ``stage``'s checkpoint dict, checked against its record in ``meta``."""
+    return _read_shard(Path(path), stage, meta["shards"][stage], meta)
+
+
+def state_shapes(meta: dict[str, Any]) -> list[dict[str, list[int]]] | None:
+    """Per shard, the shape of each state name it holds; None for a checkpoint whose records
+    do not list them (written before they did)."""
+    records = meta["shards"]
+    if not all(isinstance(record, dict) and "shapes" in record for record in records):
+        return None
+    return [record["shapes"] for record in records]
 
 
 def _read_shard(root: Path, stage: int, record: Any, meta: dict[str, Any]) -> dict[str, Any]:
@@ -360,9 +398,3 @@ def save(
         )
         raise
     exchange.outcome()
-
-
-def load_optimizer_states(saved: Shards, plan: Plan, stage: int, optimizers: list[Any]) -> None:
-    """Each optimizer of ``stage`` takes the state that stage saved (``plan`` checked first)."""
-    for optimizer, state in zip(optimizers, optimizer_states(saved, plan, stage), strict=True):
-        optimizer.load_state_dict(state)

@@ -4,9 +4,10 @@ Every rank runs its own Lightning loop over the same batches. In each training s
 runs its segment of the schedule for that batch (``PipelineRunner``); ranks are coupled only by
 the activations and gradients they exchange, and every rank logs the same ``train_loss``.
 
-The class holds Lightning's hooks in Lightning's call order, each delegating to the module
-that does the job: ``setup`` (environment, plan, stage, pipeline, pretrained weights, teardown),
-``step``, ``updates``, ``evaluation``, ``checkpoint``, ``collectives``; ``lightning_patches``.
+The class holds Lightning's hooks in the order Lightning calls them, each delegating to the
+module that does the job: ``setup`` (with pretrained weights), ``step``, ``updates``,
+``evaluation``, ``checkpoint`` and ``resume``, ``collectives``; ``lightning_patches`` holds every
+Lightning internal touched.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
+from pl_pipedream.core.resume import Resume
 from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -130,16 +132,14 @@ class PipeDreamStrategy(ParallelStrategy):
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
-        self.plan = plan  # the plan in use; set at setup when planned or built from balance
-        self._given_plan = plan
+        self.plan = self._given_plan = plan  # the plan in use: set at setup unless given
         self.topology = topology
         self.setup_seconds = 0.0
         self.timeout = float(timeout)
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
-        self._start_method = start_method
+        self._start_method, self.divergence = start_method, divergence
         self.retain_freed_memory, self.bind_cpus = retain_freed_memory, bind_cpus
-        self.divergence = divergence
         rule = (divergence_rise, divergence_patience, divergence_window)
         self.steps = TrainingSteps(divergence, rule)  # refuses bad thresholds now
         self.cpu_binding: frozenset[int] | None = None  # this rank's cores while bound
@@ -150,15 +150,14 @@ class PipeDreamStrategy(ParallelStrategy):
         self.runner: PipelineRunner | None = None
         self.updates: StageUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
-        self._resume: sharded.Shards | None = None
+        self.resume = Resume()  # the checkpoint resumed, the optimizers' names (core.resume)
         self.loader_seeds = LoaderSeeds()  # agreed at setup (core.data)
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
-        self.recompute = bool(recompute)
+        self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory = memory_report.parse_memory(memory)
         check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
-        self.pretrained = Pretrained.parse(pretrained)
 
     @property
     @override
@@ -284,30 +283,32 @@ class PipeDreamStrategy(ParallelStrategy):
         return self.local_stage.state_dict(self.lightning_module)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
         assert self.plan is not None
         args = (self.global_rank, self.plan, self.sync, self.microbatches, self.timeout)
         sharded.save(checkpoint, filepath, *args)
 
     @override
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        if not sharded.is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        self._resume = sharded.read_shards(checkpoint_path)
-        return sharded.merged_checkpoint(self._resume[1])
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Keyed by parameter name, so that any plan resumes it (``core.named_state``)."""
+        return self.resume.state_of(self.optimizers, optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
+        base = super().load_checkpoint
+        return self.resume.read(checkpoint_path, lambda: base(checkpoint_path, weights_only))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Wrong names fail on every rank first; a sharded checkpoint's weights load at setup."""
+        assert self.lightning_module is not None
+        if self.resume.check_model(self.lightning_module.state_dict(), checkpoint, strict):
+            super().load_model_state_dict(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Each stage takes the optimizer state its own stage saved."""
-        if self._resume is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        assert self.local_stage is not None and self.plan is not None
-        stage = self.local_stage.stage.index
-        sharded.load_optimizer_states(self._resume, self.plan, stage, self.optimizers)
+        """Each optimizer takes the state of the parameters its stage holds (``core.resume``)."""
+        self.resume.load_optimizers(checkpoint, self.optimizers)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -63,24 +63,37 @@ def choose_plan(
 ) -> Plan:
     """The plan this setup uses, in order of precedence: the one passed to the strategy, the
     one an earlier setup used (a validate/test/predict after fit keeps the training layout),
-    one from ``balance``, the one a resumed checkpoint saved, else an automatic one."""
+    one from ``balance``, the one a resumed checkpoint saved when it has as many workers as
+    there are processes, else an automatic one. A checkpoint resumes under any plan
+    (``core.resume``): the plan that saved it is only the default."""
     if given is not None and balance is not None:
         raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
     if given is not None:
         plan = given
     elif previous is not None:
         plan = previous
-    elif balance is None and resumed is not None:
-        plan = resumed
     elif balance is not None:
         plan = Plan.from_balance(balance, [str(i) for i in range(num_layers)])
+    elif resumed is not None and resumed.num_workers == world_size:
+        plan = resumed
     else:
         plan = plan_automatically()
     if plan.num_workers != world_size:
+        saved = (
+            f", the checkpoint's plan: {resumed.shape} on {resumed.num_workers} workers"
+            if resumed is not None
+            else ""
+        )
+        resume = (
+            "; a checkpoint resumes under any plan: leave out balance= and plan= to plan "
+            f"for {world_size} automatically"
+            if resumed is not None
+            else ""
+        )
         raise PipelineSetupError(
             f"the plan needs one process per worker (plan workers: {plan.num_workers}, "
-            f"devices: {world_size}); use Trainer(devices={plan.num_workers}) or a "
-            f"plan for {world_size} workers"
+            f"devices: {world_size}{saved}); use Trainer(devices={plan.num_workers}) or a "
+            f"plan for {world_size} workers{resume}"
         )
     return plan
 

@@ -3,7 +3,8 @@
 ``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
 checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
 LightningModule (``stage``) and created from its empty build (``materialize``) or filled from
-pretrained weights (``core.pretrained``; not read when ``fit(ckpt_path=...)`` resumes), the other
+pretrained weights (``core.pretrained``; not read when ``fit(ckpt_path=...)`` resumes), with a
+resumed checkpoint's state of the stage loaded (``core.resume``), the other
 stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
 updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
 evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning
@@ -32,7 +33,6 @@ from pl_pipedream.core.placement import (
 )
 from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
-from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
@@ -73,7 +73,9 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     layers = pipeline_layers(module)
     built_empty = any(tensor.is_meta for tensor in model_tensors(module))
     strategy.loader_seeds.agree()
-    resumed = Plan.from_dict(strategy._resume[0]["plan"]) if strategy._resume else None
+    if trainer.ckpt_path is None:
+        strategy.resume.forget()  # a checkpoint of an earlier fit is not this run's
+    resumed = strategy.resume.saved_plan
     planner = SetupPlanner(
         strategy._given_plan,
         strategy.balance,
@@ -91,13 +93,15 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     strategy.setup_seconds = planner.seconds or strategy.setup_seconds
     local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
     strategy.local_stage = local_stage
+    strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
     local = [int(node) for node in local_stage.stage.nodes]
     initial = (module, layers, local, strategy.root_device, strategy.empty_build)
-    weights = stage_weights(strategy.pretrained, trainer, built_empty)
+    weights = stage_weights(strategy.pretrained, trainer, built_empty, strategy.resume.lazy)
     if weights is not None:
         load_stage(weights, *initial)
     else:
         materialize(*initial)
+    strategy.resume.load_stage(module)  # a sharded checkpoint's state of this stage, if resuming
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]
@@ -110,6 +114,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.setup_optimizers(trainer)
         check_optimizers(strategy.precision_plugin, strategy.optimizers)
         strategy.steps.start_fit()
+        strategy.resume.record(module, strategy.optimizers)  # configure_optimizers' names
         keep_local_parameters(module, strategy.optimizers)
     strategy.setup_precision_plugin()
     assert strategy.evaluation is not None and strategy.runner is not None
@@ -130,12 +135,14 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
 
 
 def stage_weights(
-    pretrained: Pretrained | None, trainer: Any, built_empty: bool
+    pretrained: Pretrained | None, trainer: Any, built_empty: bool, per_stage: bool
 ) -> Pretrained | None:
     """The weights that fill this rank's stage at setup (``core.pretrained``), or None: when
-    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): its weights for a module
-    built empty (Lightning restored them into ``meta`` tensors, which hold nothing), none for a
-    module built whole (restored already); otherwise the pretrained weights."""
+    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): none when the
+    checkpoint loads per stage after the build (``per_stage``: ``Resume.load_stage``), its whole
+    state for a module built empty (Lightning restored it into ``meta`` tensors, which hold
+    nothing), none for a module built whole (restored already); otherwise the pretrained
+    weights."""
     if not trainer.ckpt_path:
         return pretrained
     if pretrained is not None:
@@ -143,8 +150,10 @@ def stage_weights(
             f"PipeDreamStrategy: resuming from {trainer.ckpt_path}; the pretrained weights "
             f"({pretrained.describe()}) are not read, the checkpoint's weights continue"
         )
+    if per_stage or not built_empty:
+        return None
     state = lightning_patches.resumed_state_dict(trainer)
-    return Pretrained(state) if built_empty and state is not None else None
+    return Pretrained(state) if state is not None else None
 
 
 def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:

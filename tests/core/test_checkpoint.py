@@ -19,18 +19,16 @@ import torch
 
 from pl_pipedream.core.atomic import leftovers, retired_dir
 from pl_pipedream.core.checkpoint import (
-    check_layout,
     consolidate_checkpoint,
     is_sharded,
     merge_states,
     merged_checkpoint,
-    optimizer_states,
     read_shards,
     remove,
     write_description,
     write_shard,
 )
-from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.planner.plan import Plan
 from tests.runtime.test_executor import NUM_BATCHES
 
@@ -147,30 +145,6 @@ def test_consolidate_checkpoint_gives_the_full_state_dict(tmp_path: Path) -> Non
     state = consolidate_checkpoint(tmp_path / "run.ckpt")
     assert sorted(state) == ["net.0.weight", "net.1.weight", "scale"]
     assert torch.equal(state["scale"], torch.ones(1))  # stage 0's copy
-
-
-def test_optimizer_states_are_the_stages_own_under_the_saved_layout(tmp_path: Path) -> None:
-    write(tmp_path / "run.ckpt")
-    saved = read_shards(tmp_path / "run.ckpt")
-    assert optimizer_states(saved, PLAN, 1) == [{"stage": 1}]
-    with pytest.raises(PipelineSetupError, match="resumes only under the plan that saved it"):
-        optimizer_states(saved, Plan.from_balance([2, 1]), 1)
-
-
-def test_check_layout_accepts_the_same_layers_and_replicas() -> None:
-    check_layout(Plan.from_balance([3, 3]), Plan.from_dict(Plan.from_balance([3, 3]).to_dict()))
-
-
-def test_check_layout_names_both_layouts_and_the_fix() -> None:
-    with pytest.raises(PipelineSetupError) as error:
-        check_layout(Plan.from_balance([3, 3]), Plan.from_balance([2, 4]))
-    assert (
-        "a checkpoint resumes only under the plan that saved it (saved: 1-1 with layers "
-        "[['0', '1', '2'], ['3', '4', '5']], now: 1-1 with layers [['0', '1'], ['2', '3', '4', "
-        "'5']]); resume with PipeDreamStrategy(plan=...) from the checkpoint's pipeline.json"
-    ) in str(error.value)
-    with pytest.raises(PipelineSetupError, match=r"saved: 2-1 .* now: 1-1"):
-        check_layout(PLAN, Plan.from_balance([2, 1]))
 
 
 def test_a_path_without_a_description_is_not_a_checkpoint(tmp_path: Path) -> None:

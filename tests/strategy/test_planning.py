@@ -58,6 +58,21 @@ def test_a_resumed_checkpoints_plan_comes_next() -> None:
     assert choose(resumed=RESUMED) is RESUMED
 
 
+def test_a_resumed_plan_for_another_number_of_processes_gives_way_to_an_automatic_one() -> None:
+    """The checkpoint's plan is information only: 2 workers saved it, 3 resume it."""
+    assert choose(resumed=Plan.from_balance([2, 2]), plan=automatic, world=3) is AUTOMATIC
+
+
+def test_a_plan_for_other_devices_names_the_checkpoints_plan_and_how_to_resume() -> None:
+    with pytest.raises(PipelineSetupError) as error:
+        choose(balance=[1, 1, 2], resumed=RESUMED, world=2)
+    assert (
+        "the plan needs one process per worker (plan workers: 3, devices: 2, the checkpoint's "
+        "plan: 1-1 on 2 workers); use Trainer(devices=3) or a plan for 2 workers; a checkpoint "
+        "resumes under any plan: leave out balance= and plan= to plan for 2 automatically"
+    ) in str(error.value)
+
+
 def test_balance_comes_before_the_resumed_plan() -> None:
     """``balance=`` given with a checkpoint wins; the checkpoint's layout is checked on load."""
     assert choose(balance=[1, 3], resumed=RESUMED) == Plan.from_balance([1, 3])

@@ -199,7 +199,11 @@ class Resume:
         )
 
     def load_optimizers(self, checkpoint: dict[str, Any], optimizers: Sequence[Any]) -> None:
-        """Each optimizer takes the state of the parameters it holds now."""
+        """Each optimizer takes the state of the parameters it holds now. A checkpoint from
+        before the first step that saved no optimizer (``pl-pipedream checkpoint from-torch``'s)
+        leaves them as ``configure_optimizers`` made them: no step has given them state."""
+        if not checkpoint.get("optimizer_states") and checkpoint.get("global_step") == 0:
+            return
         if self.keyed_by_position:
             assert self.plan is not None and self.meta is not None, "check_plan() comes first"
             saved = (self.meta, [self.shards[k] for k in sorted(self.shards)])

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.checkpoint import consolidate_checkpoint, to_lightning
+from pl_pipedream.core.checkpoint_tools import from_torch
 from pl_pipedream.planner.plan import Plan
 from tests.runtime import oracle
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
@@ -22,26 +23,31 @@ FLUSH = 1e-6  # flush equals the uninterrupted run to float rounding
 
 
 def strategy(
-    sync: str = "async", balance: list[int] | None = None, plan: Plan | None = None
+    sync: str = "async",
+    balance: list[int] | None = None,
+    plan: Plan | None = None,
+    start_method: str = "fork",  # the spawn launcher without re-importing Lightning per rank
 ) -> PipeDreamStrategy:
     return PipeDreamStrategy(
         sync=sync,
         balance=None if plan is not None else balance or [3, 3],
         plan=plan,
         microbatches=2,
-        start_method="spawn",
+        start_method=start_method,
         timeout=60,
     )
 
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path) -> None:
+    """Under the plan that saved it, through the spawn launcher end to end."""
+    spawn = {"start_method": "spawn"}
     straight = Net(optimizer="adam")
-    trainer(devices=2, strategy=strategy(), max_epochs=2).fit(straight, loader(2))
+    trainer(devices=2, strategy=strategy(**spawn), max_epochs=2).fit(straight, loader(2))
 
     first = Net(optimizer="adam")
     saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    run = trainer(devices=2, strategy=strategy(), max_epochs=1, callbacks=[saver])
+    run = trainer(devices=2, strategy=strategy(**spawn), max_epochs=1, callbacks=[saver])
     run.fit(first, loader(2))
     last = tmp_path / "last.ckpt"
     assert (last / "pipeline.json").is_file()
@@ -50,7 +56,8 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
     with torch.no_grad():  # only a real restore can undo this
         for param in resumed.parameters():
             param.add_(1.0)
-    trainer(devices=2, strategy=strategy(), max_epochs=2).fit(resumed, loader(2), ckpt_path=last)
+    again = trainer(devices=2, strategy=strategy(**spawn), max_epochs=2)
+    again.fit(resumed, loader(2), ckpt_path=last)
     assert_equal_weights(resumed.state_dict(), straight.state_dict(), 1e-6)
 
 
@@ -135,6 +142,23 @@ def test_flush_resumes_under_another_plan_as_uninterrupted(
     assert_same_training_state(tmp_path / "last.ckpt", flush_runs["straight"], FLUSH)
     straight = consolidate_checkpoint(flush_runs["straight"])
     assert_equal_weights(resumed.state_dict(), straight, FLUSH)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_made_from_a_state_dict_starts_from_its_weights_and_fresh_optimizers(
+    tmp_path: Path,
+) -> None:
+    """``pl-pipedream checkpoint from-torch``'s checkpoint (step 0, no optimizer state) on 2
+    stages trains as one device does from the same weights."""
+    weights = {name: value + 0.25 for name, value in Scheduled("adam").state_dict().items()}
+    torch.save(weights, tmp_path / "weights.pt")
+    from_torch(tmp_path / "weights.pt", tmp_path / "made")
+    piped = fit(tmp_path / "piped", 1, 2, tmp_path / "made", strategy=strategy("flush"))
+    alone = Scheduled("adam")
+    alone.load_state_dict(weights)
+    saver = ModelCheckpoint(dirpath=tmp_path / "alone", save_last=True, save_top_k=0)
+    trainer(devices=1, max_epochs=1, callbacks=[saver]).fit(alone, loader(2))
+    assert_equal_weights(piped.state_dict(), alone.state_dict(), FLUSH)
 
 
 @pytest.mark.slow

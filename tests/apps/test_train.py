@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -552,7 +553,8 @@ def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_end
     """SIGTERM at step 25 of 38 (the app's preemption saves last.ckpt and exits 143); the same
     command with ckpt_path=last and the same hydra.run.dir ends with the uninterrupted run's
     step and weights, bit for bit (flush: the preemption's drain changes nothing), on a 2-stage
-    pipeline."""
+    pipeline; the same checkpoint continued on another cluster (3 processes, another balance and
+    sync mode) ends with the same weights to float rounding."""
     from pl_pipedream import consolidate_checkpoint
 
     # a given plan: an automatic one comes from profiles measured at setup, and the two runs
@@ -567,6 +569,8 @@ def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_end
     assert "in the app with pl-pipedream-train" in stopped.stdout
     assert "ckpt_path=last" in stopped.stdout
     assert not (cut / "checkpoints" / "epoch=1-step=38.ckpt").exists()
+    kept = tmp_path / "preempted.ckpt"  # the same checkpoint, resumed below on another cluster
+    shutil.copytree(cut / "checkpoints" / "last.ckpt", kept)
     resumed = run_app(*common, f"hydra.run.dir={cut}", "ckpt_path=last", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {cut / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
@@ -578,3 +582,13 @@ def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_end
     assert final_val_acc(resumed.stdout + resumed.stderr) == final_val_acc(
         done.stdout + done.stderr
     )
+    # on 3 processes with another balance and sync mode (gpipe trains as flush does), from the
+    # preemption's checkpoint: the same weights to float rounding (other sums per stage)
+    elsewhere = tmp_path / "elsewhere"
+    moved = ["sync=gpipe", "model.hidden=[16]", "trainer.max_epochs=2", "trainer.devices=3"]
+    moved += ["strategy.balance=[1,2,1]", f"hydra.run.dir={elsewhere}", f"ckpt_path={kept}"]
+    continued = run_app(*moved, cwd=tmp_path)
+    assert continued.returncode == 0, continued.stdout[-3000:] + continued.stderr[-3000:]
+    there = consolidate_checkpoint(elsewhere / final)
+    for key in want:
+        torch.testing.assert_close(there[key], want[key], rtol=0, atol=1e-6)

@@ -212,6 +212,16 @@ def read_shard(path: str | Path, meta: dict[str, Any], stage: int) -> dict[str, 
     return _read_shard(Path(path), stage, meta["shards"][stage], meta)
 
 
+def _size_and_digest(path: Path, chunk: int = 1 << 24) -> tuple[int, str]:
+    """The file's size and sha256, read in chunks (never the whole file in memory)."""
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as file:
+        while block := file.read(chunk):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
 def state_shapes(meta: dict[str, Any]) -> list[dict[str, list[int]]] | None:
     """Per shard, the shape of each state name it holds; None for a checkpoint whose records
     do not list them (written before they did)."""
@@ -232,22 +242,23 @@ def _read_shard(root: Path, stage: int, record: Any, meta: dict[str, Any]) -> di
             f"{stage}); the rank serving that stage did not finish saving: use an earlier "
             "checkpoint"
         )
-    data = shard.read_bytes()
     if isinstance(record, dict):
-        if len(data) != record["size"]:
+        size, digest = _size_and_digest(shard)
+        if size != record["size"]:
             raise CheckpointError(
-                f"a shard must have the size {META_FILE} records ({shard}: {len(data)} bytes, "
+                f"a shard must have the size {META_FILE} records ({shard}: {size} bytes, "
                 f"recorded: {record['size']}); the file was cut short or replaced after the "
                 "save: use an earlier checkpoint"
             )
-        digest = hashlib.sha256(data).hexdigest()
         if digest != record["sha256"]:
             raise CheckpointError(
                 f"a shard must have the sha256 {META_FILE} records ({shard}: {digest[:16]}..., "
                 f"recorded: {record['sha256'][:16]}...); the file was corrupted or replaced "
                 "after the save: use an earlier checkpoint"
             )
-    checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    # mapped, not read: a tensor takes memory once something reads it (a rank that reads a
+    # shard for its loop state never touches the weights it holds)
+    checkpoint = torch.load(shard, map_location="cpu", weights_only=False, mmap=True)
     step = meta.get("step")
     if step is not None and checkpoint.get("global_step") != step:
         raise CheckpointError(

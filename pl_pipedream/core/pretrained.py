@@ -55,7 +55,8 @@ class Pretrained:
     then reshapes its value (Hugging Face's ``Conv1D`` weights are ``nn.Linear``'s transposed).
     """
 
-    path: str | os.PathLike | Mapping[str, Tensor]  # a mapping: a state dict already loaded
+    # a mapping: a state dict already loaded; a WeightsFile: a resumed checkpoint's shards
+    path: str | os.PathLike | Mapping[str, Tensor] | WeightsFile
     prefix: str = ""
     rename: Callable[[str], str | None] | None = None
     convert: Callable[[str, Tensor], Tensor] | None = None
@@ -73,6 +74,8 @@ class Pretrained:
         )
 
     def describe(self) -> str:
+        if isinstance(self.path, WeightsFile):
+            return "the resumed checkpoint"
         return "a state dict" if isinstance(self.path, Mapping) else str(self.path)
 
     def module_name(self, name: str) -> str | None:
@@ -110,9 +113,14 @@ class WeightsFile:
 
 
 @contextlib.contextmanager
-def open_weights(source: str | os.PathLike | Mapping[str, Tensor]) -> Iterator[WeightsFile]:
+def open_weights(
+    source: str | os.PathLike | Mapping[str, Tensor] | WeightsFile,
+) -> Iterator[WeightsFile]:
     """The weights at ``source`` (see the module docstring for the forms; or a state dict
     already in memory, as a resumed checkpoint's), open for the block."""
+    if isinstance(source, WeightsFile):  # a resumed checkpoint's shards (core.resume)
+        yield source
+        return
     if isinstance(source, Mapping):
         yield _tensors(source)
         return

@@ -26,6 +26,7 @@ from torch import nn
 from pl_pipedream.core import checkpoint as sharded
 from pl_pipedream.core import named_state
 from pl_pipedream.core.errors import CheckpointError, PipelineSetupError
+from pl_pipedream.core.pretrained import WeightsFile
 from pl_pipedream.planner.plan import Plan
 
 __all__ = ["Resume", "check_layout", "check_state_names", "optimizer_states", "shapes_of"]
@@ -175,6 +176,27 @@ class Resume:
         self._read(sorted(set(sources.values())))
         state = {name: self.shards[k]["state_dict"][name] for name, k in sources.items()}
         module.load_state_dict(state, strict=False)
+
+    def weights(self) -> WeightsFile:
+        """The checkpoint's state as a weights file (``core.pretrained``) for a module built
+        empty, whose stage is created from it: the names and shapes the records list, each
+        value read from the first shard holding it (a shard read when first needed)."""
+        assert self.lazy and self.meta is not None
+        holders: dict[str, int] = {}
+        shapes: dict[str, torch.Tensor] = {}
+        for k, names in enumerate(sharded.state_shapes(self.meta) or []):
+            for name, shape in names.items():
+                if name not in holders:
+                    holders[name], shapes[name] = k, torch.empty(shape, device="meta")
+
+        def reader() -> Callable[[str], torch.Tensor]:
+            def read(name: str) -> torch.Tensor:
+                self._read([holders[name]])
+                return self.shards[holders[name]]["state_dict"][name]
+
+            return read
+
+        return WeightsFile(shapes, reader)
 
     def check_plan(self, plan: Plan, stage: int) -> None:
         """At setup, once the plan is chosen: a checkpoint keyed by position needs its own.

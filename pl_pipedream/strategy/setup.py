@@ -32,6 +32,7 @@ from pl_pipedream.core.placement import (
     process_group_backend,
 )
 from pl_pipedream.core.pretrained import Pretrained, load_stage
+from pl_pipedream.core.resume import Resume
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
@@ -96,12 +97,12 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
     local = [int(node) for node in local_stage.stage.nodes]
     initial = (module, layers, local, strategy.root_device, strategy.empty_build)
-    weights = stage_weights(strategy.pretrained, trainer, built_empty, strategy.resume.lazy)
+    weights = stage_weights(strategy.pretrained, trainer, built_empty, strategy.resume)
     if weights is not None:
         load_stage(weights, *initial)
     else:
         materialize(*initial)
-    strategy.resume.load_stage(module)  # a sharded checkpoint's state of this stage, if resuming
+        strategy.resume.load_stage(module)  # built whole: a sharded checkpoint's state of it
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]
@@ -135,14 +136,13 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
 
 
 def stage_weights(
-    pretrained: Pretrained | None, trainer: Any, built_empty: bool, per_stage: bool
+    pretrained: Pretrained | None, trainer: Any, built_empty: bool, resume: Resume
 ) -> Pretrained | None:
     """The weights that fill this rank's stage at setup (``core.pretrained``), or None: when
-    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0): none when the
-    checkpoint loads per stage after the build (``per_stage``: ``Resume.load_stage``), its whole
-    state for a module built empty (Lightning restored it into ``meta`` tensors, which hold
-    nothing), none for a module built whole (restored already); otherwise the pretrained
-    weights."""
+    ``fit(ckpt_path=...)`` resumes, the checkpoint wins (said on rank 0). A module built empty
+    is created from the checkpoint: from the shards of its stage's names (``Resume.weights``),
+    or from the whole state Lightning loaded into its ``meta`` tensors, where it is lost; a
+    module built whole was restored by Lightning, or is by ``Resume.load_stage``."""
     if not trainer.ckpt_path:
         return pretrained
     if pretrained is not None:
@@ -150,8 +150,10 @@ def stage_weights(
             f"PipeDreamStrategy: resuming from {trainer.ckpt_path}; the pretrained weights "
             f"({pretrained.describe()}) are not read, the checkpoint's weights continue"
         )
-    if per_stage or not built_empty:
+    if not built_empty:
         return None
+    if resume.lazy:
+        return Pretrained(resume.weights())
     state = lightning_patches.resumed_state_dict(trainer)
     return Pretrained(state) if state is not None else None
 

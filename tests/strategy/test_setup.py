@@ -7,6 +7,7 @@ from __future__ import annotations
 from lightning.pytorch import Trainer
 
 from pl_pipedream import PipeDreamStrategy, Pretrained
+from pl_pipedream.core.resume import Resume
 from pl_pipedream.strategy.setup import attached_trainer, end_fit, stage_weights, tear_down
 
 
@@ -30,9 +31,7 @@ def test_a_module_tells_the_trainer_it_is_attached_to() -> None:
 def test_resuming_wins_over_pretrained_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
     trainer = Trainer(accelerator="cpu", devices=1, logger=False)
     weights = Pretrained(tmp_path / "never-read.pt")
-    assert stage_weights(weights, trainer, built_empty=True, per_stage=False) is weights
-    assert stage_weights(None, trainer, built_empty=True, per_stage=False) is None
+    assert stage_weights(weights, trainer, built_empty=True, resume=Resume()) is weights
+    assert stage_weights(None, trainer, built_empty=True, resume=Resume()) is None
     trainer.ckpt_path = tmp_path / "last.ckpt"  # resuming, the checkpoint not loaded (whole build)
-    assert stage_weights(weights, trainer, built_empty=False, per_stage=False) is None
-    # a sharded checkpoint that loads each stage after the build: nothing before it
-    assert stage_weights(weights, trainer, built_empty=True, per_stage=True) is None
+    assert stage_weights(weights, trainer, built_empty=False, resume=Resume()) is None

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +26,9 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.updates import check_ties
 from tests.runtime import oracle
+from tests.strategy import tied_script
 from tests.strategy.tied_script import CLIP, tied_batches, tied_loader, tied_model
 
-SCRIPT = Path(__file__).with_name("tied_script.py")
 TIED = ("embed.wte.weight", "head.out.weight")
 
 
@@ -112,15 +109,10 @@ def test_per_minibatch_modes_refuse_ties_with_replicas_at_setup_naming_the_fix(
 
 
 def launch(tmp_path: Path, balance, replicas, configs, m: int = 2) -> None:  # type: ignore[no-untyped-def]
-    command = [sys.executable, str(SCRIPT), "--balance", *map(str, balance)]
-    command += ["--microbatches", str(m), "--configs", *configs, "--out", str(tmp_path)]
-    if replicas:
-        command += ["--replicas", *map(str, replicas)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    """``tied_script``'s fits, the ranks forked from this process."""
+    argv = ["--balance", *map(str, balance), "--microbatches", str(m), "--out", str(tmp_path)]
+    argv += ["--configs", *configs, *(["--replicas", *map(str, replicas)] if replicas else [])]
+    tied_script.main(argv, start_method="fork")
 
 
 def one_device(m: int, clip: float | None = None) -> dict[str, torch.Tensor]:

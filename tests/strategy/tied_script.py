@@ -2,9 +2,10 @@
 
 Run as ``python tests/strategy/tied_script.py --configs flush:sgd 2bw:adam flush:sgd:clip
 --balance 1 3 --microbatches 2 --out DIR`` (``:clip``: clip the gradient norm at ``CLIP``).
-Every rank saves the sharded checkpoint; rank 0 consolidates it into
+At the end of each fit every rank saves the sharded checkpoint and rank 0 consolidates it into
 ``DIR/<sync>-<optimizer>[-clip]/weights.pt``. ``tied_model`` and ``tied_loader`` are what the tests
-compare against.
+compare against. The tests call ``main(argv, start_method="fork")`` in their own process: the
+ranks fork from it instead of importing Lightning again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
@@ -51,7 +52,20 @@ def tied_loader(m: int) -> DataLoader:
     return DataLoader(data, batch_size=2 * m, shuffle=False)
 
 
-def main() -> None:
+class SaveAtEnd(Callback):
+    """At the end of training, on every rank: the sharded checkpoint, consolidated by rank 0."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        trainer.save_checkpoint(self.out / "run.ckpt")
+        if trainer.is_global_zero:
+            torch.save(consolidate_checkpoint(self.out / "run.ckpt"), self.out / "weights.pt")
+            (self.out / "done.json").write_text(json.dumps({"global_step": trainer.global_step}))
+
+
+def main(argv: list[str] | None = None, start_method: str = "popen") -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["flush:sgd"])
     parser.add_argument("--balance", type=int, nargs="+", default=[1, 3])
@@ -60,14 +74,19 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     m = args.microbatches
     for config in args.configs:
         sync, optimizer, *clip = config.split(":")  # "flush:sgd:clip" clips the norm at 0.05
         out = Path(args.out) / "-".join([sync, optimizer, *clip])
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
         strategy = PipeDreamStrategy(
-            sync=sync, plan=plan, microbatches=m, timeout=60, recompute=args.recompute
+            sync=sync,
+            plan=plan,
+            microbatches=m,
+            timeout=60,
+            recompute=args.recompute,
+            start_method=start_method,
         )
         trainer = Trainer(
             strategy=strategy,
@@ -80,12 +99,9 @@ def main() -> None:
             logger=False,
             enable_checkpointing=False,
             gradient_clip_val=CLIP if clip else None,
+            callbacks=[SaveAtEnd(out)],
         )
         trainer.fit(tied_model(optimizer, args.blocks), tied_loader(m))
-        trainer.save_checkpoint(out / "run.ckpt")
-        if trainer.is_global_zero:
-            torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")
-            (out / "done.json").write_text(json.dumps({"global_step": trainer.global_step}))
 
 
 if __name__ == "__main__":

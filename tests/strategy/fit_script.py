@@ -9,6 +9,8 @@ with the model summary on, and validates through the pipeline afterwards (``val_
 layer, so a straight pipeline may have as many stages as it has layers (8 processes and more).
 ``--kill-rank R --kill-at K`` runs one more fit (``async``) after the configs, in which rank R
 SIGKILLs itself at the start of step K: the command then ends with the launcher's report.
+``--start-method fork`` (or ``main(argv, )`` from a test's own process) forks the ranks instead
+of re-running the script; each rank saves at the end of training either way (``SaveAtEnd``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tests.runtime.test_executor import make_batches  # noqa: E402
 from tests.strategy.test_lightning_features import Net  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--configs", nargs="*", default=["async:sgd"], help="sync:optimizer pairs, run in turn"
@@ -57,14 +59,31 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60, help="the strategy's, in seconds")
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-at", type=int, default=2)
+    parser.add_argument("--start-method", default="popen", choices=("popen", "fork", "spawn"))
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for config in args.configs:
         sync, optimizer = config.split(":")
         fit(args, sync, optimizer, Path(args.out) / f"{sync}-{optimizer}")
     if args.kill_rank is not None:
         killer = KillAt(args.kill_rank, args.kill_at)
         fit(args, "async", "sgd", Path(args.out) / "killed", [killer])
+
+
+class SaveAtEnd(Callback):
+    """At the end of training, on every rank: the sharded checkpoint; rank 0 consolidates it
+    and writes ``done.json`` (the step and the loss)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        trainer.save_checkpoint(self.out / "run.ckpt")
+        if trainer.is_global_zero:
+            torch.save(consolidate_checkpoint(self.out / "run.ckpt"), self.out / "weights.pt")
+            loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+            done = {"global_step": trainer.global_step, "loss": loss}
+            (self.out / "done.json").write_text(json.dumps(done))
 
 
 class RecordCpus(Callback):
@@ -141,6 +160,7 @@ def fit(
     callbacks: list[Callback] | None = None,
 ) -> None:
     m = args.microbatches
+    launch = {"start_method": args.start_method}
     corrections = {}  # only when asked: the other modes refuse them
     if args.weight_prediction:
         corrections["weight_prediction"] = True
@@ -157,13 +177,13 @@ def fit(
         strategy = (
             "pipedream"
             if args.strategy_name
-            else PipeDreamStrategy(sync=sync, microbatches=m, timeout=args.timeout)
+            else PipeDreamStrategy(sync=sync, microbatches=m, timeout=args.timeout, **launch)
         )
         devices = args.devices
     elif args.replicas:
         plan = pl_pipedream.Plan.from_balance(args.balance, replicas=args.replicas)
         strategy = PipeDreamStrategy(
-            sync=sync, plan=plan, microbatches=m, timeout=args.timeout, **corrections
+            sync=sync, plan=plan, microbatches=m, timeout=args.timeout, **corrections, **launch
         )
         devices = plan.num_workers
     elif args.share_device:
@@ -176,11 +196,17 @@ def fit(
             parallel_devices=[one] * len(args.balance),
             process_group_backend="gloo",
             **corrections,
+            **launch,
         )
         devices = 1
     else:
         strategy = PipeDreamStrategy(
-            sync=sync, balance=args.balance, microbatches=m, timeout=args.timeout, **corrections
+            sync=sync,
+            balance=args.balance,
+            microbatches=m,
+            timeout=args.timeout,
+            **corrections,
+            **launch,
         )
         devices = len(args.balance)
     trainer = Trainer(
@@ -194,26 +220,18 @@ def fit(
         logger=False,
         enable_checkpointing=False,
         callbacks=[
+            SaveAtEnd(out),
             *(callbacks or []),
             *([RecordCpus(out)] if hasattr(os, "sched_getaffinity") else []),
         ],
     )
     trainer.fit(module, loader)
-    trainer.save_checkpoint(out / "run.ckpt")
     validated = trainer.validate(module, loader, verbose=False) if args.model == "seq2seq" else []
-    if trainer.is_global_zero:
-        torch.save(consolidate_checkpoint(out / "run.ckpt"), out / "weights.pt")
-        loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
-        (out / "done.json").write_text(
-            json.dumps(
-                {
-                    "global_step": trainer.global_step,
-                    "loss": loss,
-                    "val_loss": validated[0]["val_loss"] if validated else None,
-                    "threads_after": thread_cpus() if hasattr(os, "sched_getaffinity") else [],
-                }
-            )
-        )
+    if trainer.is_global_zero:  # rank 0's process (popen), or the one that forked the ranks
+        done = json.loads((out / "done.json").read_text())
+        done["val_loss"] = validated[0]["val_loss"] if validated else None
+        done["threads_after"] = thread_cpus() if hasattr(os, "sched_getaffinity") else []
+        (out / "done.json").write_text(json.dumps(done))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""``Pipeline``: PipeDream's pipeline driven from a plain PyTorch loop, without a framework.
+
+Every rank of a process group the user started (``torchrun``, or ``torch.multiprocessing`` with
+``init_process_group``) builds the same model and calls ``Pipeline(layers, loss_fn, optimizer,
+...)`` at the same point; each keeps only its stage's layers (``core.stage.cut_stage``; the
+other layers move to ``meta`` in place) and runs its segment of the schedule for each batch it
+is given (``runtime.pipeline.PipelineRunner``), the same code the Lightning strategy runs. A
+batch is ``(inputs, targets)``: every rank passes the same batch (checked: ``core.data``), it is
+split along dim 0 into ``microbatches`` slices (``core.microbatches``), the first layer takes
+each slice's inputs and the last stage calls ``loss_fn(output, targets)``.
+
+``train_step`` returns the same loss on every rank: the mean loss of the newest batch whose
+every backward pass has finished (``PipelineRunner.loss``), batch ``t`` itself in the flushed
+modes and lagging by the pipeline's depth in the others (NaN while it first fills). The stage's
+optimizer steps inside the pipeline when the schedule says (``engine.updates``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from pl_pipedream.core.data import Fingerprints, SameData
+from pl_pipedream.core.elsewhere import mark_other_stages
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.microbatches import slice_batch
+from pl_pipedream.core.placement import join_process_group, move_to_device
+from pl_pipedream.core.stage import LocalStage, cut_stage
+from pl_pipedream.engine.arguments import check_arguments, choose_plan, pipeline_of
+from pl_pipedream.engine.updates import OptimizerUpdate
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime import ranks
+from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.trees import map_tensors
+
+__all__ = ["Pipeline", "join_launched_group"]
+
+TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+class Pipeline:
+    """One rank's part of a PipeDream pipeline over ``layers``, trained by ``optimizer`` (a
+    function of the stage's parameters) on ``loss_fn(output, targets)``.
+
+    ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``gpipe``, ``2bw``,
+    ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
+    batch; the layout as ``balance`` (layers per stage, one rank each) or ``plan``; ``device``:
+    this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);
+    ``timeout``: seconds a rank waits for a peer before it fails naming it."""
+
+    def __init__(
+        self,
+        layers: nn.Sequential | Sequence[nn.Module],
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: Callable[[list[nn.Parameter]], Optimizer],
+        *,
+        sync: str = "flush",
+        microbatches: int = 1,
+        balance: Sequence[int] | None = None,
+        plan: Plan | None = None,
+        device: torch.device | str | None = None,
+        timeout: float = 300.0,
+        recompute: bool = False,
+        weight_prediction: bool = False,
+    ) -> None:
+        self.layers = pipeline_of(layers)
+        self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout)
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.timeout = float(timeout)
+        join_launched_group(self.timeout)
+        self.rank = dist.get_rank()
+        self.plan = choose_plan(balance, plan, len(self.layers), dist.get_world_size())
+        self.device = torch.device(device) if device is not None else default_device()
+        self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
+        mark_other_stages(self.layers, self.layers, self.plan, self.rank)
+        move_to_device(self.layers, self.device)
+        stage = self.local.stage
+        self.describe = ranks.describe(self.rank, stage.index)
+        params = list(self.local.module.parameters())
+        self.optimizer: Optimizer | None = optimizer(params) if params else None
+        self.updates = OptimizerUpdate(self.local.module, self.optimizer)
+        self.runner: PipelineRunner | None = PipelineRunner.create(
+            self.plan,
+            self.sync,
+            microbatches,
+            self.local.module,
+            self.rank,
+            self.updates,
+            self.device,
+            self.timeout,
+            ties=self.local.ties,
+            weight_prediction=weight_prediction,
+            recompute=recompute,
+        )
+        self.steps = 0  # batches trained
+        self._fingerprints = Fingerprints()
+
+    @property
+    def stage(self) -> int:
+        """The index of this rank's stage."""
+        return self.local.stage.index
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This rank's stage's layers (children named by their index in ``layers``)."""
+        return self.local.module
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Run this rank's part of one batch ``(inputs, targets)``; return the newest finished
+        batch's mean loss (the same on every rank; NaN until a batch has finished)."""
+        runner = self._running()
+        self.local.module.train()
+        slices = slice_batch(self._to_device(batch), self.microbatches)
+        pairs = [_pair(piece) for piece in slices]
+        same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints)
+        runner.train_batch(
+            lambda j: pairs[j][0],
+            lambda output, j: self.loss_fn(output, pairs[j][1]),
+            drain=self.sync.flushes,
+            fingerprint=same,
+        )
+        runner.take_logged()  # the engine's loss function logs nothing: drop the empty records
+        self.steps += 1
+        return torch.tensor(math.nan if runner.loss is None else runner.loss)
+
+    def drain(self) -> None:
+        """Finish every minibatch in flight and apply its update (the asynchronous modes keep
+        minibatches in flight between steps); every rank must call it at the same step."""
+        self._running().drain()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, after a drain: its stage's tensors under the names
+        ``layers.state_dict()`` gives them (on the CPU), its optimizer's state, the plan and
+        the steps taken. Each rank saves its own (``torch.save(p.state_dict(), f"rank{r}.pt")``)."""
+        self.drain()
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        return {
+            "plan": self.plan.to_json(),
+            "stage": self.stage,
+            "model": self.local.state_dict(self.layers),
+            "optimizer": optimizer,
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned on a rank of the same stage under the same plan."""
+        saved = Plan.from_json(state["plan"])
+        if saved != self.plan or state["stage"] != self.stage:
+            raise ValueError(
+                f"a Pipeline state loads into the same stage of the same plan (saved: stage "
+                f"{state['stage']} of {saved.shape}, here: stage {self.stage} of "
+                f"{self.plan.shape}); build the Pipeline with plan=Plan.from_json(state['plan']) "
+                "and load each rank's own state"
+            )
+        self.drain()
+        local = {name: state["model"][full] for name, full in self.local.names.items()}
+        self.local.module.load_state_dict(local)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def close(self) -> None:
+        """Wait for the messages still under way, then give back the pipeline's process groups
+        (the user's default group stays); a second call does nothing."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close(failed=error is not None)
+
+    def _running(self) -> PipelineRunner:
+        if self.runner is None:
+            raise RuntimeError(
+                f"the pipeline is closed ({self.describe}); build a new Pipeline to train again"
+            )
+        return self.runner
+
+    def _to_device(self, batch: Any) -> Any:
+        return map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+
+
+def _pair(piece: Any) -> tuple[Any, Any]:
+    if isinstance(piece, (tuple, list)) and len(piece) == 2:
+        return piece[0], piece[1]
+    raise ValueError(
+        f"a Pipeline batch must be a pair (inputs, targets) (batch: {type(piece).__name__}"
+        f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}); pass "
+        "train_step((inputs, targets)): the first layer takes inputs, loss_fn takes targets"
+    )
+
+
+def join_launched_group(timeout: float) -> None:
+    """Join the default process group from ``torchrun``'s variables unless this process is in
+    one already (``torch.multiprocessing`` with ``init_process_group``)."""
+    if dist.is_initialized():
+        return
+    missing = [name for name in TORCHRUN if name not in os.environ]
+    if missing:
+        raise PipelineSetupError(
+            f"a Pipeline runs in a process group (none joined, and torchrun's variables are "
+            f"not set: {', '.join(missing)}); start the script with torchrun --nproc_per_node "
+            "N, or call torch.distributed.init_process_group in each process first"
+        )
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    join_process_group(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        backend,
+        timedelta(seconds=timeout),
+    )
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when the default group runs NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -17,6 +17,7 @@ optimizer steps inside the pipeline when the schedule says (``engine.updates``).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -138,16 +139,17 @@ class Pipeline:
         self._running().drain()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, after a drain: its stage's tensors under the names
+        """This rank's state, after a drain, copied: its stage's tensors under the names
         ``layers.state_dict()`` gives them (on the CPU), its optimizer's state, the plan and
         the steps taken. Each rank saves its own (``torch.save(p.state_dict(), f"rank{r}.pt")``)."""
         self.drain()
         optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        state = {"model": self.local.state_dict(self.layers), "optimizer": optimizer}
+        # a snapshot: on the CPU the tensors above are the live ones, which training updates
         return {
             "plan": self.plan.to_json(),
             "stage": self.stage,
-            "model": self.local.state_dict(self.layers),
-            "optimizer": optimizer,
+            **copy.deepcopy(state),
             "steps": self.steps,
         }
 

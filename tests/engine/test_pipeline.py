@@ -1,0 +1,164 @@
+"""``Pipeline`` over gloo: flush equals one device, async equals the oracle, state round-trips,
+a launch outside any process group is refused, and the example runs under torchrun."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pl_pipedream import Pipeline
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.engine.pipeline import TORCHRUN
+from pl_pipedream.planner.plan import Plan
+from tests.runtime import oracle
+from tests.runtime.distributed import run
+
+ROOT = Path(__file__).resolve().parents[2]
+M = 2  # microbatches per batch
+STEPS = 4
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3), nn.Identity()
+    )
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(2 * M, 6, generator=generator), torch.randn(2 * M, 3, generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def one_device(batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain PyTorch loop the flushed pipeline must equal."""
+    model = make_model()
+    optimizer = sgd(model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)  # the mean of equal microbatches' means
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank: int, world: int, sync: str, balance: list[int]) -> dict:
+    pipeline = Pipeline(
+        make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M, balance=balance
+    )
+    losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+    state = pipeline.state_dict()  # drains
+    after = pipeline.train_step(make_batches()[0]).item()  # moves the weights on
+    pipeline.load_state_dict(state)
+    restored = pipeline.state_dict()
+    pipeline.close()
+    pipeline.close()  # a second close has nothing left to give back
+    with pytest.raises(RuntimeError, match=r"the pipeline is closed \(rank \d \(stage \d\)\)"):
+        pipeline.train_step(make_batches()[0])
+    return {"losses": losses, "state": state, "restored": restored, "after": after}
+
+
+def _merged(results: dict) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for status, value in results.values():
+        assert status == "ok", value
+        weights.update(value["state"]["model"])
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
+def test_flush_equals_one_device(balance: list[int]) -> None:
+    results = run(len(balance), _train, "flush", balance, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    assert merged.keys() == weights.keys()
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    for rank, (_, value) in results.items():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6), rank  # the same on every rank
+        assert value["state"]["steps"] == STEPS
+        for name, tensor in value["state"]["model"].items():
+            assert torch.equal(value["restored"]["model"][name], tensor), (rank, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
+def test_async_equals_the_oracle(balance: list[int]) -> None:
+    results = run(len(balance), _train, "async", balance, timeout=120.0)
+    plan = Plan.from_balance(balance)
+    batches = make_batches()
+    expected = oracle.train(make_model(), plan, "async", batches, M, nn.functional.mse_loss, sgd)
+    merged = _merged(results)
+    for name, tensor in expected.items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+    logged = [value["losses"] for _, value in results.values()]
+    assert all(_same(losses, logged[0]) for losses in logged)  # the same on every rank
+    assert math.isnan(logged[0][0]) and not math.isnan(logged[0][-1])  # lags while filling
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
+
+
+def test_outside_a_process_group_names_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    for name in TORCHRUN:
+        monkeypatch.setenv(name, "0")  # set, then removed: monkeypatch restores either way
+        monkeypatch.delenv(name)
+    with pytest.raises(
+        PipelineSetupError,
+        match=r"a Pipeline runs in a process group \(none joined, and torchrun's variables are "
+        r"not set: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE\); start the script with torchrun",
+    ):
+        Pipeline(make_model(), nn.functional.mse_loss, sgd, balance=[6])
+
+
+def _plan_for_three(rank: int, world: int) -> str:
+    try:
+        Pipeline(make_model(), nn.functional.mse_loss, sgd, balance=[2, 2, 2])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_plan_for_another_world_size_is_refused() -> None:
+    results = run(2, _plan_for_three, timeout=60.0)
+    assert results[0] == results[1]
+    assert results[0][1].startswith(
+        "the plan must have one worker per process of the group (plan's workers: 3, world "
+        "size: 2); launch 3 processes (torchrun --nproc_per_node 3)"
+    )
+
+
+@pytest.mark.slow
+def test_the_example_runs_under_torchrun() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in TORCHRUN:
+        env.pop(name, None)
+    torchrun = str(Path(sys.executable).parent / "torchrun")  # installed with torch
+    example = str(ROOT / "examples" / "plain_pipeline.py")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", example]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    final = [line for line in done.stdout.splitlines() if line.startswith("final loss")]
+    assert len(final) == 1 and float(final[0].split()[-1]) < 2.0, done.stdout

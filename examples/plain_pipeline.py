@@ -15,7 +15,9 @@ from pl_pipedream import Pipeline
 
 def main(steps: int = 20) -> None:
     torch.manual_seed(0)  # the same model on every rank
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+    )
     pipeline = Pipeline(
         model,
         nn.functional.mse_loss,

@@ -3,7 +3,6 @@ a launch outside any process group is refused, and the example runs under torchr
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import subprocess

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import join_process_group, move_to_device
 from pl_pipedream.core.stage import LocalStage, cut_stage
@@ -102,6 +103,8 @@ class Pipeline:
             weight_prediction=weight_prediction,
             recompute=recompute,
         )
+        channel = self.runner.executor.channel
+        self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
 
@@ -132,6 +135,31 @@ class Pipeline:
         runner.take_logged()  # the engine's loss function logs nothing: drop the empty records
         self.steps += 1
         return torch.tensor(math.nan if runner.loss is None else runner.loss)
+
+    def eval_step(self, batch: Any) -> Tensor:
+        """The loss of one batch ``(inputs, targets)`` without training (the whole batch at once,
+        through every stage in order, after a drain), on every rank."""
+        runner = self._running()
+        self.drain()
+        self.local.module.eval()
+        inputs, targets = _pair(self._to_device(batch))
+        what = f"the evaluation activations of step {self.steps}"
+        loss = self._forward.forward(lambda: inputs, lambda out: self.loss_fn(out, targets), what)
+        loss = self._forward.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
+        runner.executor.channel.flush()
+        return loss.detach()
+
+    def predict_step(self, inputs: Any) -> Any:
+        """The last layer's output for ``inputs`` (the whole batch at once, through every stage
+        in order, after a drain), on every rank."""
+        runner = self._running()
+        self.drain()
+        self.local.module.eval()
+        what = f"the predictions of step {self.steps}"
+        output = self._forward.forward(lambda: self._to_device(inputs), lambda out: out, what)
+        output = self._forward.to_every_rank(output, what)
+        runner.executor.channel.flush()
+        return output
 
     def drain(self) -> None:
         """Finish every minibatch in flight and apply its update (the asynchronous modes keep

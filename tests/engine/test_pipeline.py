@@ -1,5 +1,6 @@
-"""``Pipeline`` over gloo: flush equals one device, async equals the oracle, state round-trips,
-a launch outside any process group is refused, and the example runs under torchrun."""
+"""``Pipeline`` over gloo: flush equals one device, async equals the oracle (training, then
+evaluation and predictions on every rank), state round-trips, a launch outside any process group
+is refused, and the example runs under torchrun."""
 
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ def _train(rank: int, world: int, sync: str, balance: list[int]) -> dict:
         make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M, balance=balance
     )
     losses = [pipeline.train_step(batch).item() for batch in make_batches()]
-    state = pipeline.state_dict()  # drains
+    x, y = make_batches()[0]
+    evaluated = pipeline.eval_step((x, y))  # drains
+    predicted = pipeline.predict_step(x)
+    state = pipeline.state_dict()
     after = pipeline.train_step(make_batches()[0]).item()  # moves the weights on
     pipeline.load_state_dict(state)
     restored = pipeline.state_dict()
@@ -72,7 +76,27 @@ def _train(rank: int, world: int, sync: str, balance: list[int]) -> dict:
     pipeline.close()  # a second close has nothing left to give back
     with pytest.raises(RuntimeError, match=r"the pipeline is closed \(rank \d \(stage \d\)\)"):
         pipeline.train_step(make_batches()[0])
-    return {"losses": losses, "state": state, "restored": restored, "after": after}
+    return {
+        "losses": losses,
+        "state": state,
+        "restored": restored,
+        "after": after,
+        "evaluated": evaluated,
+        "predicted": predicted,
+    }
+
+
+def _check_forward_only(results: dict, weights: dict[str, torch.Tensor]) -> None:
+    """Every rank's ``eval_step`` and ``predict_step`` equal the final model's, on one device."""
+    model = make_model()
+    model.load_state_dict(weights)
+    x, y = make_batches()[0]
+    with torch.no_grad():
+        output = model(x)
+    for rank, (_, value) in results.items():
+        assert torch.allclose(value["predicted"], output, rtol=0, atol=1e-6), rank
+        expected = nn.functional.mse_loss(output, y)
+        assert torch.allclose(value["evaluated"], expected, rtol=0, atol=1e-6), rank
 
 
 def _merged(results: dict) -> dict[str, torch.Tensor]:
@@ -92,6 +116,7 @@ def test_flush_equals_one_device(balance: list[int]) -> None:
     assert merged.keys() == weights.keys()
     for name, expected in weights.items():
         assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    _check_forward_only(results, weights)
     for rank, (_, value) in results.items():
         assert value["losses"] == pytest.approx(losses, abs=1e-6), rank  # the same on every rank
         assert value["state"]["steps"] == STEPS
@@ -109,6 +134,7 @@ def test_async_equals_the_oracle(balance: list[int]) -> None:
     merged = _merged(results)
     for name, tensor in expected.items():
         assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+    _check_forward_only(results, expected)
     logged = [value["losses"] for _, value in results.values()]
     assert all(_same(losses, logged[0]) for losses in logged)  # the same on every rank
     assert math.isnan(logged[0][0]) and not math.isnan(logged[0][-1])  # lags while filling

@@ -187,3 +187,58 @@ def test_the_example_runs_under_torchrun() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     final = [line for line in done.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and float(final[0].split()[-1]) < 2.0, done.stdout
+
+
+def tied_model() -> nn.Sequential:
+    """The last layer's weight is the first layer's: one parameter on two stages."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last)
+
+
+def tied_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator))] * 3
+
+
+def _train_layout(rank: int, world: int, kind: str) -> tuple[list[float], dict]:
+    if kind == "replicated":
+        plan = Plan.from_balance([3, 3], replicas=[2, 1])
+        pipeline = Pipeline(make_model(), nn.functional.mse_loss, sgd, microbatches=M, plan=plan)
+        batches = make_batches()
+    else:
+        pipeline = Pipeline(
+            tied_model(), nn.functional.mse_loss, sgd, microbatches=M, balance=[2, 3]
+        )
+        batches = tied_batches()
+    losses = [pipeline.train_step(batch).item() for batch in batches]
+    state = pipeline.state_dict()
+    pipeline.close()
+    return losses, state["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["replicated", "tied"])
+def test_flush_with_a_replicated_stage_or_a_tie_equals_one_device(kind: str) -> None:
+    results = run(3 if kind == "replicated" else 2, _train_layout, kind, timeout=120.0)
+    if kind == "replicated":
+        losses, weights = one_device(make_batches())
+    else:
+        model = tied_model()
+        optimizer, losses = sgd(model.parameters()), []
+        for x, y in tied_batches():
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        weights = model.state_dict()
+    merged: dict[str, torch.Tensor] = {}
+    for rank, (status, value) in results.items():
+        assert status == "ok", value
+        assert value[0] == pytest.approx(losses, abs=1e-6), rank
+        merged.update(value[1])
+    assert merged.keys() == weights.keys()
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name

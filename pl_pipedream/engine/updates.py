@@ -34,7 +34,7 @@ class OptimizerUpdate:
             return update.move_storage({params[n]: t for n, t in storage.items()})
         for name, param in params.items():
             param.grad = gradients.get(name)
-        targets = {params[name]: tensor for name, tensor in storage.items()}
+        targets: dict[Tensor, Tensor] = {params[name]: t for name, t in storage.items()}
         stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         # a parameter the optimizer does not step keeps its values; it still leaves the storage
         copied = update.move_storage({p: t for p, t in targets.items() if id(p) not in stepped})

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -34,7 +35,7 @@ def pipeline_of(layers: Any) -> nn.Sequential:
 
 
 def check_arguments(
-    loss_fn: Any, optimizer: Any, sync: Any, microbatches: Any, timeout: Any
+    loss_fn: Any, optimizer: Any, sync: Any, microbatches: Any, timeout: Any, divergence: Any
 ) -> SyncMode:
     """Raise for a bad plain argument; return the sync mode."""
     if not callable(loss_fn):
@@ -58,6 +59,11 @@ def check_arguments(
         raise ValueError(
             f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
             "Pipeline(..., timeout=300)"
+        )
+    if divergence not in DIVERGENCE_ACTIONS:
+        raise ValueError(
+            f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
+            f'{divergence!r}); for example Pipeline(..., divergence="warn")'
         )
     try:
         return SyncMode.parse(sync)

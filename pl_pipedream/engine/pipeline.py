@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,11 +31,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from pl_pipedream.core.data import Fingerprints, SameData
+from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.evaluation import ForwardPipe
+from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import join_process_group, move_to_device
+from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.stage import LocalStage, cut_stage
 from pl_pipedream.engine.arguments import check_arguments, choose_plan, pipeline_of
 from pl_pipedream.engine.updates import OptimizerUpdate
@@ -42,10 +46,12 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.schedule import rules
 
 __all__ = ["Pipeline", "join_launched_group"]
 
 TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
 
 
 class Pipeline:
@@ -56,7 +62,11 @@ class Pipeline:
     ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
     batch; the layout as ``balance`` (layers per stage, one rank each) or ``plan``; ``device``:
     this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);
-    ``timeout``: seconds a rank waits for a peer before it fails naming it."""
+    ``timeout``: seconds a rank waits for a peer before it fails naming it; ``divergence``:
+    what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
+    ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
+    ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
+    where ``train_step`` drains and raises ``Preempted``."""
 
     def __init__(
         self,
@@ -72,9 +82,13 @@ class Pipeline:
         timeout: float = 300.0,
         recompute: bool = False,
         weight_prediction: bool = False,
+        divergence: str = "error",
+        preempt_signals: Sequence[str | int] = (),
     ) -> None:
         self.layers = pipeline_of(layers)
-        self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout)
+        self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
+        self.losses = LossWatch(divergence, DIVERGENCE_RULE)
+        self.preemption = Preemption(parse_signals(preempt_signals))
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.timeout = float(timeout)
@@ -122,10 +136,13 @@ class Pipeline:
         """Run this rank's part of one batch ``(inputs, targets)``; return the newest finished
         batch's mean loss (the same on every rank; NaN until a batch has finished)."""
         runner = self._running()
+        self.preemption.at_step(self.timeout, self._stop)
         self.local.module.train()
-        slices = slice_batch(self._to_device(batch), self.microbatches)
+        batch = self._to_device(batch)
+        slices = slice_batch(batch, self.microbatches)
         pairs = [_pair(piece) for piece in slices]
         same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints)
+        self.losses.note(runner.batches, batch, self.microbatches)
         runner.train_batch(
             lambda j: pairs[j][0],
             lambda output, j: self.loss_fn(output, pairs[j][1]),
@@ -134,7 +151,33 @@ class Pipeline:
         )
         runner.take_logged()  # the engine's loss function logs nothing: drop the empty records
         self.steps += 1
+        if runner.loss is not None:
+            self._judge(runner.loss, runner.loss_batch)
         return torch.tensor(math.nan if runner.loss is None else runner.loss)
+
+    def _judge(self, loss: float, batch: int | None) -> None:
+        """The divergence check: every rank logs the same loss, so every rank acts alike."""
+
+        def explain(reason: str) -> str:
+            plan, sync = self.plan, self.sync
+            delays = [rules.update_delay(plan, sync, s) for s in range(plan.num_stages)]
+            groups = self.optimizer.param_groups if self.optimizer is not None else []
+            optimizer = describe_optimizer(groups)
+            return divergence_message(reason, self.steps, sync, delays, optimizer, "Pipeline", None)
+
+        verdict = self.losses.judge(loss, batch, self.steps, explain)
+        if verdict is None:
+            return
+        if verdict.stop:
+            self.drain()  # every rank stops at this step: the messages in flight arrive first
+            raise verdict.error
+        if self.rank == 0:
+            warnings.warn(str(verdict.error) + " (not checked again)", stacklevel=3)
+
+    def _stop(self, signum: int) -> None:
+        """At the step every rank agreed on after a preemption signal: drain, then raise."""
+        self.drain()
+        raise Preempted(exit_code(signum))
 
     def eval_step(self, batch: Any) -> Tensor:
         """The loss of one batch ``(inputs, targets)`` without training (the whole batch at once,
@@ -202,6 +245,7 @@ class Pipeline:
         """Wait for the messages still under way, then give back the pipeline's process groups
         (the user's default group stays); a second call does nothing."""
         runner, self.runner = self.runner, None
+        self.preemption.finish(failed=False)
         if runner is not None:
             runner.close()
 
@@ -210,8 +254,10 @@ class Pipeline:
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         runner, self.runner = self.runner, None
+        failed = error is not None and not isinstance(error, Preempted)
+        self.preemption.finish(failed)
         if runner is not None:
-            runner.close(failed=error is not None)
+            runner.close(failed=failed)
 
     def _running(self) -> PipelineRunner:
         if self.runner is None:

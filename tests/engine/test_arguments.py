@@ -40,14 +40,14 @@ def test_bad_layers(layers: object, message: str) -> None:
 
 
 def test_good_arguments_give_the_mode() -> None:
-    assert check_arguments(nn.functional.mse_loss, sgd, "async", 2, 30) is SyncMode.ASYNC
+    assert check_arguments(nn.functional.mse_loss, sgd, "async", 2, 30, "off") is SyncMode.ASYNC
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
         (
-            (None, sgd, "flush", 1, 30),
+            (None, sgd, "flush", 1, 30, "error"),
             r"^loss_fn must be a function of \(output, targets\) "
             r"returning the loss tensor \(loss_fn: NoneType\); for example",
         ),
@@ -64,19 +64,19 @@ def test_good_arguments_give_the_mode() -> None:
             r"optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)\)",
         ),
         (
-            (nn.functional.mse_loss, sgd, "flush", 0, 30),
+            (nn.functional.mse_loss, sgd, "flush", 0, 30, "error"),
             r"^microbatches must be a positive integer \(microbatches: 0\); for example",
         ),
         (
-            (nn.functional.mse_loss, sgd, "flush", True, 30),
+            (nn.functional.mse_loss, sgd, "flush", True, 30, "error"),
             r"^microbatches must be a positive integer \(microbatches: True\)",
         ),
         (
-            (nn.functional.mse_loss, sgd, "flush", 1, 0),
+            (nn.functional.mse_loss, sgd, "flush", 1, 0, "error"),
             r"^timeout must be a positive number of seconds \(timeout: 0\); for example",
         ),
         (
-            (nn.functional.mse_loss, sgd, "sync", 1, 30),
+            (nn.functional.mse_loss, sgd, "sync", 1, 30, "error"),
             r"^sync must be one of async, .*\(sync: 'sync'\); for example "
             r"Pipeline\(\.\.\., sync='flush'\)",
         ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream import Pipeline
-from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.errors import PipelineSetupError, TrainingDiverged
+from pl_pipedream.core.preemption import Preempted
 from pl_pipedream.engine.pipeline import TORCHRUN
 from pl_pipedream.planner.plan import Plan
 from tests.runtime import oracle
@@ -242,3 +244,53 @@ def test_flush_with_a_replicated_stage_or_a_tie_equals_one_device(kind: str) -> 
     assert merged.keys() == weights.keys()
     for name, expected in weights.items():
         assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+
+
+def _diverge_then_preempt(rank: int, world: int) -> dict:
+    """Three pipelines in turn: a learning rate that blows up, NaN in the data, a signal."""
+    found: dict = {}
+    blows_up = lambda params: torch.optim.SGD(params, lr=1e6)  # noqa: E731
+    for name, optimizer, poison in (("diverged", blows_up, False), ("bad data", sgd, True)):
+        with Pipeline(make_model(), nn.functional.mse_loss, optimizer, balance=[3, 3]) as p:
+            try:
+                for step, (x, y) in enumerate(make_batches() * 5):
+                    if poison and step == 2:
+                        x = x.clone()
+                        x[1, 0] = float("nan")
+                    p.train_step((x, y))
+            except TrainingDiverged as error:
+                found[name] = (type(error).__name__, p.steps, str(error))
+    signals = ("SIGUSR1",)
+    with Pipeline(
+        make_model(), nn.functional.mse_loss, sgd, balance=[3, 3], preempt_signals=signals
+    ) as p:
+        try:
+            for step in range(400):
+                if rank == 1 and step == 3:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # one rank of two gets the signal
+                p.train_step(make_batches()[step % STEPS])
+        except Preempted as stopped:
+            found["preempted"] = (stopped.code, p.steps, p.runner is not None and p.runner.drained)
+    found["handler"] = signal.getsignal(signal.SIGUSR1)
+    return found
+
+
+@pytest.mark.slow
+def test_divergence_and_preemption_stop_every_rank_at_one_step() -> None:
+    results = run(2, _diverge_then_preempt, timeout=120.0)
+    values = []
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        values.append(value)
+    assert values[0] == values[1]  # the same error, at the same step, on every rank
+    kind, _, message = values[0]["diverged"]
+    assert kind == "TrainingDiverged"
+    assert message.startswith("training diverged: the training loss is not finite")
+    assert 'Pipeline(divergence="warn"|"off") trains on regardless' in message
+    assert "PipeDreamStrategy" not in message and "Trainer(" not in message
+    kind, steps, message = values[0]["bad data"]
+    assert (kind, steps) == ("BadData", 3)  # flush: the loss of the poisoned batch, at once
+    assert "batch of the fit: 2, microbatch: 0" in message
+    code, steps, drained = values[0]["preempted"]
+    assert code == 128 + signal.SIGUSR1 and drained and 3 < steps < 400
+    assert values[0]["handler"] == signal.SIG_DFL  # given back by close

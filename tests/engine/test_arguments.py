@@ -58,10 +58,16 @@ def test_good_arguments_give_the_mode() -> None:
                 "flush",
                 1,
                 30,
+                "error",
             ),
             r"^optimizer must be a function that builds an optimizer from the "
             r"stage's parameters, .*\(optimizer: SGD\); for example Pipeline\(\.\.\., "
             r"optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)\)",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "flush", 1, 30, "loud"),
+            r"^divergence must be one of error, strict, warn, off \(divergence: 'loud'\); for "
+            r'example Pipeline\(\.\.\., divergence="warn"\)',
         ),
         (
             (nn.functional.mse_loss, sgd, "flush", 0, 30, "error"),

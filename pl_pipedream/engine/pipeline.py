@@ -45,6 +45,7 @@ from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
 
@@ -101,6 +102,8 @@ class Pipeline:
         move_to_device(self.layers, self.device)
         stage = self.local.stage
         self.describe = ranks.describe(self.rank, stage.index)
+        replicas = [s.replicas for s in self.plan.stages]
+        check_ties(self.sync, [t.describe() for t in self.local.ties], replicas, "Pipeline")
         params = list(self.local.module.parameters())
         self.optimizer: Optimizer | None = optimizer(params) if params else None
         self.updates = OptimizerUpdate(self.local.module, self.optimizer)

@@ -23,6 +23,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import join_process_group, move_to_device
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.stage import LocalStage, cut_stage
+from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import check_arguments, choose_plan, pipeline_of
 from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
@@ -243,6 +245,22 @@ class Pipeline:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
+
+    def save(self, path: str | Path) -> None:
+        """Every rank: a sharded checkpoint directory at ``path`` after a drain (``core.
+        checkpoint``'s format; ``pl_pipedream.consolidate_checkpoint(path)`` gives the whole
+        model's ``state_dict`` for one device)."""
+        self.drain()
+        layout = (self.plan, self.sync, self.microbatches, self.timeout)
+        checkpoints.save(
+            path, self.layers, self.local, self.optimizer, self.steps, self.rank, layout
+        )
+
+    def load(self, path: str | Path) -> None:
+        """Every rank: resume from ``save``'s directory, saved under this plan or another one
+        over the same layers (each rank reads the shards holding its stage's names)."""
+        self.drain()
+        self.steps = checkpoints.load(path, self.layers, self.optimizer)
 
     def close(self) -> None:
         """Wait for the messages still under way, then give back the pipeline's process groups

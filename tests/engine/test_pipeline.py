@@ -142,6 +142,19 @@ def test_async_equals_the_oracle(balance: list[int]) -> None:
     assert math.isnan(logged[0][0]) and not math.isnan(logged[0][-1])  # lags while filling
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["vertical_sync", "2bw", "gpipe"])
+def test_the_other_modes_equal_the_oracle_on_two_ranks(sync: str) -> None:
+    results = run(2, _train, sync, [3, 3], timeout=120.0)
+    plan = Plan.from_balance([3, 3])
+    expected = oracle.train(
+        make_model(), plan, sync, make_batches(), M, nn.functional.mse_loss, sgd
+    )
+    merged = _merged(results)
+    for name, tensor in expected.items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+
+
 def _same(a: list[float], b: list[float]) -> bool:
     return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
 

@@ -307,3 +307,49 @@ def test_divergence_and_preemption_stop_every_rank_at_one_step() -> None:
     code, steps, drained = values[0]["preempted"]
     assert code == 128 + signal.SIGUSR1 and drained and 3 < steps < 400
     assert values[0]["handler"] == signal.SIG_DFL  # given back by close
+
+
+def gpt_layers() -> nn.Sequential:
+    """The project's GPT (``models/gpt.py``) as plain layers: embedding, two blocks, the head
+    whose weight is the embedding's (a tie across the first and last stage)."""
+    from pl_pipedream.models.gpt import CharGPT  # the example model (a LightningModule)
+
+    torch.manual_seed(0)
+    return CharGPT([8], 11, width=16, heads=2, blocks=2, optimizer="sgd").configure_pipeline()
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+
+def gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(0, 11, (4, 9), generator=generator) for _ in range(3)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _train_gpt(rank: int, world: int) -> tuple[list[float], dict]:
+    with Pipeline(gpt_layers(), gpt_loss, sgd, microbatches=M, balance=[2, 2]) as pipeline:
+        losses = [pipeline.train_step(batch).item() for batch in gpt_batches()]
+        return losses, pipeline.state_dict()["model"]
+
+
+@pytest.mark.slow
+def test_the_gpt_example_with_its_tied_embedding_trains_as_on_one_device() -> None:
+    results = run(2, _train_gpt, timeout=120.0)
+    model = gpt_layers()
+    optimizer, losses = sgd(model.parameters()), []
+    for x, y in gpt_batches():
+        optimizer.zero_grad()
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    merged: dict[str, torch.Tensor] = {}
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        assert value[0] == pytest.approx(losses, abs=1e-6), rank
+        merged.update(value[1])
+    assert merged.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name

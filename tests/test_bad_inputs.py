@@ -324,13 +324,13 @@ ROWS = {
     # ----- the plain engine ---------------------------------------------------------------
     "engine optimizer given built": Row(
         "config",
-        "`Pipeline(..., optimizer=torch.optim.SGD(model.parameters(), lr=0.1))`",
+        "`Pipeline(layers, ..., optimizer=torch.optim.SGD(other.parameters(), lr=0.1))`",
         lambda tmp: Pipeline(
             nn.Sequential(nn.Linear(2, 2)),
             nn.functional.mse_loss,
             torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),  # type: ignore[arg-type]
         ),
-        ("optimizer must be a function", "optimizer: SGD", "optimizer=lambda params"),
+        ("must hold only the layers' parameters", "SGD with 2 parameters not in layers"),
     ),
     "engine without a layout": Row(
         "plan",

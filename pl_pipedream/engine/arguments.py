@@ -13,7 +13,7 @@ from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["check_arguments", "choose_plan", "pipeline_of"]
+__all__ = ["check_arguments", "check_built_optimizer", "choose_plan", "pipeline_of"]
 
 
 def pipeline_of(layers: Any) -> nn.Sequential:
@@ -44,11 +44,12 @@ def check_arguments(
             f"(loss_fn: {type(loss_fn).__name__}); for example Pipeline(..., "
             "loss_fn=nn.functional.cross_entropy)"
         )
-    if isinstance(optimizer, Optimizer) or not callable(optimizer):
+    if not isinstance(optimizer, Optimizer) and not callable(optimizer):
         raise ValueError(
             f"optimizer must be a function that builds an optimizer from the stage's parameters, "
-            f"as each rank holds only its own stage (optimizer: {type(optimizer).__name__}); for "
-            "example Pipeline(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))"
+            f"or an optimizer over the layers' parameters, which each rank cuts down to its "
+            f"stage's (optimizer: {type(optimizer).__name__}); for example Pipeline(..., "
+            "optimizer=lambda params: torch.optim.SGD(params, lr=0.1))"
         )
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(
@@ -73,6 +74,21 @@ def check_arguments(
             f"sync must be one of {choices} (sync: {sync!r}); for example "
             f"Pipeline(..., sync='{SyncMode.FLUSH}')"
         ) from None
+
+
+def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:
+    """A built optimizer is cut down to each stage's parameters: it must hold the layers'
+    parameters only, and no state yet (a step taken before the cut is not the pipeline's)."""
+    own = {id(p) for p in layers.parameters()}
+    strangers = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if strangers or optimizer.state:
+        rule = f"{strangers} parameters not in layers" if strangers else "state from earlier steps"
+        raise ValueError(
+            f"an optimizer given built must hold only the layers' parameters and no state yet "
+            f"(optimizer: {type(optimizer).__name__} with {rule}); build it over "
+            "layers.parameters() before any step, or pass a function: "
+            "optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
 
 
 def choose_plan(

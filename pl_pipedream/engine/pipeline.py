@@ -38,11 +38,20 @@ from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.microbatches import slice_batch
-from pl_pipedream.core.placement import join_process_group, move_to_device
+from pl_pipedream.core.placement import (
+    join_process_group,
+    keep_local_parameters,
+    move_to_device,
+)
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.stage import LocalStage, cut_stage
 from pl_pipedream.engine import checkpoints
-from pl_pipedream.engine.arguments import check_arguments, choose_plan, pipeline_of
+from pl_pipedream.engine.arguments import (
+    check_arguments,
+    check_built_optimizer,
+    choose_plan,
+    pipeline_of,
+)
 from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import ranks
@@ -59,7 +68,8 @@ DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
 
 class Pipeline:
     """One rank's part of a PipeDream pipeline over ``layers``, trained by ``optimizer`` (a
-    function of the stage's parameters) on ``loss_fn(output, targets)``.
+    function of the stage's parameters, or an optimizer over ``layers.parameters()`` with no
+    state yet, which keeps only the stage's) on ``loss_fn(output, targets)``.
 
     ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``gpipe``, ``2bw``,
     ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
@@ -75,7 +85,7 @@ class Pipeline:
         self,
         layers: nn.Sequential | Sequence[nn.Module],
         loss_fn: Callable[[Any, Any], Tensor],
-        optimizer: Callable[[list[nn.Parameter]], Optimizer],
+        optimizer: Optimizer | Callable[[list[nn.Parameter]], Optimizer],
         *,
         sync: str = "flush",
         microbatches: int = 1,
@@ -90,6 +100,8 @@ class Pipeline:
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
+        if isinstance(optimizer, Optimizer):
+            check_built_optimizer(optimizer, self.layers)
         self.losses = LossWatch(divergence, DIVERGENCE_RULE)
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.loss_fn = loss_fn
@@ -107,7 +119,12 @@ class Pipeline:
         replicas = [s.replicas for s in self.plan.stages]
         check_ties(self.sync, [t.describe() for t in self.local.ties], replicas, "Pipeline")
         params = list(self.local.module.parameters())
-        self.optimizer: Optimizer | None = optimizer(params) if params else None
+        self.optimizer: Optimizer | None
+        if isinstance(optimizer, Optimizer):
+            keep_local_parameters(self.layers, [optimizer])  # groups and settings kept
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer(params) if params else None
         self.updates = OptimizerUpdate(self.local.module, self.optimizer)
         self.runner: PipelineRunner | None = PipelineRunner.create(
             self.plan,

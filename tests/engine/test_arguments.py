@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream.engine.arguments import check_arguments, choose_plan, pipeline_of
+from pl_pipedream.engine.arguments import (
+    check_arguments,
+    check_built_optimizer,
+    choose_plan,
+    pipeline_of,
+)
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -52,16 +57,9 @@ def test_good_arguments_give_the_mode() -> None:
             r"returning the loss tensor \(loss_fn: NoneType\); for example",
         ),
         (
-            (
-                nn.functional.mse_loss,
-                torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
-                "flush",
-                1,
-                30,
-                "error",
-            ),
+            (nn.functional.mse_loss, "sgd", "flush", 1, 30, "error"),
             r"^optimizer must be a function that builds an optimizer from the "
-            r"stage's parameters, .*\(optimizer: SGD\); for example Pipeline\(\.\.\., "
+            r"stage's parameters, .*\(optimizer: str\); for example Pipeline\(\.\.\., "
             r"optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)\)",
         ),
         (
@@ -91,6 +89,24 @@ def test_good_arguments_give_the_mode() -> None:
 def test_bad_arguments(arguments: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(*arguments)
+
+
+def test_a_built_optimizer_must_hold_the_layers_parameters_and_no_state() -> None:
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    check_built_optimizer(torch.optim.SGD(layers.parameters(), lr=0.1), layers)
+    other = torch.optim.SGD([*layers.parameters(), *nn.Linear(2, 2).parameters()], lr=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"^an optimizer given built must hold only the layers' parameters and no state "
+        r"yet \(optimizer: SGD with 2 parameters not in layers\); build it over "
+        r"layers.parameters\(\) before any step",
+    ):
+        check_built_optimizer(other, layers)
+    stepped = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
+    layers(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"\(optimizer: SGD with state from earlier steps\)"):
+        check_built_optimizer(stepped, layers)
 
 
 def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:

@@ -353,3 +353,41 @@ def test_the_gpt_example_with_its_tied_embedding_trains_as_on_one_device() -> No
     assert merged.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+
+
+def adam(params):  # type: ignore[no-untyped-def]
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _train_with_built_adam(rank: int, world: int, path: str) -> dict:
+    model = make_model()
+    built = adam(model.parameters())  # over the whole model, as Fabric and Accelerate hand it
+    with Pipeline(model, nn.functional.mse_loss, built, microbatches=M, balance=[3, 3]) as p:
+        losses = [p.train_step(batch).item() for batch in make_batches()]
+        kept = {id(q) for g in built.param_groups for q in g["params"]}
+        p.save(path)
+        return {
+            "losses": losses,
+            "model": p.state_dict()["model"],
+            "kept_only_the_stage": kept == {id(q) for q in p.module.parameters()},
+        }
+
+
+@pytest.mark.slow
+def test_an_optimizer_built_over_the_whole_model_is_cut_to_each_stage(tmp_path: Path) -> None:
+    results = run(2, _train_with_built_adam, str(tmp_path / "adam.ckpt"), timeout=120.0)
+    model = make_model()
+    optimizer, losses = adam(model.parameters()), []
+    for x, y in make_batches():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    merged: dict[str, torch.Tensor] = {}
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        assert value["kept_only_the_stage"] and value["losses"] == pytest.approx(losses, abs=1e-6)
+        merged.update(value["model"])
+    for name, tensor in model.state_dict().items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name

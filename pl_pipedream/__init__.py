@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Level",
     "PipeDreamStrategy",
+    "Pipeline",
     "Plan",
     "Pretrained",
     "Profile",
@@ -71,6 +72,10 @@ elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Pipeline":
+        from pl_pipedream.engine import Pipeline
+
+        return Pipeline
     if name == "Pretrained":
         from pl_pipedream.core.pretrained import Pretrained
 

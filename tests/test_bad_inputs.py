@@ -20,10 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream import PipeDreamStrategy, Topology, consolidate_checkpoint
+from pl_pipedream import PipeDreamStrategy, Pipeline, Topology, consolidate_checkpoint
 from pl_pipedream.apps.cli import main as cli
 from pl_pipedream.apps.train import apply_smoke, check_machine, num_processes
 from pl_pipedream.core.stage import pipeline_layers
+from pl_pipedream.engine.arguments import choose_plan
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.profile.graph import Profile
@@ -319,6 +320,23 @@ ROWS = {
         "`--workers 2 2 --bandwidth 1e9`",
         lambda tmp: Topology.from_lists([2, 2], [1e9]),
         ("one bandwidth per level", "workers: [2, 2]"),
+    ),
+    # ----- the plain engine ---------------------------------------------------------------
+    "engine optimizer given built": Row(
+        "config",
+        "`Pipeline(layers, ..., optimizer=torch.optim.SGD(other.parameters(), lr=0.1))`",
+        lambda tmp: Pipeline(
+            nn.Sequential(nn.Linear(2, 2)),
+            nn.functional.mse_loss,
+            torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),  # type: ignore[arg-type]
+        ),
+        ("must hold only the layers' parameters", "SGD with 2 parameters not in layers"),
+    ),
+    "engine without a layout": Row(
+        "plan",
+        "`Pipeline(...)` with neither `balance=` nor `plan=`",
+        lambda tmp: choose_plan(None, None, 3, 2),
+        ("layout must be given once", "neither given", "balance=[2, 1]"),
     ),
     # ----- checkpoint ---------------------------------------------------------------------
     "checkpoint path that is no checkpoint": Row(

@@ -2,10 +2,11 @@
 
 Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
 cells; configs: the Hydra configs) < planner < schedule < runtime < core (what any front end
-needs, free of Lightning) < strategy < the example models
-and data modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train,
-hydra_ranks, the package's own ``__init__``). A unit may import itself and any lower layer;
-models and data, though on one layer, do not import each other; the apps may import one another.
+needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) <
+strategy < the example models and data modules < reproduce (Table 1 beside the planner) <
+the apps (apps: cli and train, hydra_ranks, the package's own ``__init__``). A unit may import
+itself and any lower layer; models and data, though on one layer, do not import each other; the
+apps may import one another.
 Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
 (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
 and relative (``from ..x import y``, ``from . import x``).
@@ -36,6 +37,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"schedule"}),
     frozenset({"runtime"}),
     frozenset({"core"}),
+    frozenset({"engine"}),
     frozenset({"strategy"}),
     frozenset({"models", "data"}),
     frozenset({"reproduce"}),
@@ -188,9 +190,11 @@ def test_pure_layers_import_no_torch_or_lightning(part: str) -> None:
     assert {f: roots for f, roots in offenders.items() if roots} == {}
 
 
-def test_the_core_imports_no_lightning() -> None:
-    """``core`` is what other front ends reuse: it must stay free of Lightning."""
-    files = sorted((PACKAGE / "core").rglob("*.py"))
+@pytest.mark.parametrize("part", ["core", "engine"])
+def test_the_core_and_the_engine_import_no_lightning(part: str) -> None:
+    """``core`` is what other front ends reuse, ``engine`` the plain PyTorch front end the
+    others sit on: both must stay free of Lightning."""
+    files = sorted((PACKAGE / part).rglob("*.py"))
     assert files
     offenders = {
         str(f.relative_to(PACKAGE)): roots_imported(imports_of(f)) & LIGHTNING for f in files

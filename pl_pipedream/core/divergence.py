@@ -155,9 +155,12 @@ def divergence_message(
     mode: SyncMode,
     delays: Sequence[int],
     optimizer: str,
+    front_end: str = "PipeDreamStrategy",
+    clipping: str | None = "Trainer(gradient_clip_val=1.0)",
 ) -> str:
     """What every rank raises or warns (the same text on each): the rule, the values, the
-    remedies; stale weights are named only in the modes that have them."""
+    remedies; stale weights are named only in the modes that have them. ``front_end``: the
+    class whose arguments the remedies quote; ``clipping``: the call that clips, if any."""
     values = f"global step: {step}, sync: {mode}"
     remedies = "lower the learning rate or the momentum"
     if not mode.stale_weights:
@@ -165,18 +168,19 @@ def divergence_message(
             f"sync={str(mode)!r} updates as one device does, so one device's training diverges "
             "on this run too"
         )
-        remedies += ", or clip gradients (Trainer(gradient_clip_val=1.0))"
+        if clipping is not None:
+            remedies += f", or clip gradients ({clipping})"
     else:
         values += f", stage delays in updates: {list(delays)}"
         cause = "stale weights amplified by a large learning rate or momentum do this"
         if mode.updates_per_minibatch:
-            remedies += ", PipeDreamStrategy(weight_prediction=True)"
+            remedies += f", {front_end}(weight_prediction=True)"
         remedies += ', sync="flush" (one device\'s updates)'
         if mode.updates_per_minibatch:
             remedies += ' or sync="2bw" (a delay of 1 batch)'
     return (
         f"training diverged: {reason} ({values}, optimizer: {optimizer}); {cause}: {remedies}; "
-        'PipeDreamStrategy(divergence="warn"|"off") trains on regardless'
+        f'{front_end}(divergence="warn"|"off") trains on regardless'
     )
 
 

@@ -31,7 +31,7 @@ class FiniteData:
 
     def note(self, batch: int, data: Any, microbatches: int) -> None:
         """Note batch ``batch``: ``data`` (any structure of tensors), split along dim 0 into
-        ``microbatches`` equal slices (``strategy.batches.slice_batch``)."""
+        ``microbatches`` equal slices (``core.microbatches.slice_batch``)."""
         self._notes[batch] = _finite_slices(data, microbatches)
 
     def forget_through(self, batch: int) -> None:

@@ -12,7 +12,8 @@ naming it by rank and stage, at the pipeline's deadline if it hangs.
 
 This holds for the modes where every stage uses the same weight version for a minibatch and
 makes one update per batch (``flush``, ``gpipe``, ``2bw``); the per-minibatch modes give a tied
-parameter a version rule of its own (``runtime.tied_versions``).
+parameter a version rule of its own (``runtime.tied_versions``), which holds for a straight
+pipeline only: ``check_ties`` refuses the rest at setup.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.frames import PeerError
 from pl_pipedream.runtime.gradient_sums import GradientSums
 from pl_pipedream.runtime.ranks import describe, group_failure
+from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["TiedGradients"]
+__all__ = ["TiedGradients", "check_ties"]
 
 
 class TiedGradients:
@@ -96,3 +98,23 @@ class TiedGradients:
         what = f"the gradient of the tied parameter {tie.describe()}"
         text = group_failure(me, what, "fellow holder", others, cause, waited, self.timeout)
         return PeerError(text)
+
+
+def check_ties(
+    mode: SyncMode,
+    ties: Sequence[str],
+    replicas: Sequence[int] = (),
+    front_end: str = "PipeDreamStrategy",
+) -> None:
+    """Raise for tied parameters (``ties``: each described) where their rule is not built: the
+    per-minibatch modes give a tied parameter a version of its own (``runtime.tied_versions``),
+    which holds for a straight pipeline only (``replicas``: each stage's replica count).
+    ``front_end``: the class whose arguments the fix quotes."""
+    if ties and mode.updates_per_minibatch and any(r > 1 for r in replicas):
+        raise ValueError(
+            f"tied parameters (one parameter used by layers on several stages) train in sync "
+            f"'{mode}' only without replicated stages (replicas: {list(replicas)}, tied: "
+            f"{'; '.join(ties)}); use {front_end}(sync='{SyncMode.FLUSH}'), "
+            f"'{SyncMode.GPIPE}' or '{SyncMode.TWO_BW}', a plan without replicas, or place "
+            "every layer using the parameter on one stage with balance="
+        )

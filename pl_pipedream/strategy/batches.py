@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.step_logs import LOSS_NAME, StepLogCapture
@@ -30,29 +31,6 @@ __all__ = [
     "shape_forward",
     "slice_batch",
 ]
-
-
-def slice_batch(batch: Any, microbatches: int) -> list[Any]:
-    """Split every tensor of a batch along dim 0 into ``microbatches`` equal parts."""
-    if isinstance(batch, Tensor):
-        size = batch.shape[0] if batch.dim() else 0
-        if size % microbatches != 0 or size == 0:
-            raise ValueError(
-                f"a batch must split into equal microbatches (batch size: {size}, microbatches: "
-                f"{microbatches}); use a batch size that is a multiple of {microbatches} (and "
-                "drop_last=True in the DataLoader)"
-            )
-        return list(batch.chunk(microbatches))
-    if isinstance(batch, (tuple, list)):
-        parts = [slice_batch(item, microbatches) for item in batch]
-        if isinstance(batch, tuple):
-            rebuild = getattr(type(batch), "_make", type(batch))  # a namedtuple's, else tuple
-            return [rebuild(p[j] for p in parts) for j in range(microbatches)]
-        return [[p[j] for p in parts] for j in range(microbatches)]
-    if isinstance(batch, dict):
-        split = {key: slice_batch(value, microbatches) for key, value in batch.items()}
-        return [{key: value[j] for key, value in split.items()} for j in range(microbatches)]
-    return [batch] * microbatches
 
 
 def first_stage_input(module: nn.Module, batch: Any) -> Any:

@@ -5,7 +5,7 @@ rank is known to see the same data (``data.SameData``), and run by the ``Pipelin
 pipeline drains where Lightning's loop ends (the last batch of an epoch, ``max_steps``) and in
 the flushed modes. The finished batch's mean loss is logged as ``train_loss`` (unless
 ``training_step`` logs that name itself: ``step_logs.LossName``) and judged by the
-divergence watch (``divergence``): every rank sees the same logged losses and holds the same
+divergence check (``core.loss_watch``): every rank sees the same logged losses and holds the same
 batches, so every rank decides alike, at one step, with one message. Lightning's ``backward``
 of the step (``backward``) reaches ``.grad`` in the flushed modes only.
 """
@@ -19,15 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from pl_pipedream.core.data import Fingerprints, SameData
-from pl_pipedream.core.divergence import (
-    DivergenceWatch,
-    bad_data_message,
-    describe_optimizer,
-    divergence_message,
-    stops,
-)
-from pl_pipedream.core.errors import BadData, TrainingDiverged
-from pl_pipedream.core.finite_data import FiniteData
+from pl_pipedream.core.divergence import DivergenceWatch, describe_optimizer, divergence_message
+from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.runtime import ranks
 from pl_pipedream.schedule import rules
 from pl_pipedream.strategy.batches import TrainingBatch
@@ -38,21 +31,24 @@ __all__ = ["TrainingSteps", "backward", "must_drain"]
 
 class TrainingSteps:
     """One strategy's training steps: the data check's weights (kept from batch to batch), and
-    per fit the divergence watch (while it still watches) with its notes of the batches fed."""
+    per fit the divergence check (``core.loss_watch``)."""
 
     def __init__(self, divergence: str, rule: tuple[float, int, int]) -> None:
         self.divergence = divergence
         self.rule = rule
-        DivergenceWatch(*rule)  # refuses bad thresholds now
-        self.watch: DivergenceWatch | None = None
-        self.finite_data = FiniteData()
+        LossWatch(divergence, rule)  # refuses bad thresholds now
+        self.losses: LossWatch | None = None
         self.fingerprints = Fingerprints()
         self.loss_name = LossName()
 
+    @property
+    def watch(self) -> DivergenceWatch | None:
+        """The fit's divergence watch while it still watches."""
+        return self.losses.watch if self.losses is not None else None
+
     def start_fit(self) -> None:
-        """A fresh watch (none with ``divergence="off"``) and fresh notes for a new fit."""
-        self.watch = DivergenceWatch(*self.rule) if self.divergence != "off" else None
-        self.finite_data = FiniteData()
+        """A fresh check (no watch with ``divergence="off"``) and fresh notes for a new fit."""
+        self.losses = LossWatch(self.divergence, self.rule)
         self.loss_name = LossName()
 
     def run(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
@@ -67,8 +63,8 @@ class TrainingSteps:
         step = module.trainer.global_step
         same = SameData(work.slices, describe, step, batch_idx, self.fingerprints)
         drain = must_drain(strategy.sync, module.trainer)
-        if self.watch is not None:
-            self.finite_data.note(runner.batches, batch, strategy.microbatches)
+        if self.losses is not None:
+            self.losses.note(runner.batches, batch, strategy.microbatches)
         runner.train_batch(
             work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
         )
@@ -76,36 +72,24 @@ class TrainingSteps:
         own = runner.loss is not None and self.loss_name.strategy_logs(logged, step)
         loss = work.log_loss(runner.loss, strategy.root_device, own)
         log_finished(module, logged, strategy.root_device)
-        if self.watch is not None and runner.loss is not None:
-            self._check_divergence(strategy, self.watch, runner.loss, module.trainer.global_step)
+        if self.losses is not None and runner.loss is not None:
+            self._check_divergence(strategy, self.losses, runner.loss, module.trainer.global_step)
         return loss
 
-    def _check_divergence(
-        self, strategy: Any, watch: DivergenceWatch, loss: float, step: int
-    ) -> None:
-        plan, runner = strategy.plan, strategy.runner
-        verdict = watch.observe(loss)
-        batch = runner.loss_batch
-        if verdict is None:
-            if batch is not None:
-                self.finite_data.forget_through(batch)
-            return
-        bad = None if verdict.finite or batch is None else self.finite_data.first_bad(batch)
-        if bad is not None:
-            message = bad_data_message(loss, step, *bad)
-            error: TrainingDiverged = BadData(message)
-        else:
-            sync = strategy.sync
+    def _check_divergence(self, strategy: Any, losses: LossWatch, loss: float, step: int) -> None:
+        def explain(reason: str) -> str:
+            plan, sync = strategy.plan, strategy.sync
             delays = [rules.update_delay(plan, sync, s) for s in range(len(plan.stages))]
             groups = [g for optimizer in strategy.optimizers for g in optimizer.param_groups]
-            optimizer = describe_optimizer(groups)
-            message = divergence_message(verdict.reason, step, sync, delays, optimizer)
-            error = TrainingDiverged(message)
-        if stops(self.divergence, verdict):
+            return divergence_message(reason, step, sync, delays, describe_optimizer(groups))
+
+        verdict = losses.judge(loss, strategy.runner.loss_batch, step, explain)
+        if verdict is None:
+            return
+        if verdict.stop:
             strategy.drain()  # every rank stops at this step: the messages in flight arrive first
-            raise error
-        rank_zero_warn(message + " (not checked again in this fit)")
-        self.watch = None
+            raise verdict.error
+        rank_zero_warn(str(verdict.error) + " (not checked again in this fit)")
 
 
 def must_drain(sync: Any, trainer: pl.Trainer) -> bool:

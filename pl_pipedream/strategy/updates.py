@@ -25,7 +25,7 @@ shares (``runtime.update``), so a stashed version never changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from pl_pipedream.runtime import update
+from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
@@ -213,20 +214,6 @@ def check_trainer(mode: SyncMode, trainer: Any) -> None:
             f"gradient accumulation needs a flushed pipeline (sync: {mode}, "
             f"accumulate_grad_batches: {trainer.accumulate_grad_batches}); use "
             f"PipeDreamStrategy(sync='{SyncMode.FLUSH}') or raise microbatches instead"
-        )
-
-
-def check_ties(mode: SyncMode, ties: Sequence[str], replicas: Sequence[int] = ()) -> None:
-    """Raise for tied parameters (``ties``: each described) where their rule is not built: the
-    per-minibatch modes give a tied parameter a version of its own (``runtime.tied_versions``),
-    which holds for a straight pipeline only (``replicas``: each stage's replica count)."""
-    if ties and mode.updates_per_minibatch and any(r > 1 for r in replicas):
-        raise ValueError(
-            f"tied parameters (one parameter used by layers on several stages) train in sync "
-            f"'{mode}' only without replicated stages (replicas: {list(replicas)}, tied: "
-            f"{'; '.join(ties)}); use PipeDreamStrategy(sync='{SyncMode.FLUSH}'), "
-            f"'{SyncMode.GPIPE}' or '{SyncMode.TWO_BW}', a plan without replicas, or place "
-            "every layer using the parameter on one stage with balance="
         )
 
 

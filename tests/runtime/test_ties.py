@@ -11,7 +11,8 @@ from torch import nn
 
 from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.frames import PeerError
-from pl_pipedream.runtime.ties import TiedGradients
+from pl_pipedream.runtime.ties import TiedGradients, check_ties
+from pl_pipedream.schedule.modes import SyncMode
 from tests.runtime import distributed
 from tests.runtime.distributed import one_rank_group
 
@@ -96,3 +97,15 @@ def test_the_tie_groups_wait_the_pipelines_deadline() -> None:
     with one_rank_group():
         ties = TiedGradients.create([ONE_HOLDER], rank=0, timeout=12.5)
     assert ties.timeout == 12.5 and ties.held[0][2] is ONE_HOLDER
+
+
+def test_the_per_minibatch_modes_refuse_a_tie_on_replicated_stages_naming_the_front_end() -> None:
+    tie = ["wte.weight = head.weight on stages [0, 1]"]
+    with pytest.raises(
+        ValueError,
+        match=r"only without replicated stages \(replicas: \[2, 1\], tied: wte.weight = "
+        r"head.weight on stages \[0, 1\]\); use Pipeline\(sync='flush'\)",
+    ):
+        check_ties(SyncMode.ASYNC, tie, [2, 1], "Pipeline")
+    check_ties(SyncMode.ASYNC, tie, [1, 1])
+    check_ties(SyncMode.FLUSH, tie, [2, 1])

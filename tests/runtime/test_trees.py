@@ -39,7 +39,7 @@ def test_tensors_come_in_the_walks_order_or_by_key() -> None:
 # (recompute's shapes), or sit in the profile, a layer below the runtime.
 OTHER_WALKS = {
     "runtime/boundary.py": {"_describe"},
-    "strategy/batches.py": {"slice_batch"},
+    "core/microbatches.py": {"slice_batch"},
     "strategy/forward_check.py": {"_difference"},
     "runtime/recompute.py": {"_shapes"},
     "profile/measure.py": {"_tensors", "_map_tensors", "_summarise"},

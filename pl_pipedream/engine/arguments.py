@@ -1,0 +1,128 @@
+"""The checks ``Pipeline`` runs on its arguments before it joins anything: each refusal states
+the rule, the value given and a call that works (``"<rule> (<name>: <value>); <fix>"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
+
+__all__ = ["check_arguments", "check_built_optimizer", "choose_plan", "pipeline_of"]
+
+
+def pipeline_of(layers: Any) -> nn.Sequential:
+    """``layers`` as one ``nn.Sequential`` (a list of modules is wrapped, in order)."""
+    if isinstance(layers, (list, tuple)) and all(isinstance(m, nn.Module) for m in layers):
+        layers = nn.Sequential(*layers)
+    if not isinstance(layers, nn.Sequential):
+        raise ValueError(
+            f"layers must be an nn.Sequential or a list of nn.Module, in the order the batch "
+            f"flows through them (layers: {type(layers).__name__}); for example "
+            "Pipeline(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), ...)"
+        )
+    if len(layers) == 0:
+        raise ValueError(
+            "layers must hold at least one layer (layers: 0 layers); pass the model's layers, "
+            "for example Pipeline([nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)], ...)"
+        )
+    return layers
+
+
+def check_arguments(
+    loss_fn: Any, optimizer: Any, sync: Any, microbatches: Any, timeout: Any, divergence: Any
+) -> SyncMode:
+    """Raise for a bad plain argument; return the sync mode."""
+    if not callable(loss_fn):
+        raise ValueError(
+            f"loss_fn must be a function of (output, targets) returning the loss tensor "
+            f"(loss_fn: {type(loss_fn).__name__}); for example Pipeline(..., "
+            "loss_fn=nn.functional.cross_entropy)"
+        )
+    if not isinstance(optimizer, Optimizer) and not callable(optimizer):
+        raise ValueError(
+            f"optimizer must be a function that builds an optimizer from the stage's parameters, "
+            f"or an optimizer over the layers' parameters, which each rank cuts down to its "
+            f"stage's (optimizer: {type(optimizer).__name__}); for example Pipeline(..., "
+            "optimizer=lambda params: torch.optim.SGD(params, lr=0.1))"
+        )
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(
+            f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
+            "example Pipeline(..., microbatches=4)"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(
+            f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
+            "Pipeline(..., timeout=300)"
+        )
+    if divergence not in DIVERGENCE_ACTIONS:
+        raise ValueError(
+            f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
+            f'{divergence!r}); for example Pipeline(..., divergence="warn")'
+        )
+    try:
+        return SyncMode.parse(sync)
+    except ValueError:
+        choices = ", ".join(m.value for m in SyncMode)
+        raise ValueError(
+            f"sync must be one of {choices} (sync: {sync!r}); for example "
+            f"Pipeline(..., sync='{SyncMode.FLUSH}')"
+        ) from None
+
+
+def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:
+    """A built optimizer is cut down to each stage's parameters: it must hold the layers'
+    parameters only, and no state yet (a step taken before the cut is not the pipeline's)."""
+    own = {id(p) for p in layers.parameters()}
+    strangers = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if strangers or optimizer.state:
+        rule = f"{strangers} parameters not in layers" if strangers else "state from earlier steps"
+        raise ValueError(
+            f"an optimizer given built must hold only the layers' parameters and no state yet "
+            f"(optimizer: {type(optimizer).__name__} with {rule}); build it over "
+            "layers.parameters() before any step, or pass a function: "
+            "optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+
+
+def choose_plan(
+    balance: Sequence[int] | None, plan: Plan | None, num_layers: int, world_size: int
+) -> Plan:
+    """The plan to run: ``plan`` as given, or one built from ``balance`` (layers per stage, one
+    rank per stage); checked against the layers and the process group."""
+    if (balance is None) == (plan is None):
+        given = "both" if balance is not None else "neither"
+        raise ValueError(
+            f"the pipeline's layout must be given once, as balance= or plan= ({given} given); "
+            f"for example Pipeline(..., balance=[2, 1]) (layers per stage, one stage per rank) "
+            "or Pipeline(..., plan=pl_pipedream.plan(profile, topology))"
+        )
+    if balance is not None:
+        counts = list(balance)
+        if not all(isinstance(c, int) and c >= 1 for c in counts) or sum(counts) != num_layers:
+            raise ValueError(
+                f"balance must give each stage at least one layer and place every layer once "
+                f"(layers: {num_layers}, balance: {counts}); give positive counts that sum to "
+                f"{num_layers}"
+            )
+        plan = Plan.from_balance(counts)
+    assert plan is not None
+    if not isinstance(plan, Plan):
+        raise ValueError(
+            f"plan must be a pl_pipedream.Plan (plan: {type(plan).__name__}); build one with "
+            "pl_pipedream.plan(...), Plan.from_balance([...]) or Plan.from_json(text)"
+        )
+    if plan.num_workers != world_size:
+        raise ValueError(
+            f"the plan must have one worker per process of the group (plan's workers: "
+            f"{plan.num_workers}, world size: {world_size}); launch {plan.num_workers} "
+            f"processes (torchrun --nproc_per_node {plan.num_workers}) or give a plan for "
+            f"{world_size}"
+        )
+    return plan

@@ -1,0 +1,348 @@
+"""``Pipeline``: PipeDream's pipeline driven from a plain PyTorch loop, without a framework.
+
+Every rank of a process group the user started (``torchrun``, or ``torch.multiprocessing`` with
+``init_process_group``) builds the same model and calls ``Pipeline(layers, loss_fn, optimizer,
+...)`` at the same point; each keeps only its stage's layers (``core.stage.cut_stage``; the
+other layers move to ``meta`` in place) and runs its segment of the schedule for each batch it
+is given (``runtime.pipeline.PipelineRunner``), the same code the Lightning strategy runs. A
+batch is ``(inputs, targets)``: every rank passes the same batch (checked: ``core.data``), it is
+split along dim 0 into ``microbatches`` slices (``core.microbatches``), the first layer takes
+each slice's inputs and the last stage calls ``loss_fn(output, targets)``.
+
+``train_step`` returns the same loss on every rank: the mean loss of the newest batch whose
+every backward pass has finished (``PipelineRunner.loss``), batch ``t`` itself in the flushed
+modes and lagging by the pipeline's depth in the others (NaN while it first fills). The stage's
+optimizer steps inside the pipeline when the schedule says (``engine.updates``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from pl_pipedream.core.data import Fingerprints, SameData
+from pl_pipedream.core.divergence import describe_optimizer, divergence_message
+from pl_pipedream.core.elsewhere import mark_other_stages
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.core.evaluation import ForwardPipe
+from pl_pipedream.core.loss_watch import LossWatch
+from pl_pipedream.core.microbatches import slice_batch
+from pl_pipedream.core.placement import (
+    join_process_group,
+    keep_local_parameters,
+    move_to_device,
+)
+from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
+from pl_pipedream.core.stage import LocalStage, cut_stage
+from pl_pipedream.engine import checkpoints
+from pl_pipedream.engine.arguments import (
+    check_arguments,
+    check_built_optimizer,
+    choose_plan,
+    pipeline_of,
+)
+from pl_pipedream.engine.updates import OptimizerUpdate
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime import ranks
+from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.ties import check_ties
+from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.schedule import rules
+
+__all__ = ["Pipeline", "join_launched_group"]
+
+TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
+
+
+class Pipeline:
+    """One rank's part of a PipeDream pipeline over ``layers``, trained by ``optimizer`` (a
+    function of the stage's parameters, or an optimizer over ``layers.parameters()`` with no
+    state yet, which keeps only the stage's) on ``loss_fn(output, targets)``.
+
+    ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``gpipe``, ``2bw``,
+    ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
+    batch; the layout as ``balance`` (layers per stage, one rank each) or ``plan``; ``device``:
+    this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);
+    ``timeout``: seconds a rank waits for a peer before it fails naming it; ``divergence``:
+    what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
+    ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
+    ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
+    where ``train_step`` drains and raises ``Preempted``."""
+
+    def __init__(
+        self,
+        layers: nn.Sequential | Sequence[nn.Module],
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: Optimizer | Callable[[list[nn.Parameter]], Optimizer],
+        *,
+        sync: str = "flush",
+        microbatches: int = 1,
+        balance: Sequence[int] | None = None,
+        plan: Plan | None = None,
+        device: torch.device | str | None = None,
+        timeout: float = 300.0,
+        recompute: bool = False,
+        weight_prediction: bool = False,
+        divergence: str = "error",
+        preempt_signals: Sequence[str | int] = (),
+    ) -> None:
+        self.layers = pipeline_of(layers)
+        self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
+        if isinstance(optimizer, Optimizer):
+            check_built_optimizer(optimizer, self.layers)
+        self.losses = LossWatch(divergence, DIVERGENCE_RULE)
+        self.preemption = Preemption(parse_signals(preempt_signals))
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.timeout = float(timeout)
+        join_launched_group(self.timeout)
+        self.rank = dist.get_rank()
+        self.plan = choose_plan(balance, plan, len(self.layers), dist.get_world_size())
+        self.device = torch.device(device) if device is not None else default_device()
+        self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
+        mark_other_stages(self.layers, self.layers, self.plan, self.rank)
+        move_to_device(self.layers, self.device)
+        stage = self.local.stage
+        self.describe = ranks.describe(self.rank, stage.index)
+        replicas = [s.replicas for s in self.plan.stages]
+        check_ties(self.sync, [t.describe() for t in self.local.ties], replicas, "Pipeline")
+        params = list(self.local.module.parameters())
+        self.optimizer: Optimizer | None
+        if isinstance(optimizer, Optimizer):
+            keep_local_parameters(self.layers, [optimizer])  # groups and settings kept
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer(params) if params else None
+        self.updates = OptimizerUpdate(self.local.module, self.optimizer)
+        self.runner: PipelineRunner | None = PipelineRunner.create(
+            self.plan,
+            self.sync,
+            microbatches,
+            self.local.module,
+            self.rank,
+            self.updates,
+            self.device,
+            self.timeout,
+            ties=self.local.ties,
+            weight_prediction=weight_prediction,
+            recompute=recompute,
+        )
+        channel = self.runner.executor.channel
+        self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
+        self.steps = 0  # batches trained
+        self._fingerprints = Fingerprints()
+
+    @property
+    def stage(self) -> int:
+        """The index of this rank's stage."""
+        return self.local.stage.index
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This rank's stage's layers (children named by their index in ``layers``)."""
+        return self.local.module
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Run this rank's part of one batch ``(inputs, targets)``; return the newest finished
+        batch's mean loss (the same on every rank; NaN until a batch has finished)."""
+        runner = self._running()
+        self.preemption.at_step(self.timeout, self._stop)
+        self.local.module.train()
+        batch = self._to_device(batch)
+        slices = slice_batch(batch, self.microbatches)
+        pairs = [_pair(piece) for piece in slices]
+        same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints)
+        self.losses.note(runner.batches, batch, self.microbatches)
+        runner.train_batch(
+            lambda j: pairs[j][0],
+            lambda output, j: self.loss_fn(output, pairs[j][1]),
+            drain=self.sync.flushes,
+            fingerprint=same,
+        )
+        runner.take_logged()  # the engine's loss function logs nothing: drop the empty records
+        self.steps += 1
+        if runner.loss is not None:
+            self._judge(runner.loss, runner.loss_batch)
+        return torch.tensor(math.nan if runner.loss is None else runner.loss)
+
+    def _judge(self, loss: float, batch: int | None) -> None:
+        """The divergence check: every rank logs the same loss, so every rank acts alike."""
+
+        def explain(reason: str) -> str:
+            plan, sync = self.plan, self.sync
+            delays = [rules.update_delay(plan, sync, s) for s in range(plan.num_stages)]
+            groups = self.optimizer.param_groups if self.optimizer is not None else []
+            optimizer = describe_optimizer(groups)
+            return divergence_message(reason, self.steps, sync, delays, optimizer, "Pipeline", None)
+
+        verdict = self.losses.judge(loss, batch, self.steps, explain)
+        if verdict is None:
+            return
+        if verdict.stop:
+            self.drain()  # every rank stops at this step: the messages in flight arrive first
+            raise verdict.error
+        if self.rank == 0:
+            warnings.warn(str(verdict.error) + " (not checked again)", stacklevel=3)
+
+    def _stop(self, signum: int) -> None:
+        """At the step every rank agreed on after a preemption signal: drain, then raise."""
+        self.drain()
+        raise Preempted(exit_code(signum))
+
+    def eval_step(self, batch: Any) -> Tensor:
+        """The loss of one batch ``(inputs, targets)`` without training (the whole batch at once,
+        through every stage in order, after a drain), on every rank."""
+        runner = self._running()
+        self.drain()
+        self.local.module.eval()
+        inputs, targets = _pair(self._to_device(batch))
+        what = f"the evaluation activations of step {self.steps}"
+        loss = self._forward.forward(lambda: inputs, lambda out: self.loss_fn(out, targets), what)
+        loss = self._forward.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
+        runner.executor.channel.flush()
+        return loss.detach()
+
+    def predict_step(self, inputs: Any) -> Any:
+        """The last layer's output for ``inputs`` (the whole batch at once, through every stage
+        in order, after a drain), on every rank."""
+        runner = self._running()
+        self.drain()
+        self.local.module.eval()
+        what = f"the predictions of step {self.steps}"
+        output = self._forward.forward(lambda: self._to_device(inputs), lambda out: out, what)
+        output = self._forward.to_every_rank(output, what)
+        runner.executor.channel.flush()
+        return output
+
+    def drain(self) -> None:
+        """Finish every minibatch in flight and apply its update (the asynchronous modes keep
+        minibatches in flight between steps); every rank must call it at the same step."""
+        self._running().drain()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, after a drain, copied: its stage's tensors under the names
+        ``layers.state_dict()`` gives them (on the CPU), its optimizer's state, the plan and
+        the steps taken. Each rank saves its own (``torch.save(p.state_dict(), f"rank{r}.pt")``)."""
+        self.drain()
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        state = {"model": self.local.state_dict(self.layers), "optimizer": optimizer}
+        # a snapshot: on the CPU the tensors above are the live ones, which training updates
+        return {
+            "plan": self.plan.to_json(),
+            "stage": self.stage,
+            **copy.deepcopy(state),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned on a rank of the same stage under the same plan."""
+        saved = Plan.from_json(state["plan"])
+        if saved != self.plan or state["stage"] != self.stage:
+            raise ValueError(
+                f"a Pipeline state loads into the same stage of the same plan (saved: stage "
+                f"{state['stage']} of {saved.shape}, here: stage {self.stage} of "
+                f"{self.plan.shape}); build the Pipeline with plan=Plan.from_json(state['plan']) "
+                "and load each rank's own state"
+            )
+        self.drain()
+        local = {name: state["model"][full] for name, full in self.local.names.items()}
+        self.local.module.load_state_dict(local)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def save(self, path: str | Path) -> None:
+        """Every rank: a sharded checkpoint directory at ``path`` after a drain (``core.
+        checkpoint``'s format; ``pl_pipedream.consolidate_checkpoint(path)`` gives the whole
+        model's ``state_dict`` for one device)."""
+        self.drain()
+        layout = (self.plan, self.sync, self.microbatches, self.timeout)
+        checkpoints.save(
+            path, self.layers, self.local, self.optimizer, self.steps, self.rank, layout
+        )
+
+    def load(self, path: str | Path) -> None:
+        """Every rank: resume from ``save``'s directory, saved under this plan or another one
+        over the same layers (each rank reads the shards holding its stage's names)."""
+        self.drain()
+        self.steps = checkpoints.load(path, self.layers, self.optimizer)
+
+    def close(self) -> None:
+        """Wait for the messages still under way, then give back the pipeline's process groups
+        (the user's default group stays); a second call does nothing."""
+        runner, self.runner = self.runner, None
+        self.preemption.finish(failed=False)
+        if runner is not None:
+            runner.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        runner, self.runner = self.runner, None
+        failed = error is not None and not isinstance(error, Preempted)
+        self.preemption.finish(failed)
+        if runner is not None:
+            runner.close(failed=failed)
+
+    def _running(self) -> PipelineRunner:
+        if self.runner is None:
+            raise RuntimeError(
+                f"the pipeline is closed ({self.describe}); build a new Pipeline to train again"
+            )
+        return self.runner
+
+    def _to_device(self, batch: Any) -> Any:
+        return map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+
+
+def _pair(piece: Any) -> tuple[Any, Any]:
+    if isinstance(piece, (tuple, list)) and len(piece) == 2:
+        return piece[0], piece[1]
+    raise ValueError(
+        f"a Pipeline batch must be a pair (inputs, targets) (batch: {type(piece).__name__}"
+        f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}); pass "
+        "train_step((inputs, targets)): the first layer takes inputs, loss_fn takes targets"
+    )
+
+
+def join_launched_group(timeout: float) -> None:
+    """Join the default process group from ``torchrun``'s variables unless this process is in
+    one already (``torch.multiprocessing`` with ``init_process_group``)."""
+    if dist.is_initialized():
+        return
+    missing = [name for name in TORCHRUN if name not in os.environ]
+    if missing:
+        raise PipelineSetupError(
+            f"a Pipeline runs in a process group (none joined, and torchrun's variables are "
+            f"not set: {', '.join(missing)}); start the script with torchrun --nproc_per_node "
+            "N, or call torch.distributed.init_process_group in each process first"
+        )
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    join_process_group(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        backend,
+        timedelta(seconds=timeout),
+    )
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when the default group runs NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

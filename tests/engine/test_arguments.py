@@ -1,0 +1,150 @@
+"""``Pipeline``'s argument checks: each bad value refused as "<rule> (<name>: <value>); <fix>"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pl_pipedream.engine.arguments import (
+    check_arguments,
+    check_built_optimizer,
+    choose_plan,
+    pipeline_of,
+)
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
+
+
+def sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_a_list_of_layers_becomes_one_sequential() -> None:
+    first, second = nn.Linear(2, 2), nn.ReLU()
+    layers = pipeline_of([first, second])
+    assert isinstance(layers, nn.Sequential) and layers[0] is first and layers[1] is second
+    given = nn.Sequential(first)
+    assert pipeline_of(given) is given
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        (
+            nn.Linear(2, 2),
+            r"^layers must be an nn.Sequential or a list of nn.Module, .*\(layers: "
+            r"Linear\); for example Pipeline\(nn.Sequential\(",
+        ),
+        ([], r"^layers must hold at least one layer \(layers: 0 layers\); pass"),
+    ],
+)
+def test_bad_layers(layers: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pipeline_of(layers)
+
+
+def test_good_arguments_give_the_mode() -> None:
+    assert check_arguments(nn.functional.mse_loss, sgd, "async", 2, 30, "off") is SyncMode.ASYNC
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            (None, sgd, "flush", 1, 30, "error"),
+            r"^loss_fn must be a function of \(output, targets\) "
+            r"returning the loss tensor \(loss_fn: NoneType\); for example",
+        ),
+        (
+            (nn.functional.mse_loss, "sgd", "flush", 1, 30, "error"),
+            r"^optimizer must be a function that builds an optimizer from the "
+            r"stage's parameters, .*\(optimizer: str\); for example Pipeline\(\.\.\., "
+            r"optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)\)",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "flush", 1, 30, "loud"),
+            r"^divergence must be one of error, strict, warn, off \(divergence: 'loud'\); for "
+            r'example Pipeline\(\.\.\., divergence="warn"\)',
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "flush", 0, 30, "error"),
+            r"^microbatches must be a positive integer \(microbatches: 0\); for example",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "flush", True, 30, "error"),
+            r"^microbatches must be a positive integer \(microbatches: True\)",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "flush", 1, 0, "error"),
+            r"^timeout must be a positive number of seconds \(timeout: 0\); for example",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "sync", 1, 30, "error"),
+            r"^sync must be one of async, .*\(sync: 'sync'\); for example "
+            r"Pipeline\(\.\.\., sync='flush'\)",
+        ),
+    ],
+)
+def test_bad_arguments(arguments: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_arguments(*arguments)
+
+
+def test_a_built_optimizer_must_hold_the_layers_parameters_and_no_state() -> None:
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    check_built_optimizer(torch.optim.SGD(layers.parameters(), lr=0.1), layers)
+    other = torch.optim.SGD([*layers.parameters(), *nn.Linear(2, 2).parameters()], lr=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"^an optimizer given built must hold only the layers' parameters and no state "
+        r"yet \(optimizer: SGD with 2 parameters not in layers\); build it over "
+        r"layers.parameters\(\) before any step",
+    ):
+        check_built_optimizer(other, layers)
+    stepped = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
+    layers(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"\(optimizer: SGD with state from earlier steps\)"):
+        check_built_optimizer(stepped, layers)
+
+
+def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:
+    plan = choose_plan([2, 1], None, 3, 2)
+    assert plan == Plan.from_balance([2, 1])
+    given = Plan.from_balance([1, 2])
+    assert choose_plan(None, given, 3, 2) is given
+
+
+@pytest.mark.parametrize(
+    ("balance", "plan", "world", "message"),
+    [
+        (
+            None,
+            None,
+            2,
+            r"^the pipeline's layout must be given once, as balance= or plan= "
+            r"\(neither given\); for example Pipeline\(\.\.\., balance=\[2, 1\]\)",
+        ),
+        ([2, 1], Plan.from_balance([2, 1]), 2, r"\(both given\)"),
+        (
+            [2, 2],
+            None,
+            2,
+            r"^balance must give each stage at least one layer and place every "
+            r"layer once \(layers: 3, balance: \[2, 2\]\); give positive counts that sum to 3",
+        ),
+        ([3, 0], None, 2, r"\(layers: 3, balance: \[3, 0\]\)"),
+        (None, "plan.json", 2, r"^plan must be a pl_pipedream.Plan \(plan: str\); build one"),
+        (
+            [1, 1, 1],
+            None,
+            2,
+            r"^the plan must have one worker per process of the group \(plan's "
+            r"workers: 3, world size: 2\); launch 3 processes \(torchrun --nproc_per_node 3\)",
+        ),
+    ],
+)
+def test_bad_layouts(balance: object, plan: object, world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        choose_plan(balance, plan, 3, world)  # type: ignore[arg-type]

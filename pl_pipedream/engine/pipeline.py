@@ -59,6 +59,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["Pipeline", "join_launched_group"]
 
@@ -87,7 +88,7 @@ class Pipeline:
         loss_fn: Callable[[Any, Any], Tensor],
         optimizer: Optimizer | Callable[[list[nn.Parameter]], Optimizer],
         *,
-        sync: str = "flush",
+        sync: str | SyncMode = SyncMode.FLUSH,
         microbatches: int = 1,
         balance: Sequence[int] | None = None,
         plan: Plan | None = None,

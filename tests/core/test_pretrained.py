@@ -221,6 +221,13 @@ def launch(*args: object) -> subprocess.CompletedProcess:  # type: ignore[type-a
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=os.environ)
 
 
+def fork(*args: object) -> None:
+    """``pretrained_script``'s fits in this process, the ranks forked from it."""
+    from tests.strategy import pretrained_script
+
+    pretrained_script.main([str(arg) for arg in args], start_method="fork")
+
+
 def pipelined(out: Path) -> dict[str, torch.Tensor]:
     """The stages' states after training, merged (each rank wrote its own)."""
     return {**torch.load(out / "rank0.pt"), **torch.load(out / "rank1.pt")}
@@ -266,8 +273,7 @@ def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 @pytest.mark.slow
 def test_two_stages_fine_tune_from_pretrained_weights_as_one_device(tmp_path) -> None:
     torch_file, safetensors_file = tiny_weights(tmp_path)
-    run = launch("--weights", torch_file, safetensors_file, "--out", tmp_path / "run")
-    assert run.returncode == 0, run.stderr[-3000:]
+    fork("--weights", torch_file, safetensors_file, "--out", tmp_path / "run")
     expected = one_device(torch_file, epochs=2)
     start = torch.load(torch_file)
     assert max((expected[k] - start[k]).abs().max().item() for k in start) > 1e-2  # it trained
@@ -294,11 +300,10 @@ def test_resuming_wins_over_pretrained_weights_and_continues_the_checkpoint(tmp_
     preemption) continues from the checkpoint; the model is built empty with an initialisation
     no replay can redo, so only the checkpoint's weights can fill it."""
     torch_file, _ = tiny_weights(tmp_path)
-    first = launch("--weights", torch_file, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
-    assert first.returncode == 0, first.stderr[-3000:]
+    fork("--weights", torch_file, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
     last = tmp_path / "a" / "0" / "ckpts" / "last.ckpt"
     args = ("--weights", torch_file, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
-    resumed = launch(*args)
+    resumed = launch(*args)  # as a user's script: its output says the checkpoint wins
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "the pretrained weights (" in resumed.stderr + resumed.stdout
     assert_close(pipelined(tmp_path / "b" / "0"), one_device(torch_file, epochs=2))
@@ -310,10 +315,8 @@ def test_a_module_built_empty_resumes_from_the_checkpoint_s_weights(tmp_path) ->
     into the ``meta`` tensors of a module built in ``configure_model()``; the stage must still
     continue from the checkpoint's weights, not from a fresh initialisation."""
     common = ("--weights", "none", "--init", "reset")
-    straight = launch(*common, "--out", tmp_path / "straight", "--epochs", 2)
-    first = launch(*common, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
+    fork(*common, "--out", tmp_path / "straight", "--epochs", 2)
+    fork(*common, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
     last = tmp_path / "a" / "0" / "ckpts" / "last.ckpt"
-    resumed = launch(*common, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
-    for run in (straight, first, resumed):
-        assert run.returncode == 0, run.stderr[-3000:]
+    fork(*common, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
     assert_close(pipelined(tmp_path / "b" / "0"), pipelined(tmp_path / "straight" / "0"))

@@ -10,13 +10,13 @@ state under the module's names after training. ``--save-last`` keeps
 ``DIR/<i>/ckpts/last.ckpt``; ``--resume`` continues from a checkpoint. ``Tiny`` builds in
 ``configure_model()`` and initialises as nanoGPT does (``self.apply(init)``, outside any
 ``reset_parameters``): only pretrained weights can fill it; ``--init reset`` leaves each layer
-to its own ``reset_parameters`` (an empty build replays it).
+to its own ``reset_parameters`` (an empty build replays it). The tests call
+``main(argv, start_method="fork")`` in their own process, the ranks forked from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch import LightningModule, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -96,7 +96,18 @@ def settings(**kwargs) -> dict:  # type: ignore[no-untyped-def, type-arg]
     }
 
 
-def main() -> None:
+class SaveStage(Callback):
+    """At the end of training, on every rank: its stage's state as ``rank{r}.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        stage = trainer.strategy.local_stage  # type: ignore[attr-defined]
+        torch.save(stage.state_dict(pl_module), self.out / f"rank{trainer.global_rank}.pt")
+
+
+def main(argv: list[str] | None = None, start_method: str = "popen") -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--weights", nargs="+", required=True)
     parser.add_argument("--out", required=True)
@@ -105,28 +116,27 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--build", default="configure", choices=["configure", "whole"])
     parser.add_argument("--init", default="nanogpt", choices=["nanogpt", "reset"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for index, weights in enumerate(args.weights):
         out = Path(args.out) / str(index)
         out.mkdir(parents=True, exist_ok=True)
         saver = [ModelCheckpoint(dirpath=out / "ckpts", save_last=True)] if args.save_last else []
         given = {} if weights == "none" else {"pretrained": weights}
-        strategy = PipeDreamStrategy(sync="flush", balance=[2, 2], microbatches=2, **given)
+        strategy = PipeDreamStrategy(
+            sync="flush", balance=[2, 2], microbatches=2, start_method=start_method, **given
+        )
         trainer = Trainer(
             **settings(
                 strategy=strategy,
                 devices=2,
                 max_epochs=args.epochs,
-                callbacks=saver,
+                callbacks=[*saver, SaveStage(out)],
                 enable_checkpointing=bool(saver),
             )
         )
         seed_everything(0)
         model = Tiny(args.build, args.init)
         trainer.fit(model, loader(), ckpt_path=args.resume)
-        assert strategy.local_stage is not None
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.save(strategy.local_stage.state_dict(model), out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -11,20 +11,20 @@ ranks fork from it instead of importing Lightning again.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import pl_pipedream  # noqa: E402
-from pl_pipedream import PipeDreamStrategy, consolidate_checkpoint  # noqa: E402
+from pl_pipedream import PipeDreamStrategy  # noqa: E402
 from pl_pipedream.data import TextDataModule  # noqa: E402
 from pl_pipedream.models import CharGPT  # noqa: E402
+from tests.strategy.fit_script import SaveAtEnd  # noqa: E402
 
 LENGTH = 8
 NUM_BATCHES = 4
@@ -50,19 +50,6 @@ def tied_loader(m: int) -> DataLoader:
     batches = tied_batches(m)
     data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     return DataLoader(data, batch_size=2 * m, shuffle=False)
-
-
-class SaveAtEnd(Callback):
-    """At the end of training, on every rank: the sharded checkpoint, consolidated by rank 0."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: Trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
-        trainer.save_checkpoint(self.out / "run.ckpt")
-        if trainer.is_global_zero:
-            torch.save(consolidate_checkpoint(self.out / "run.ckpt"), self.out / "weights.pt")
-            (self.out / "done.json").write_text(json.dumps({"global_step": trainer.global_step}))
 
 
 def main(argv: list[str] | None = None, start_method: str = "popen") -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,10 +49,13 @@ def sgd(params):  # type: ignore[no-untyped-def]
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def one_device(batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The plain PyTorch loop the flushed pipeline must equal."""
-    model = make_model()
-    optimizer = sgd(model.parameters())
+def one_device(
+    batches: list, model: nn.Module | None = None, make_optimizer: Any = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain PyTorch loop the flushed pipeline must equal (``make_model()`` and SGD unless
+    given)."""
+    model = make_model() if model is None else model
+    optimizer = (make_optimizer or sgd)(model.parameters())
     losses = []
     for x, y in batches:
         optimizer.zero_grad()
@@ -240,15 +244,7 @@ def test_flush_with_a_replicated_stage_or_a_tie_equals_one_device(kind: str) -> 
     if kind == "replicated":
         losses, weights = one_device(make_batches())
     else:
-        model = tied_model()
-        optimizer, losses = sgd(model.parameters()), []
-        for x, y in tied_batches():
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        weights = model.state_dict()
+        losses, weights = one_device(tied_batches(), tied_model())
     merged: dict[str, torch.Tensor] = {}
     for rank, (status, value) in results.items():
         assert status == "ok", value
@@ -376,18 +372,11 @@ def _train_with_built_adam(rank: int, world: int, path: str) -> dict:
 @pytest.mark.slow
 def test_an_optimizer_built_over_the_whole_model_is_cut_to_each_stage(tmp_path: Path) -> None:
     results = run(2, _train_with_built_adam, str(tmp_path / "adam.ckpt"), timeout=120.0)
-    model = make_model()
-    optimizer, losses = adam(model.parameters()), []
-    for x, y in make_batches():
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses, weights = one_device(make_batches(), make_optimizer=adam)
     merged: dict[str, torch.Tensor] = {}
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
         assert value["kept_only_the_stage"] and value["losses"] == pytest.approx(losses, abs=1e-6)
         merged.update(value["model"])
-    for name, tensor in model.state_dict().items():
+    for name, tensor in weights.items():
         assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name

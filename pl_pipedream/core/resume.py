@@ -152,10 +152,7 @@ class Resume:
         """Check the checkpoint's names and shapes against ``model``'s state; whether its
         ``state_dict`` is to be loaded now (else ``load_stage`` loads it at setup)."""
         if self.lazy:
-            assert self.meta is not None
-            saved: dict[str, list[int]] = {}
-            for shapes in sharded.state_shapes(self.meta) or []:
-                saved = {**shapes, **saved}
+            saved = {name: shape for name, (_, shape) in self._holders().items()}
             check_state_names(model, saved, strict)
             return False
         check_state_names(model, shapes_of(checkpoint["state_dict"]), strict)
@@ -166,13 +163,12 @@ class Resume:
         shards that hold it (a name's first shard, as ``merge_states``)."""
         if not self.lazy:
             return
-        assert self.meta is not None
-        shapes = sharded.state_shapes(self.meta) or []
-        sources = {}
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            holders = [k for k, names in enumerate(shapes) if name in names]
-            if not tensor.is_meta and holders:
-                sources[name] = holders[0]
+        holders = self._holders()
+        sources = {
+            name: holders[name][0]
+            for name, tensor in module.state_dict(keep_vars=True).items()
+            if not tensor.is_meta and name in holders
+        }
         self._read(sorted(set(sources.values())))
         state = {name: self.shards[k]["state_dict"][name] for name, k in sources.items()}
         module.load_state_dict(state, strict=False)
@@ -181,22 +177,28 @@ class Resume:
         """The checkpoint's state as a weights file (``core.pretrained``) for a module built
         empty, whose stage is created from it: the names and shapes the records list, each
         value read from the first shard holding it (a shard read when first needed)."""
-        assert self.lazy and self.meta is not None
-        holders: dict[str, int] = {}
-        shapes: dict[str, torch.Tensor] = {}
-        for k, names in enumerate(sharded.state_shapes(self.meta) or []):
-            for name, shape in names.items():
-                if name not in holders:
-                    holders[name], shapes[name] = k, torch.empty(shape, device="meta")
+        assert self.lazy
+        holders = self._holders()
+        shapes = {name: torch.empty(shape, device="meta") for name, (_, shape) in holders.items()}
 
         def reader() -> Callable[[str], torch.Tensor]:
             def read(name: str) -> torch.Tensor:
-                self._read([holders[name]])
-                return self.shards[holders[name]]["state_dict"][name]
+                self._read([holders[name][0]])
+                return self.shards[holders[name][0]]["state_dict"][name]
 
             return read
 
         return WeightsFile(shapes, reader)
+
+    def _holders(self) -> dict[str, tuple[int, list[int]]]:
+        """Each state name the records list: the first shard holding it (as ``merge_states``
+        takes it) and its shape."""
+        assert self.meta is not None
+        holders: dict[str, tuple[int, list[int]]] = {}
+        for k, names in enumerate(sharded.state_shapes(self.meta) or []):
+            for name, shape in names.items():
+                holders.setdefault(name, (k, shape))
+        return holders
 
     def check_plan(self, plan: Plan, stage: int) -> None:
         """At setup, once the plan is chosen: a checkpoint keyed by position needs its own.

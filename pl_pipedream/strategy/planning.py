@@ -138,7 +138,22 @@ def sample_input(
             "planning at setup needs a sample input: fit with a training dataloader, set "
             "example_input_array on the LightningModule, or pass balance= or plan="
         )
-    return to_device(example)
+    return to_device(_one_argument(example))
+
+
+def _one_argument(example: Any) -> Any:
+    """The first layer's one argument from ``example_input_array``, read as Lightning reads it
+    (``model(*example)`` for a tuple, ``model(**example)`` for a dict, else ``model(example)``)."""
+    if isinstance(example, tuple) and len(example) == 1:
+        return example[0]
+    if isinstance(example, (tuple, dict)):
+        given = f"a tuple of {len(example)}" if isinstance(example, tuple) else "a dict"
+        raise PipelineSetupError(
+            f"the first layer of a pipeline takes one argument, but example_input_array gives "
+            f"forward several (example_input_array: {given}); set it to the one value the first "
+            "layer takes, wrapped in a 1-tuple if that value is itself a tuple: ((a, b),)"
+        )
+    return example
 
 
 def first_sample(

@@ -139,6 +139,19 @@ def test_outside_fit_the_sample_is_the_example_input_array(tmp_path: Path) -> No
     assert torch.equal(sample, torch.full((3, 4), 2.0))  # moved with to_device
 
 
+def test_a_tuple_example_holds_forwards_arguments_as_in_lightning(tmp_path: Path) -> None:
+    """``example_input_array = ((a, b),)`` means ``forward((a, b))`` (Seq2Seq's): the sample is
+    the pair, not the 1-tuple around it; several arguments cannot feed one first layer."""
+    module = Model()
+    pair = (torch.ones(2, 3), torch.zeros(2, 3))
+    module.example_input_array = (pair,)
+    sample = sample_input(trainer(tmp_path), module, 2, lambda x: x)
+    assert isinstance(sample, tuple) and len(sample) == 2 and torch.equal(sample[0], pair[0])
+    module.example_input_array = pair
+    with pytest.raises(PipelineSetupError, match=r"example_input_array: a tuple of 2\); set it"):
+        sample_input(trainer(tmp_path), module, 2, lambda x: x)
+
+
 def test_without_a_sample_planning_names_the_ways_to_give_one(tmp_path: Path) -> None:
     with pytest.raises(
         PipelineSetupError, match="example_input_array .* or pass balance= or plan="

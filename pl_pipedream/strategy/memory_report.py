@@ -1,14 +1,4 @@
-"""Memory per stage: the planner's limit from the device, and the peaks measured in a fit.
-
-At setup, automatic planning takes each rank's memory from its device: the free memory of a GPU
-(``torch.cuda.mem_get_info``), or ``PipeDreamStrategy(memory=...)`` (bytes, or a string such as
-``"8GiB"``) on CPU, where the process has no budget of its own to ask for. The smallest over
-the ranks bounds every stage by what the sync mode keeps (``schedule.memory.stage_bytes``:
-weights x the versions the schedule keeps plus activations x its minibatches in flight plus the
-frames of its messages in flight). The planner's own limit (``planner.costs.held_bytes``,
-PipeDream's ceil(workers after the stage / replicas) x (weights + activations), plus the
-frames) is lowered until its plan fits by that rule. If no plan fits, setup stops naming the
-smallest memory with which one would, found by bisection.
+"""The memory each stage used in a fit, beside the plan's estimate for it.
 
 At the end of a fit every rank measures its stage: the weights it holds, the peak of the stashed
 weight versions beyond the live ones (``runtime.stash``), the peak of the activations its
@@ -22,8 +12,7 @@ the rows as ``strategy.memory_report``.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,174 +20,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.planner.costs import held_bytes
-from pl_pipedream.planner.plan import Plan, PlanError, Stage
+from pl_pipedream.core.memory_limit import planner_bytes
+from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.runtime.recompute import Activations
 from pl_pipedream.schedule.memory import (
     activations_kept,
     rank_frame_bytes,
-    stage_bytes,
     versions_kept,
 )
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = [
-    "StageMemory",
-    "estimate",
-    "estimate_frames",
-    "gather_memory",
-    "measure",
-    "parse_memory",
-    "plan_within",
-    "planner_bytes",
-    "of_fit",
-    "render",
-    "report",
-    "smallest_fitting",
-]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_memory(value: Any) -> float | None:
-    """Bytes from ``None``, a number of bytes, or a string such as ``"8GiB"`` or ``"512 MB"``."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    else:
-        found = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-        unit = found.group(2).lower() if found else None
-        if found is None or unit not in _UNITS:
-            raise ValueError(
-                f"memory must be a number of bytes or a size such as '8GiB' or '512MB' (memory: "
-                f"{value!r}); for example PipeDreamStrategy(memory='8GiB')"
-            )
-        number = float(found.group(1)) * _UNITS[unit]
-    if not number > 0:
-        raise ValueError(
-            f"memory must be positive (memory: {value!r}); for example "
-            "PipeDreamStrategy(memory='8GiB'), or omit it"
-        )
-    return number
-
-
-def device_memory(device: torch.device, given: float | None) -> float | None:
-    """This rank's memory for the planner: ``given``, else a GPU's free memory, else None."""
-    if given is not None:
-        return given
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return float(free)
-    return None
-
-
-def gather_memory(device: torch.device, given: float | None) -> float | None:
-    """The smallest memory over the ranks (every rank must call it); None: unconstrained."""
-    mine = device_memory(device, given)
-    every: list[float | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    known = [m for m in every if m is not None]
-    return min(known) if known else None
-
-
-def smallest_fitting(make: Callable[[float | None], Plan], low: float, high: float) -> float:
-    """The smallest memory (to 0.1 %) with which ``make`` finds a plan, between ``low``, where
-    none fits, and ``high``, where one does."""
-    while high - low > max(1.0, 1e-3 * high):
-        middle = (low + high) / 2
-        try:
-            make(middle)
-        except PlanError:
-            low = middle
-        else:
-            high = middle
-    return high
-
-
-def planner_bytes(plan: Plan, stage: Stage) -> float:
-    """The figure the planner's DP holds under its limit (``planner.dp``, PipeDream's):
-    ceil(workers after the stage / replicas) x (weights + activations), plus the frames of
-    its messages in flight (``planner.costs.held_bytes``)."""
-    after = sum(s.replicas for s in plan.stages[stage.index + 1 :])
-    both = stage.activation_bytes + stage.parameter_bytes
-    received = stage.input_bytes if stage.index > 0 else 0.0
-    return float(held_bytes(both, after, stage.replicas, received, stage.output_bytes))
-
-
-def fitting(
-    make: Callable[[float | None], Plan],
-    memory: float,
-    sync: SyncMode,
-    microbatches: int,
-    recompute: bool = False,
-) -> Plan:
-    """A plan whose every stage fits ``memory`` by what ``sync`` keeps
-    (``schedule.memory.stage_bytes``). The planner's own limit holds ``planner_bytes``, which
-    counts neither the sync mode nor the live weights, so it is lowered by the overshoot until
-    the plan it gives fits (with ``recompute``, from no limit at all: the planner's figure is
-    not a bound then)."""
-    limit: float | None = None if recompute else memory
-    for _ in range(64):
-        plan = make(limit)
-        need = (stage_bytes(plan, sync, microbatches, s, recompute) for s in range(plan.num_stages))
-        over = max(need) - memory
-        if over <= 0:
-            return plan
-        figure = max(planner_bytes(plan, stage) for stage in plan.stages)
-        limit = min(figure, limit if limit is not None else figure) - over
-        if limit <= 0:
-            break
-    raise PlanError(f"no plan fits {memory} bytes per worker")
-
-
-def plan_within(
-    make: Callable[[float | None], Plan],
-    memory: float | None,
-    total_bytes: float,
-    sync: SyncMode,
-    microbatches: int,
-    recompute: bool = False,
-) -> Plan:
-    """``make(None)`` without a limit; else a plan whose stages fit ``memory`` under ``sync``
-    with ``microbatches`` per batch (``fitting``), or an error naming the smallest memory with
-    which one would (``total_bytes``, the whole model's weights and activations, bounds the
-    search)."""
-    if memory is None:
-        return make(None)
-    limited = lambda m: fitting(make, m, sync, microbatches, recompute)  # noqa: E731
-    try:
-        return limited(memory)
-    except PlanError:
-        high = max(memory, 1.0) * 2
-        while high < 4 * make(None).num_workers * max(total_bytes, 1.0):
-            try:
-                limited(high)
-                break
-            except PlanError:
-                high *= 2
-        need = smallest_fitting(limited, memory, high)
-        fixes = (
-            "more devices or a smaller batch"
-            if recompute
-            else ("more devices, PipeDreamStrategy(recompute=True) or a smaller batch")
-        )
-        raise PipelineSetupError(
-            f"no pipeline fits the memory per device (memory: {_size(memory)}, the smallest that "
-            f"fits: {_size(need)}, sync: {sync}); use {fixes}, or allow memory= of at least that"
-        ) from None
+__all__ = ["StageMemory", "estimate", "estimate_frames", "measure", "of_fit", "render", "report"]
 
 
 @dataclass(frozen=True)
@@ -364,13 +196,3 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def _mib(value: float | None) -> str:
     return f"{'-':>8}" if value is None else f"{value / 2**20:>8.3f}"
-
-
-def _size(value: float) -> str:
-    """``value`` bytes, and in the largest binary unit it reaches: "1536 bytes (1.5 KiB)"."""
-    unit, scale = "bytes", 1
-    for name, size in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
-        if value >= size:
-            unit, scale = name, size
-    shown = f"{value:.0f} bytes"
-    return shown if scale == 1 else f"{shown} ({value / scale:.3g} {unit})"

@@ -32,6 +32,7 @@ from pl_pipedream.core import collectives
 from pl_pipedream.core.arguments import check_arguments, check_layer_sync, check_memory_layout
 from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
+from pl_pipedream.core.memory_limit import parse_memory
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
@@ -82,8 +83,7 @@ class PipeDreamStrategy(ParallelStrategy):
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
             (``core.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
-        memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit; on GPU the free
-            memory by default (``memory_report``).
+        memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit (GPU: free memory).
         pretrained: weights to start from, a path or a ``Pretrained``; each rank reads only its
             stage's tensors at setup, unless ``fit(ckpt_path=...)`` resumes (docs/pretrained.md).
     """
@@ -155,7 +155,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
-        self.memory = memory_report.parse_memory(memory)
+        self.memory = parse_memory(memory)
         check_memory_layout(self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 

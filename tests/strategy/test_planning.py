@@ -12,18 +12,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.planner.optimize import plan
+from pl_pipedream.core.planning import plan_profile
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.profile.graph import Profile
 from pl_pipedream.strategy.planning import (
     announce,
     choose_plan,
-    plan_at_setup,
     plan_automatically,
-    plan_profile,
     sample_input,
 )
+from tests.core.test_planning import six_equal_layers
 from tests.runtime.distributed import one_rank_group
 
 GIVEN = Plan.from_balance([1, 3])
@@ -174,54 +172,11 @@ def test_while_fitting_the_sample_is_one_microbatch_of_the_first_batch(tmp_path:
     assert torch.equal(record.sample, x[:2])
 
 
-def test_plan_at_setup_profiles_and_plans_over_the_layer_indices() -> None:
-    layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with one_rank_group():
-        plan, seconds = plan_at_setup(layers, torch.ones(2, 4), None, torch.device("cpu"))
-    assert plan.num_workers == 1 and seconds > 0
-    assert [stage.nodes for stage in plan.stages] == [("0", "1", "2")]
-
-
-def test_plan_at_setup_needs_a_topology_of_the_world_size() -> None:
-    layers = nn.Sequential(nn.Linear(4, 2))
-    with one_rank_group(), pytest.raises(ValueError, match=r"topology workers: 2, devices: 1\)"):
-        plan_at_setup(layers, torch.ones(2, 4), Topology.flat(2, 1e9), torch.device("cpu"))
-
-
-def test_a_failure_on_rank_zero_reaches_every_rank_as_one_error() -> None:
-    layers = nn.Sequential(nn.Linear(4, 2))
-    with one_rank_group(), pytest.raises(RuntimeError, match="automatic planning failed on rank 0"):
-        plan_at_setup(layers, torch.ones(2, 3), None, torch.device("cpu"))  # wrong width
-
-
 def test_plan_automatically_announces_the_plan_beside_the_logs(tmp_path: Path) -> None:
     with one_rank_group():
         plan, _ = plan_automatically(trainer(tmp_path), Model(), None, 1, lambda x: x)
     written = Plan.from_dict(json.loads((tmp_path / "pipedream_plan.json").read_text()))
     assert written == plan and plan.num_workers == 1
-
-
-def six_equal_layers() -> Profile:
-    return Profile.chain([10.0] * 6, [20.0] * 6, [1e6] * 6, [4e6] * 6)
-
-
-def test_setup_plans_the_best_plan_whose_replicas_divide_the_microbatches() -> None:
-    """Four workers: the best plan is 2-2; three microbatches do not admit it. The plan is the
-    best admitted one (1-3, 0.90x), not a straight pipeline (1-1-1-1, 0.78x), and says what
-    it would need."""
-    topology = Topology.flat(4, 1e10)
-    chosen = plan_profile(six_equal_layers(), topology, microbatches=3)
-    assert chosen.shape == "1-3"
-    assert chosen.slowest_stage_time < plan(six_equal_layers(), topology, True).slowest_stage_time
-    assert "PipeDreamStrategy(microbatches=4) admits the 2-2 plan" in chosen.meta["advice"]
-    assert plan_profile(six_equal_layers(), topology, microbatches=4).shape == "2-2"
-
-
-def test_a_model_built_empty_is_planned_straight_and_says_why() -> None:
-    chosen = plan_profile(six_equal_layers(), Topology.flat(4, 1e10), 4, empty=True)
-    assert chosen.shape == "1-1-1-1"
-    assert "built empty" in chosen.meta["note"]
-    assert "replicated stages (ruled out: the model was built empty)" in chosen.meta["advice"]
 
 
 def test_the_printed_plan_says_it_is_slower_than_data_parallelism(

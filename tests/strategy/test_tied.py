@@ -209,8 +209,8 @@ def test_three_ranks_flush_equals_one_device_2bw_the_oracle(tmp_path: Path, labe
 def test_automatic_plans_count_the_ties_traffic() -> None:
     from dataclasses import replace
 
+    from pl_pipedream.core.planning import _count_ties
     from pl_pipedream.planner.topology import Topology
-    from pl_pipedream.strategy.planning import _count_ties
 
     plan = replace(Plan.from_balance([1, 3]), slowest_stage_time=0.01)
     counted = _count_ties(plan, tied_model().configure_pipeline(), Topology.flat(2, 1e9))

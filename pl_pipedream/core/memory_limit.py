@@ -62,13 +62,12 @@ def parse_memory(value: Any) -> float | None:
         if found is None or unit not in _UNITS:
             raise ValueError(
                 f"memory must be a number of bytes or a size such as '8GiB' or '512MB' (memory: "
-                f"{value!r}); for example PipeDreamStrategy(memory='8GiB')"
+                f"{value!r}); for example memory='8GiB'"
             )
         number = float(found.group(1)) * _UNITS[unit]
     if not number > 0:
         raise ValueError(
-            f"memory must be positive (memory: {value!r}); for example "
-            "PipeDreamStrategy(memory='8GiB'), or omit it"
+            f"memory must be positive (memory: {value!r}); for example memory='8GiB', or omit it"
         )
     return number
 

@@ -3,7 +3,7 @@ the rule, the value given and a call that works (``"<rule> (<name>: <value>); <f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -13,7 +13,13 @@ from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["check_arguments", "check_built_optimizer", "choose_plan", "pipeline_of"]
+__all__ = [
+    "check_arguments",
+    "check_automatic",
+    "check_built_optimizer",
+    "choose_plan",
+    "pipeline_of",
+]
 
 
 def pipeline_of(layers: Any) -> nn.Sequential:
@@ -92,17 +98,29 @@ def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:
 
 
 def choose_plan(
-    balance: Sequence[int] | None, plan: Plan | None, num_layers: int, world_size: int
+    balance: Sequence[int] | None,
+    plan: Plan | None,
+    num_layers: int,
+    world_size: int,
+    automatically: Callable[[], Plan] | None = None,
 ) -> Plan:
-    """The plan to run: ``plan`` as given, or one built from ``balance`` (layers per stage, one
-    rank per stage); checked against the layers and the process group."""
-    if (balance is None) == (plan is None):
-        given = "both" if balance is not None else "neither"
+    """The plan to run: ``plan`` as given, one built from ``balance`` (layers per stage, one
+    rank per stage), or ``automatically()`` (profiled and planned, when ``example_input`` was
+    given); checked against the layers and the process group."""
+    if balance is not None and plan is not None:
         raise ValueError(
-            f"the pipeline's layout must be given once, as balance= or plan= ({given} given); "
-            f"for example Pipeline(..., balance=[2, 1]) (layers per stage, one stage per rank) "
-            "or Pipeline(..., plan=pl_pipedream.plan(profile, topology))"
+            "the pipeline's layout must be given once, as balance= or plan= (both given); "
+            "for example Pipeline(..., balance=[2, 1]) (layers per stage, one stage per rank)"
         )
+    if balance is None and plan is None:
+        if automatically is None:
+            raise ValueError(
+                "the pipeline's layout must be given as balance= or plan=, or planned from "
+                "example_input= (none given); for example Pipeline(..., balance=[2, 1]) (layers "
+                "per stage, one stage per rank) or Pipeline(..., example_input=x) with x one "
+                "microbatch of the first layer's input"
+            )
+        plan = automatically()
     if balance is not None:
         counts = list(balance)
         if not all(isinstance(c, int) and c >= 1 for c in counts) or sum(counts) != num_layers:
@@ -126,3 +144,33 @@ def choose_plan(
             f"{world_size}"
         )
     return plan
+
+
+def check_automatic(
+    explicit: bool, example_input: Any, topology: Any, memory: Any, world_size: int
+) -> None:
+    """``example_input``, ``topology`` and ``memory`` serve automatic planning only: with a
+    ``balance`` or ``plan`` they would be ignored, so they are refused; a topology must have
+    one worker per process."""
+    given = [
+        name
+        for name, value in (("example_input", example_input), ("topology", topology))
+        if value is not None
+    ] + (["memory"] if memory is not None else [])
+    if explicit and given:
+        raise ValueError(
+            f"{', '.join(given)} only serve automatic planning, which a given balance= or plan= "
+            f"replaces ({given[0]}: given); drop {'them' if len(given) > 1 else 'it'}, or drop "
+            "balance=/plan= to plan from example_input="
+        )
+    if not explicit and example_input is None and (topology is not None or memory is not None):
+        raise ValueError(
+            "automatic planning profiles the layers on one microbatch of the first layer's input "
+            "(example_input: None); pass Pipeline(..., example_input=x)"
+        )
+    if topology is not None and topology.num_workers != world_size:
+        raise ValueError(
+            f"the topology must have one worker per process of the group (topology workers: "
+            f"{topology.num_workers}, world size: {world_size}); launch "
+            f"{topology.num_workers} processes or give a topology of {world_size} workers"
+        )

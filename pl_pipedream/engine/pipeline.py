@@ -37,23 +37,27 @@ from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
+from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import (
     join_process_group,
     keep_local_parameters,
     move_to_device,
 )
+from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.stage import LocalStage, cut_stage
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
     check_arguments,
+    check_automatic,
     check_built_optimizer,
     choose_plan,
     pipeline_of,
 )
 from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.ties import check_ties
@@ -74,7 +78,10 @@ class Pipeline:
 
     ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``gpipe``, ``2bw``,
     ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
-    batch; the layout as ``balance`` (layers per stage, one rank each) or ``plan``; ``device``:
+    batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or planned
+    automatically (``core.planning``) from ``example_input`` (one microbatch of the first
+    layer's input, profiled on rank 0) for ``topology`` (default: one level, the link between
+    ranks 0 and 1 measured) within ``memory`` per rank (bytes or ``"8GiB"``); ``device``:
     this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);
     ``timeout``: seconds a rank waits for a peer before it fails naming it; ``divergence``:
     what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
@@ -98,6 +105,9 @@ class Pipeline:
         weight_prediction: bool = False,
         divergence: str = "error",
         preempt_signals: Sequence[str | int] = (),
+        example_input: Any = None,
+        topology: Topology | None = None,
+        memory: float | str | None = None,
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
@@ -110,8 +120,18 @@ class Pipeline:
         self.timeout = float(timeout)
         join_launched_group(self.timeout)
         self.rank = dist.get_rank()
-        self.plan = choose_plan(balance, plan, len(self.layers), dist.get_world_size())
+        explicit = balance is not None or plan is not None
+        check_automatic(explicit, example_input, topology, memory, dist.get_world_size())
         self.device = torch.device(device) if device is not None else default_device()
+
+        def automatically() -> Plan:
+            limit = gather_memory(self.device, parse_memory(memory))
+            sample = self._to_device(example_input)  # one microbatch, profiled on rank 0
+            sizes = (self.device, microbatches, limit, recompute, self.sync)
+            return plan_at_setup(self.layers, sample, topology, *sizes)[0]
+
+        world = dist.get_world_size()
+        self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)
         move_to_device(self.layers, self.device)

@@ -8,11 +8,13 @@ from torch import nn
 
 from pl_pipedream.engine.arguments import (
     check_arguments,
+    check_automatic,
     check_built_optimizer,
     choose_plan,
     pipeline_of,
 )
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 from pl_pipedream.schedule.modes import SyncMode
 
 
@@ -117,14 +119,55 @@ def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:
 
 
 @pytest.mark.parametrize(
+    ("explicit", "example", "topology", "memory", "message"),
+    [
+        (
+            True,
+            torch.ones(1),
+            None,
+            None,
+            r"^example_input only serve automatic planning, which a given balance= or plan= "
+            r"replaces \(example_input: given\); drop it",
+        ),
+        (True, None, Topology.flat(2, 1e9), "1GiB", r"^topology, memory only .* drop them"),
+        (
+            False,
+            None,
+            None,
+            "1GiB",
+            r"^automatic planning profiles the layers on one microbatch of the first layer's "
+            r"input \(example_input: None\); pass Pipeline\(\.\.\., example_input=x\)",
+        ),
+        (
+            False,
+            torch.ones(1),
+            Topology.flat(3, 1e9),
+            None,
+            r"\(topology workers: 3, world size: 2\); launch 3 processes",
+        ),
+    ],
+)
+def test_what_only_automatic_planning_uses_is_refused_elsewhere(
+    explicit: bool, example: object, topology: object, memory: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_automatic(explicit, example, topology, memory, 2)
+
+
+def test_without_a_layout_the_plan_is_made_automatically() -> None:
+    automatic = Plan.from_balance([1, 2])
+    assert choose_plan(None, None, 3, 2, lambda: automatic) is automatic
+
+
+@pytest.mark.parametrize(
     ("balance", "plan", "world", "message"),
     [
         (
             None,
             None,
             2,
-            r"^the pipeline's layout must be given once, as balance= or plan= "
-            r"\(neither given\); for example Pipeline\(\.\.\., balance=\[2, 1\]\)",
+            r"^the pipeline's layout must be given as balance= or plan=, or planned from "
+            r"example_input= \(none given\); for example Pipeline\(\.\.\., balance=\[2, 1\]\)",
         ),
         ([2, 1], Plan.from_balance([2, 1]), 2, r"\(both given\)"),
         (

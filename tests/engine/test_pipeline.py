@@ -130,6 +130,32 @@ def test_flush_equals_one_device(balance: list[int]) -> None:
             assert torch.equal(value["restored"]["model"][name], tensor), (rank, name)
 
 
+def _train_planned(rank: int, world: int) -> dict:
+    inputs = make_batches()[0][0]
+    example = inputs[: len(inputs) // M]  # one microbatch of the first layer's input
+    with Pipeline(
+        make_model(), nn.functional.mse_loss, sgd, microbatches=M, example_input=example
+    ) as pipeline:
+        losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+        return {"losses": losses, "state": pipeline.state_dict(), "plan": pipeline.plan}
+
+
+@pytest.mark.slow
+def test_without_a_layout_it_plans_from_an_example_and_flush_equals_one_device() -> None:
+    """Profiled on rank 0 and planned for 2 processes (``core.planning``): every rank runs the
+    same plan, whatever it is, and trains as one device does."""
+    results = run(2, _train_planned, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    plans = [value["plan"] for _, value in results.values()]
+    assert plans[0] == plans[1] and plans[0].num_workers == 2
+    assert [s.nodes for s in plans[0].stages][0][0] == "0"  # layer indices, as balance= gives
+    for _, value in results.values():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
 def test_async_equals_the_oracle(balance: list[int]) -> None:

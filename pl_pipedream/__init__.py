@@ -31,6 +31,7 @@ __all__ = [
     "Topology",
     "__version__",
     "consolidate_checkpoint",
+    "empty_build",
     "plan",
 ]
 
@@ -80,6 +81,10 @@ def __getattr__(name: str) -> Any:
         from pl_pipedream.core.pretrained import Pretrained
 
         return Pretrained
+    if name == "empty_build":
+        from pl_pipedream.core.materialize import empty_build
+
+        return empty_build
     if name in ("PipeDreamStrategy", "consolidate_checkpoint"):
         import pl_pipedream.strategy as strategy
 

@@ -46,7 +46,7 @@ from torch.utils import swap_tensors
 
 from pl_pipedream.core.errors import PipelineSetupError
 
-__all__ = ["EmptyBuild", "Reset", "loaded", "materialize", "model_tensors"]
+__all__ = ["EmptyBuild", "Reset", "empty_build", "loaded", "materialize", "model_tensors"]
 
 RESET_METHODS = ("reset_parameters", "_reset_parameters")
 NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad_"})
@@ -155,6 +155,15 @@ class _Recorder(TorchFunctionMode):
         return result
 
 
+@contextlib.contextmanager
+def empty_build() -> Iterator[EmptyBuild]:
+    """Outside Lightning: build the model inside the block, on ``meta`` and recorded, then pass
+    the record to ``Pipeline(..., empty_build=build)``, which creates only the rank's stage."""
+    build = EmptyBuild()
+    with build.record():
+        yield build
+
+
 def model_tensors(module: nn.Module) -> list[Tensor]:
     """Every parameter and buffer of ``module``, each once."""
     seen: dict[int, Tensor] = {}
@@ -184,7 +193,8 @@ def materialize(
         raise PipelineSetupError(
             "a model on the meta device must be built by the strategy, which records how to "
             f"initialise it (parameter: {names.get(id(wanted[0]), '?')}); build it in "
-            "configure_model() or under `with trainer.init_module(empty_init=True):`"
+            "configure_model() or under `with trainer.init_module(empty_init=True):`, or for "
+            "Pipeline under `with pl_pipedream.empty_build() as build:` and pass empty_build=build"
         )
     if build.unreplayable:
         raise PipelineSetupError(

@@ -37,6 +37,7 @@ from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
+from pl_pipedream.core.materialize import EmptyBuild, materialize
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import (
@@ -46,6 +47,7 @@ from pl_pipedream.core.placement import (
 )
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
+from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.stage import LocalStage, cut_stage
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
@@ -87,7 +89,10 @@ class Pipeline:
     what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
     ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
     ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
-    where ``train_step`` drains and raises ``Preempted``."""
+    where ``train_step`` drains and raises ``Preempted``; ``pretrained``: weights to start from
+    (a path or a ``Pretrained``: each rank reads its stage's tensors); ``empty_build``: the
+    record of ``pl_pipedream.empty_build()`` when ``layers`` were built on ``meta``, from which
+    each rank creates only its stage."""
 
     def __init__(
         self,
@@ -108,6 +113,8 @@ class Pipeline:
         example_input: Any = None,
         topology: Topology | None = None,
         memory: float | str | None = None,
+        pretrained: str | os.PathLike | Pretrained | None = None,
+        empty_build: EmptyBuild | None = None,
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
@@ -133,6 +140,7 @@ class Pipeline:
         world = dist.get_world_size()
         self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
+        self._create_stage(Pretrained.parse(pretrained), empty_build or EmptyBuild())
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)
         move_to_device(self.layers, self.device)
         stage = self.local.stage
@@ -164,6 +172,16 @@ class Pipeline:
         self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
+
+    def _create_stage(self, weights: Pretrained | None, build: EmptyBuild) -> None:
+        """The stage's tensors from ``weights`` (each rank reads its own), else created from
+        the empty build's record when the layers were built on ``meta`` (``core.materialize``)."""
+        local = [int(node) for node in self.local.stage.nodes]
+        initial = (self.layers, self.layers, local, self.device, build)
+        if weights is not None:
+            load_stage(weights, *initial)
+        else:
+            materialize(*initial)
 
     @property
     def stage(self) -> int:

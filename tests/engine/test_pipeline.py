@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import pl_pipedream
 from pl_pipedream import Pipeline
 from pl_pipedream.core.errors import PipelineSetupError, TrainingDiverged
 from pl_pipedream.core.preemption import Preempted
@@ -32,6 +33,10 @@ STEPS = 4
 
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
+    return build_model()
+
+
+def build_model() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3), nn.Identity()
     )
@@ -279,6 +284,45 @@ def test_flush_with_a_replicated_stage_or_a_tie_equals_one_device(kind: str) -> 
     assert merged.keys() == weights.keys()
     for name, expected in weights.items():
         assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+
+
+def _train_built_empty(rank: int, world: int, pretrained: str | None) -> dict:
+    torch.manual_seed(0)  # before the block: the record replays from the generator's state there
+    with pl_pipedream.empty_build() as build:
+        layers = build_model()
+    assert all(p.is_meta for p in layers.parameters())
+    given = {"pretrained": pretrained} if pretrained else {"empty_build": build}
+    with Pipeline(
+        layers, nn.functional.mse_loss, sgd, microbatches=M, balance=[3, 3], **given
+    ) as pipeline:
+        others = [
+            p.is_meta
+            for i, layer in enumerate(layers)
+            for p in layer.parameters()
+            if str(i) not in pipeline.local.stage.nodes
+        ]
+        losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+        return {"losses": losses, "state": pipeline.state_dict(), "others": others}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["empty_build", "pretrained"])
+def test_a_model_built_empty_creates_only_each_ranks_stage(source: str, tmp_path: Path) -> None:
+    """Built on ``meta`` under ``pl_pipedream.empty_build()``, each rank creates only its
+    stage: from the build's record (the values of the whole build with the same seed) or from
+    pretrained weights (each rank reads its stage's); flush then trains as one device does."""
+    path = None
+    if source == "pretrained":
+        path = str(tmp_path / "weights.pt")
+        torch.save(make_model().state_dict(), path)
+    results = run(2, _train_built_empty, path, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    for _, value in results.values():
+        assert value["others"] and all(value["others"])  # the other stage never created here
+        assert value["losses"] == pytest.approx(losses, abs=1e-6)
 
 
 def _diverge_then_preempt(rank: int, world: int) -> dict:

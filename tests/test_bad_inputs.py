@@ -334,9 +334,9 @@ ROWS = {
     ),
     "engine without a layout": Row(
         "plan",
-        "`Pipeline(...)` with neither `balance=` nor `plan=`",
+        "`Pipeline(...)` with neither `balance=`, `plan=` nor `example_input=`",
         lambda tmp: choose_plan(None, None, 3, 2),
-        ("layout must be given once", "neither given", "balance=[2, 1]"),
+        ("layout must be given as balance= or plan=", "none given", "example_input=x"),
     ),
     # ----- checkpoint ---------------------------------------------------------------------
     "checkpoint path that is no checkpoint": Row(

@@ -52,10 +52,12 @@ from pl_pipedream.engine.arguments import (
     choose_plan,
     pipeline_of,
 )
+from pl_pipedream.engine.precision import choose_precision
 from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
@@ -80,7 +82,8 @@ class Pipeline:
     what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
     ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
     ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
-    where ``train_step`` drains and raises ``Preempted``."""
+    where ``train_step`` drains and raises ``Preempted``; ``precision``: ``"32-true"``,
+    ``"bf16-mixed"`` or ``"16-mixed"`` (``engine.precision``), or a ``StagePrecision``."""
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class Pipeline:
         weight_prediction: bool = False,
         divergence: str = "error",
         preempt_signals: Sequence[str | int] = (),
+        precision: str | StagePrecision = "32-true",
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
@@ -112,6 +116,8 @@ class Pipeline:
         self.rank = dist.get_rank()
         self.plan = choose_plan(balance, plan, len(self.layers), dist.get_world_size())
         self.device = torch.device(device) if device is not None else default_device()
+        chosen = choose_precision(precision, self.sync, self.device)
+        self.precision, self.scaler = chosen.stage, chosen.scaler
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)
         move_to_device(self.layers, self.device)
@@ -126,7 +132,7 @@ class Pipeline:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
-        self.updates = OptimizerUpdate(self.local.module, self.optimizer)
+        self.updates = OptimizerUpdate(self.local.module, self.optimizer, self.scaler)
         self.runner: PipelineRunner | None = PipelineRunner.create(
             self.plan,
             self.sync,
@@ -139,6 +145,7 @@ class Pipeline:
             ties=self.local.ties,
             weight_prediction=weight_prediction,
             recompute=recompute,
+            precision=self.precision,
         )
         channel = self.runner.executor.channel
         self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
@@ -210,7 +217,8 @@ class Pipeline:
         self.local.module.eval()
         inputs, targets = _pair(self._to_device(batch))
         what = f"the evaluation activations of step {self.steps}"
-        loss = self._forward.forward(lambda: inputs, lambda out: self.loss_fn(out, targets), what)
+        with self.precision.forward():
+            loss = self._forward.forward(lambda: inputs, lambda o: self.loss_fn(o, targets), what)
         loss = self._forward.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
         runner.executor.channel.flush()
         return loss.detach()
@@ -222,7 +230,8 @@ class Pipeline:
         self.drain()
         self.local.module.eval()
         what = f"the predictions of step {self.steps}"
-        output = self._forward.forward(lambda: self._to_device(inputs), lambda out: out, what)
+        with self.precision.forward():
+            output = self._forward.forward(lambda: self._to_device(inputs), lambda o: o, what)
         output = self._forward.to_every_rank(output, what)
         runner.executor.channel.flush()
         return output

@@ -7,6 +7,7 @@ Accelerate calls on every process before it writes, add the pipeline in the proj
 format: ``Pipeline.save`` into ``<dir>/pipeline`` (one shard per stage, ``docs/checkpoints.md``;
 ``pl_pipedream.consolidate_checkpoint`` gives the whole model back for one device) and, under
 fp16, the loss scale beside it. ``load_state`` resumes it under any plan over the same layers.
+A pipeline once closed is no longer saved or loaded: its hooks do nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ def register(accelerator: Any, pipeline: Pipeline) -> tuple[Any, Any]:
     """Register the pipeline's save and load hooks; returns their removable handles."""
 
     def save(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        if pipeline.runner is None:
+            return  # closed: a later pipeline of the same Accelerator saves in its place
         pipeline.save(Path(output_dir) / PIPELINE)  # every rank: a barrier when it returns
         if pipeline.scaler is not None and pipeline.rank == 0:
             torch.save(pipeline.scaler.state_dict(), Path(output_dir) / SCALER)
 
     def load(models: list[Any], input_dir: str) -> None:
+        if pipeline.runner is None:
+            return
         pipeline.load(Path(input_dir) / PIPELINE)
         scale = Path(input_dir) / SCALER
         if pipeline.scaler is not None and scale.exists():  # saved under fp16

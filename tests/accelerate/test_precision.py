@@ -69,8 +69,9 @@ def test_bf16_equals_one_device_under_the_same_autocast() -> None:
     for x, y in make_batches():
         optimizer.zero_grad()
         loss = 0.0
-        for a, b in zip(x.chunk(M), y.chunk(M)):  # one backward pass per microbatch, as
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate accumulates
+        # one backward pass per microbatch, as Accelerate accumulates, under its autocast
+        for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
                 microbatch = nn.functional.mse_loss(model(a), b)
             (microbatch / M).backward()
             loss += microbatch.item() / M

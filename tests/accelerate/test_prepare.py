@@ -23,8 +23,8 @@ from pl_pipedream.core.preemption import Preempted
 from pl_pipedream.planner.plan import Plan
 from tests.accelerate.ranks import accelerator_on
 from tests.engine.test_pipeline import (
-    M,
     STEPS,
+    M,
     gpt_batches,
     gpt_layers,
     gpt_loss,
@@ -194,7 +194,8 @@ def test_an_accelerator_without_a_multi_process_launch_is_refused() -> None:
             check_accelerator(fake(kind))
     with pytest.raises(ValueError) as refused:
         check_accelerator(fake(DistributedType.NO))
-    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in str(refused.value)
+    command = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N"
+    assert command in str(refused.value)
     check_accelerator(fake(DistributedType.MULTI_GPU))  # NCCL: accepted
 
 

@@ -23,8 +23,12 @@ def _save_then_resume(rank: int, world: int, path: str) -> dict:
     batches = make_batches()
     model = make_model()
     pipeline = prepare_pipeline(
-        accelerator, model, sgd(model.parameters()), nn.functional.mse_loss,
-        microbatches=M, balance=[3, 3],
+        accelerator,
+        model,
+        sgd(model.parameters()),
+        nn.functional.mse_loss,
+        microbatches=M,
+        balance=[3, 3],
     )
     for batch in batches[:2]:
         pipeline.train_step(batch)
@@ -36,8 +40,12 @@ def _save_then_resume(rank: int, world: int, path: str) -> dict:
         for param in model.parameters():
             param.add_(1.0)  # not the saved weights: the load must bring them
     resumed = prepare_pipeline(
-        accelerator, model, sgd(model.parameters()), nn.functional.mse_loss,
-        microbatches=M, balance=[2, 4],  # another plan over the same layers
+        accelerator,
+        model,
+        sgd(model.parameters()),
+        nn.functional.mse_loss,
+        microbatches=M,
+        balance=[2, 4],  # another plan over the same layers
     )
     accelerator.load_state(path)
     steps = resumed.steps

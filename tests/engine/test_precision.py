@@ -49,7 +49,11 @@ def test_what_cannot_run_is_refused_naming_the_fix() -> None:
 def test_bf16_on_one_rank_equals_one_device_under_the_same_autocast() -> None:
     with one_rank_group():
         with Pipeline(
-            make_model(), nn.functional.mse_loss, sgd, microbatches=M, balance=[6],
+            make_model(),
+            nn.functional.mse_loss,
+            sgd,
+            microbatches=M,
+            balance=[6],
             precision="bf16-mixed",
         ) as pipeline:
             losses = [pipeline.train_step(batch).item() for batch in make_batches()]
@@ -61,7 +65,7 @@ def test_bf16_on_one_rank_equals_one_device_under_the_same_autocast() -> None:
     for x, y in make_batches():
         optimizer.zero_grad()
         loss = 0.0
-        for a, b in zip(x.chunk(M), y.chunk(M)):
+        for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 microbatch = nn.functional.mse_loss(model(a), b)
             (microbatch / M).backward()

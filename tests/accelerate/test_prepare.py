@@ -104,8 +104,8 @@ def _train_gpt(rank: int, world: int) -> tuple[list[float], dict]:
 
 @pytest.mark.slow
 def test_the_gpt_example_with_its_tied_embedding_trains_as_on_one_device() -> None:
+    model = gpt_layers()  # first: the forked ranks inherit Lightning, imported by models.gpt
     results = run(2, _train_gpt, timeout=120.0)
-    model = gpt_layers()
     optimizer, losses = sgd(model.parameters()), []
     for x, y in gpt_batches():
         optimizer.zero_grad()

@@ -81,9 +81,10 @@ def test_flush_equals_one_device(balance: list[int]) -> None:
 
 
 @pytest.mark.slow
-def test_async_equals_the_oracle() -> None:
-    results = run(2, _train, "async", [3, 3], timeout=120.0)
-    plan = Plan.from_balance([3, 3])
+@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
+def test_async_equals_the_oracle(balance: list[int]) -> None:
+    results = run(len(balance), _train, "async", balance, timeout=120.0)
+    plan = Plan.from_balance(balance)
     expected = oracle.train(
         make_model(), plan, "async", make_batches(), M, nn.functional.mse_loss, sgd
     )
@@ -154,18 +155,15 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step() -> None:
     assert code == 128 + signal.SIGUSR1 and drained and 3 < steps < 400
 
 
-@pytest.mark.slow
-def test_the_example_runs_under_accelerate_launch() -> None:
-    """The command docs/accelerate.md gives for CPUs: Accelerate's torchrun-style launcher
-    with ACCELERATE_USE_CPU, two processes joined over gloo by Accelerate itself."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+def _launch(*options: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     launcher = str(Path(sys.executable).parent / "accelerate")  # installed with accelerate
     command = [
         launcher,
         "launch",
-        "--multi_gpu",
+        *options,
         "--num_processes",
         "2",
         "--num_machines",
@@ -174,14 +172,30 @@ def test_the_example_runs_under_accelerate_launch() -> None:
         "no",
         "--dynamo_backend",
         "no",
-        "--main_process_port",
-        "0",
         str(ROOT / "examples" / "accelerate_pipeline.py"),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_the_example_runs_under_accelerate_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command docs/accelerate.md gives for CPUs: Accelerate's torchrun-style launcher
+    with ACCELERATE_USE_CPU, two processes joined over gloo by Accelerate itself."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")  # for the launched processes
+    done = _launch("--multi_gpu", "--main_process_port", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     final = [line for line in done.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and float(final[0].split()[-1]) < 2.0, done.stdout
+
+
+@pytest.mark.slow
+def test_accelerate_launch_cpu_starts_one_process_and_is_refused_naming_the_command() -> None:
+    """accelerate 1.15's ``launch --cpu --num_processes 2`` runs the script once, without
+    --mpirun_hostfile: the Accelerator is not distributed, and prepare_pipeline says so."""
+    done = _launch("--cpu")
+    assert done.returncode != 0
+    assert "(distributed type: DistributedType.NO)" in done.stderr, done.stderr[-3000:]
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in done.stderr
 
 
 def fake(kind: DistributedType = DistributedType.MULTI_CPU, steps: int = 1) -> SimpleNamespace:

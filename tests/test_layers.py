@@ -2,11 +2,11 @@
 
 Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
 cells; configs: the Hydra configs) < planner < schedule < runtime < core (what any front end
-needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) <
-strategy < the example models and data modules < reproduce (Table 1 beside the planner) <
-the apps (apps: cli and train, hydra_ranks, the package's own ``__init__``). A unit may import
-itself and any lower layer; models and data, though on one layer, do not import each other; the
-apps may import one another.
+needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) < the
+front ends (strategy; accelerate, free of Lightning) < the example models and data modules <
+reproduce (Table 1 beside the planner) < the apps (apps: cli and train, hydra_ranks, the
+package's own ``__init__``). A unit may import itself and any lower layer; models and data, though
+on one layer, do not import each other; the apps may import one another.
 Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
 (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
 and relative (``from ..x import y``, ``from . import x``).
@@ -38,7 +38,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"runtime"}),
     frozenset({"core"}),
     frozenset({"engine"}),
-    frozenset({"strategy"}),
+    frozenset({"strategy", "accelerate"}),
     frozenset({"models", "data"}),
     frozenset({"reproduce"}),
     frozenset({"apps", "hydra_ranks", "__init__"}),

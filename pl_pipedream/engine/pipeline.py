@@ -57,11 +57,13 @@ from pl_pipedream.engine.arguments import (
     choose_plan,
     pipeline_of,
 )
+from pl_pipedream.engine.precision import choose_precision
 from pl_pipedream.engine.updates import OptimizerUpdate
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
+from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
@@ -89,10 +91,11 @@ class Pipeline:
     what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
     ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
     ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
-    where ``train_step`` drains and raises ``Preempted``; ``pretrained``: weights to start from
-    (a path or a ``Pretrained``: each rank reads its stage's tensors); ``empty_build``: the
-    record of ``pl_pipedream.empty_build()`` when ``layers`` were built on ``meta``, from which
-    each rank creates only its stage."""
+    where ``train_step`` drains and raises ``Preempted``; ``precision``: ``"32-true"``,
+    ``"bf16-mixed"`` or ``"16-mixed"`` (``engine.precision``), or a ``StagePrecision``;
+    ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
+    stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
+    ``layers`` were built on ``meta``, from which each rank creates only its stage."""
 
     def __init__(
         self,
@@ -110,6 +113,7 @@ class Pipeline:
         weight_prediction: bool = False,
         divergence: str = "error",
         preempt_signals: Sequence[str | int] = (),
+        precision: str | StagePrecision = "32-true",
         example_input: Any = None,
         topology: Topology | None = None,
         memory: float | str | None = None,
@@ -130,6 +134,8 @@ class Pipeline:
         explicit = balance is not None or plan is not None
         check_automatic(explicit, example_input, topology, memory, dist.get_world_size())
         self.device = torch.device(device) if device is not None else default_device()
+        chosen = choose_precision(precision, self.sync, self.device)
+        self.precision, self.scaler = chosen.stage, chosen.scaler
 
         def automatically() -> Plan:
             limit = gather_memory(self.device, parse_memory(memory))
@@ -154,7 +160,7 @@ class Pipeline:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
-        self.updates = OptimizerUpdate(self.local.module, self.optimizer)
+        self.updates = OptimizerUpdate(self.local.module, self.optimizer, self.scaler)
         self.runner: PipelineRunner | None = PipelineRunner.create(
             self.plan,
             self.sync,
@@ -167,6 +173,7 @@ class Pipeline:
             ties=self.local.ties,
             weight_prediction=weight_prediction,
             recompute=recompute,
+            precision=self.precision,
         )
         channel = self.runner.executor.channel
         self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
@@ -248,7 +255,8 @@ class Pipeline:
         self.local.module.eval()
         inputs, targets = _pair(self._to_device(batch))
         what = f"the evaluation activations of step {self.steps}"
-        loss = self._forward.forward(lambda: inputs, lambda out: self.loss_fn(out, targets), what)
+        with self.precision.forward():
+            loss = self._forward.forward(lambda: inputs, lambda o: self.loss_fn(o, targets), what)
         loss = self._forward.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
         runner.executor.channel.flush()
         return loss.detach()
@@ -260,7 +268,8 @@ class Pipeline:
         self.drain()
         self.local.module.eval()
         what = f"the predictions of step {self.steps}"
-        output = self._forward.forward(lambda: self._to_device(inputs), lambda out: out, what)
+        with self.precision.forward():
+            output = self._forward.forward(lambda: self._to_device(inputs), lambda o: o, what)
         output = self._forward.to_every_rank(output, what)
         runner.executor.channel.flush()
         return output

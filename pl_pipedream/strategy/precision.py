@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -42,6 +41,7 @@ from lightning.pytorch.plugins.precision import (
 from torch import nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.precision import share_found_inf
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -130,27 +130,3 @@ def stage_precision(plugin: Precision, device: torch.device) -> StagePrecision:
     scaler.scale(torch.zeros((), device=device))
     share_found_inf(scaler, device)
     return StagePrecision(plugin.train_step_context, scaler.scale)
-
-
-def share_found_inf(scaler: torch.amp.GradScaler, device: torch.device, group: Any = None) -> None:
-    """Make ``scaler.unscale_(optimizer)`` agree with every rank of ``group`` (all by default):
-    after unscaling, the inf/NaN flag of the optimizer's gradients becomes its maximum over the
-    ranks, so ``scaler.step`` skips, and ``scaler.update`` backs off, on every stage or on none.
-    Every rank must unscale the same optimizers in the same order. Writes the flag where torch
-    keeps it, ``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``, as
-    torch's own ``ShardedGradScaler`` does; a stage without gradients gets one for ``device``."""
-    unscale = type(scaler).unscale_.__get__(scaler)  # the class's: setting up twice wraps once
-
-    def unscale_(optimizer: Optimizer) -> None:
-        unscale(optimizer)
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        flag = torch.zeros((), dtype=torch.float32, device=device)  # as torch keeps it
-        for value in found.values():
-            flag = torch.maximum(flag, value.to(device).reshape(()))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        for value in found.values():
-            value.copy_(flag.reshape(value.shape))
-        if not found:
-            found[device] = flag
-
-    scaler.unscale_ = unscale_  # type: ignore[method-assign]

@@ -43,3 +43,29 @@ def test_a_stage_without_an_optimizer_only_moves_storage() -> None:
     assert update({}, storage) == kept.numel() * kept.element_size()
     assert torch.equal(stage.get_parameter("2.bias"), kept)
     assert stage.get_parameter("2.bias").data_ptr() == storage["2.bias"].data_ptr()
+
+
+def test_under_a_loss_scale_an_inf_skips_the_step_and_the_scale_backs_off() -> None:
+    from pl_pipedream.core.precision import share_found_inf
+    from tests.runtime.distributed import one_rank_group
+
+    with one_rank_group():
+        stage = _stage()
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(torch.zeros(()))
+        share_found_inf(scaler, torch.device("cpu"))
+        update = OptimizerUpdate(stage, torch.optim.SGD(stage.parameters(), lr=0.1), scaler)
+        before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        gradients = {n: torch.full_like(p, 4.0) for n, p in stage.named_parameters()}
+        gradients["2.bias"] = torch.full_like(gradients["2.bias"], float("inf"))
+        update(gradients, {})
+        for name, param in stage.named_parameters():
+            assert torch.equal(param, before[name]), name  # skipped on every parameter
+        assert scaler.get_scale() == 2.0
+        gradients = {n: torch.full_like(p, 2.0) for n, p in stage.named_parameters()}
+        update(gradients, {})  # unscaled by 2: a gradient of 1, stepped
+        for name, param in stage.named_parameters():
+            assert torch.allclose(param, before[name] - 0.1), name
+        nothing = OptimizerUpdate(stage, None, scaler)  # a stage without parameters agrees too
+        nothing({}, {})
+        assert scaler.get_scale() == 2.0  # (grows only after 2000 clean steps)

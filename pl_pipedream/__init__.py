@@ -36,7 +36,10 @@ __all__ = [
 ]
 
 # Each Lightning package, and the front end that registers itself in it on import.
-_FRONT_ENDS = {"lightning.pytorch": "pl_pipedream.strategy", "lightning.fabric": "pl_pipedream.fabric"}
+_FRONT_ENDS = {
+    "lightning.pytorch": "pl_pipedream.strategy",
+    "lightning.fabric": "pl_pipedream.fabric",
+}
 
 
 def _register(front_end: str) -> None:

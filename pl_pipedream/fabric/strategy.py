@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
@@ -103,7 +103,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> None:
+    def distributed_sampler_kwargs(self) -> None:  # type: ignore[override]
         """None: every rank of a pipeline reads the same batches (the engine checks it)."""
         return None
 
@@ -117,14 +117,16 @@ class PipeDreamFabricStrategy(DDPStrategy):
     ) -> tuple[nn.Module, list[Optimizer], Any]:
         """Build the pipeline from the model's layers and its optimizer (cut to the stage's)."""
         self._check_setup(optimizers)
+        layers = cast(nn.Sequential, module)  # or a list of modules: the engine checks it
+        loss_fn = cast(Callable[[Any, Any], Tensor], self.loss_fn)  # checked above
         pipeline = Pipeline(
-            module, self.loss_fn, optimizers[0], device=self.root_device, **self.engine_arguments
+            layers, loss_fn, optimizers[0], device=self.root_device, **self.engine_arguments
         )
         self._module = PipelineModule(pipeline)
         return self._module, optimizers, scheduler
 
     @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> Any:
         raise ValueError(
             f"the pipeline is built from the model and its optimizer together, each rank keeping "
             f"its stage's parameters (optimizers: 0); write {SETUP}"

@@ -286,16 +286,20 @@ def test_the_string_pipedream_finds_the_strategy_with_each_start_method() -> Non
         assert fabric.strategy.distributed_sampler_kwargs is None  # every rank the same batches
 
 
-def test_importing_the_package_first_registers_it_when_fabric_loads() -> None:
+@pytest.mark.slow  # a fresh interpreter importing Lightning
+def test_importing_the_package_first_registers_both_front_ends_when_lightning_loads() -> None:
     code = (
         "import sys, pl_pipedream; assert 'lightning' not in sys.modules; "
         "from lightning.fabric import Fabric; "
-        "print(type(Fabric(strategy='pipedream', accelerator='cpu', devices=2).strategy).__name__)"
+        "kw = dict(strategy='pipedream', accelerator='cpu', devices=2); "
+        "print(type(Fabric(**kw).strategy).__name__); "
+        "from lightning.pytorch import Trainer; "
+        "print(type(Trainer(**kw).strategy).__name__)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith("PipeDreamFabricStrategy")
+    assert done.stdout.split()[-2:] == ["PipeDreamFabricStrategy", "PipeDreamStrategy"]
 
 
 @pytest.mark.parametrize(

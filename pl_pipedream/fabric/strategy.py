@@ -230,6 +230,11 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     def _check_setup(self, optimizers: list[Optimizer]) -> None:
         """What the pipeline needs beyond the engine's own checks, named for Fabric."""
+        if self._module is not None:
+            raise ValueError(
+                "a Fabric process runs one pipeline (fabric.setup: called before); set the model "
+                f"and its optimizer up once per process: {SETUP}"
+            )
         if type(self.precision) is not Precision:
             given = getattr(self.precision, "precision", type(self.precision).__name__)
             raise ValueError(

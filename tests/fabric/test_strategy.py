@@ -244,6 +244,8 @@ def _refusals(fabric: Fabric, path: str) -> dict[str, str]:
     refused("save without model", lambda: fabric.save(path, {"step": 1}))
     refused("load nothing", lambda: fabric.load(path))
     refused("no sync", lambda: fabric.no_backward_sync(model).__enter__())
+    again = make_model()
+    refused("setup twice", lambda: fabric.setup(again, sgd(again.parameters())))
     fabric.strategy.teardown()
     return found
 
@@ -272,6 +274,7 @@ def test_what_a_pipeline_cannot_do_is_refused_naming_the_alternative(
     assert "(state keys: ['step'])" in found["save without model"]
     assert "(state: NoneType)" in found["load nothing"]
     assert found["no sync"].startswith("fabric.no_backward_sync accumulates gradients")
+    assert "(fabric.setup: called before)" in found["setup twice"]
 
 
 # ----- one process: the string, and the refusals at setup before any process group -------------

@@ -1,8 +1,9 @@
 """pl-pipedream: PipeDream pipeline-parallel training as a PyTorch Lightning strategy.
 
-``import pl_pipedream`` makes ``Trainer(strategy="pipedream")`` work. Importing Lightning takes
-seconds, so this package registers its strategy the moment ``lightning.pytorch`` is (or already
-was) imported, rather than importing Lightning itself: ``pl-pipedream plan`` stays fast.
+``import pl_pipedream`` makes ``Trainer(strategy="pipedream")`` and ``Fabric(strategy="pipedream")``
+work. Importing Lightning takes seconds, so this package registers each front end the moment
+``lightning.pytorch`` or ``lightning.fabric`` is (or already was) imported, rather than importing
+Lightning itself: ``pl-pipedream plan`` stays fast.
 The pure layers (profiles, planner, schedules) import neither torch nor Lightning.
 """
 
@@ -35,20 +36,24 @@ __all__ = [
     "plan",
 ]
 
-_LIGHTNING = "lightning.pytorch"
+# Each Lightning package, and the front end that registers itself in it on import.
+_FRONT_ENDS = {
+    "lightning.pytorch": "pl_pipedream.strategy",
+    "lightning.fabric": "pl_pipedream.fabric",
+}
 
 
-def _register() -> None:
-    if "pl_pipedream.strategy" in sys.modules:
+def _register(front_end: str) -> None:
+    if front_end in sys.modules:
         return  # being imported right now: the package registers itself when it is done
-    import pl_pipedream.strategy  # noqa: F401  (registers on import)
+    importlib.import_module(front_end)  # registers on import
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """Registers the strategy right after ``lightning.pytorch`` finishes importing."""
+    """Registers a front end right after its Lightning package finishes importing."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _LIGHTNING:
+        if name not in _FRONT_ENDS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -58,18 +63,26 @@ class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run_module(module)
-            if self in sys.meta_path:
+            if self in sys.meta_path and all(n in sys.modules for n in _FRONT_ENDS):
                 sys.meta_path.remove(self)
-            _register()
+            _register(_FRONT_ENDS[name])
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-if _LIGHTNING in sys.modules:
-    _register()
-elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+def _install() -> None:
+    """Register each front end whose Lightning package is imported; wait for the others."""
+    for package, front_end in _FRONT_ENDS.items():
+        if package in sys.modules:
+            _register(front_end)
+    if not all(name in sys.modules for name in _FRONT_ENDS) and not any(
+        isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+
+
+_install()
 
 
 def __getattr__(name: str) -> Any:

@@ -2,16 +2,17 @@
 
 Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
 cells; configs: the Hydra configs) < planner < schedule < runtime < core (what any front end
-needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) < the
-front ends (strategy; accelerate, free of Lightning) < the example models and data modules <
-reproduce (Table 1 beside the planner) < the apps (apps: cli and train, hydra_ranks, the
-package's own ``__init__``). A unit may import itself and any lower layer; models and data, though
-on one layer, do not import each other; the apps may import one another.
+needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) <
+the front ends over it (strategy: Lightning's Trainer; fabric: Lightning Fabric; accelerate:
+Hugging Face Accelerate, free of Lightning; none imports another) < the example models and data
+modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train, hydra_ranks,
+the package's own ``__init__``). A unit may import itself and any lower layer; models and data,
+though on one layer, do not import each other; the apps may import one another.
 Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
 (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
 and relative (``from ..x import y``, ``from . import x``).
 
-Two more rules ride on the same reading: only the strategy and the Lightning users (models, data,
+Two more rules ride on the same reading: only the front ends and the Lightning users (models, data,
 the apps' train) import Lightning, and the pure layers (planner, schedule, the profile's graph,
 the shipped data) and the command-line modules (apps/cli, reproduce but for its profiling)
 import neither torch nor Lightning. Last, the
@@ -38,7 +39,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"runtime"}),
     frozenset({"core"}),
     frozenset({"engine"}),
-    frozenset({"strategy", "accelerate"}),
+    frozenset({"strategy", "fabric", "accelerate"}),
     frozenset({"models", "data"}),
     frozenset({"reproduce"}),
     frozenset({"apps", "hydra_ranks", "__init__"}),
@@ -48,7 +49,7 @@ RANK = {unit: number for number, layer in enumerate(LAYERS) for unit in layer}
 
 LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 TORCH = frozenset({"torch"})
-LIGHTNING_USERS = frozenset({"strategy", "models", "data", "apps"})
+LIGHTNING_USERS = frozenset({"strategy", "fabric", "models", "data", "apps"})
 # Of the Lightning users' units, the modules that must not import Lightning all the same.
 NOT_LIGHTNING = ("apps/__init__.py", "apps/cli.py", "apps/checkpoint_command.py")
 # Modules that must import neither torch nor Lightning (paths relative to the package).
@@ -291,6 +292,15 @@ def test_an_upward_import_in_a_runtime_module_is_caught(line: str) -> None:
 def test_a_downward_or_sibling_import_is_allowed(line: str) -> None:
     source = RUNTIME_MODULE.read_text() + "\n" + line + "\n"
     assert layering_violations(RUNTIME_MODULE, source) == []
+
+
+def test_the_front_ends_do_not_import_each_other() -> None:
+    fabric = PACKAGE / "fabric" / "strategy.py"
+    assert layering_violations(fabric, "from pl_pipedream.strategy import PipeDreamStrategy") != []
+    assert layering_violations(fabric, "from pl_pipedream.engine import Pipeline") == []
+    accelerate = PACKAGE / "accelerate" / "prepare.py"
+    assert layering_violations(accelerate, "from pl_pipedream.fabric import strategy") != []
+    assert layering_violations(accelerate, "import pl_pipedream.strategy") != []
 
 
 def test_models_and_data_do_not_import_each_other_but_the_apps_may() -> None:

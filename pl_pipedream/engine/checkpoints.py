@@ -5,7 +5,9 @@ under ``layers.state_dict()``'s names, its optimizer's state keyed by parameter 
 ``core.named_state``) and ``pipeline.json``, published whole by rank 0 (``core.atomic``).
 ``pl_pipedream.consolidate_checkpoint(path)`` gives the whole model's ``state_dict`` back for
 one device, and ``load(path)`` resumes it under any plan over the same layers: each rank reads
-only the shards that hold its stage's names (``core.resume.Resume``).
+only the shards that hold its stage's names (``core.resume.Resume``). The caller's own state
+(a loop's counters, an LR scheduler's state: the same on every rank) rides along under
+``EXTRA`` in stage 0's shard, where the format keeps state outside the pipeline.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["load", "save"]
+__all__ = ["EXTRA", "load", "save"]
+
+EXTRA = "extra"  # the key of the caller's own state in stage 0's shard
 
 
 def save(
@@ -36,9 +40,11 @@ def save(
     steps: int,
     rank: int,
     layout: tuple[Plan, SyncMode, int, float],
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Every rank, on drained weights: this rank's shard (if it is its stage's first replica),
-    published by rank 0; returns once the checkpoint is on disk (a barrier)."""
+    published by rank 0, ``extra`` in stage 0's; returns once the checkpoint is on disk (a
+    barrier)."""
     plan, sync, microbatches, timeout = layout
     names = {id(param): name for name, param in layers.named_parameters()}
     own = named_state.group_names(optimizer.param_groups, names) if optimizer else None
@@ -51,6 +57,8 @@ def save(
         "optimizer_states": states,
         "global_step": steps,
     }
+    if local.stage.index == 0:
+        checkpoint[EXTRA] = dict(extra or {})
     sharded.save(checkpoint, path, rank, plan, str(sync), microbatches, timeout)
     collectives.barrier()
 
@@ -76,9 +84,12 @@ def every_stages_groups(own: list[list[str]] | None, plan: Plan) -> list[list[st
     return full
 
 
-def load(path: str | Path, layers: nn.Sequential, optimizer: Optimizer | None) -> int:
+def load(
+    path: str | Path, layers: nn.Sequential, optimizer: Optimizer | None
+) -> tuple[int, dict[str, Any]]:
     """Every rank: this stage's tensors and optimizer state from the checkpoint at ``path``
-    (saved under any plan over the same layers); returns the steps it had trained."""
+    (saved under any plan over the same layers); returns the steps it had trained and the
+    caller's own state saved with it (``{}`` for none)."""
     if not sharded.is_sharded(path):
         raise CheckpointError(
             f"Pipeline.load reads the directory Pipeline.save writes (path: {path}); pass the "
@@ -96,4 +107,4 @@ def load(path: str | Path, layers: nn.Sequential, optimizer: Optimizer | None) -
     if optimizer is not None:
         resume.record(layers, [optimizer])
         resume.load_optimizers(checkpoint, [optimizer])
-    return int(checkpoint.get("global_step") or 0)
+    return int(checkpoint.get("global_step") or 0), dict(checkpoint.get(EXTRA) or {})

@@ -311,21 +311,24 @@ class Pipeline:
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Every rank: a sharded checkpoint directory at ``path`` after a drain (``core.
         checkpoint``'s format; ``pl_pipedream.consolidate_checkpoint(path)`` gives the whole
-        model's ``state_dict`` for one device)."""
+        model's ``state_dict`` for one device); ``extra``: the caller's own state (the same on
+        every rank: rank 0's is kept), which ``load`` returns."""
         self.drain()
         layout = (self.plan, self.sync, self.microbatches, self.timeout)
         checkpoints.save(
-            path, self.layers, self.local, self.optimizer, self.steps, self.rank, layout
+            path, self.layers, self.local, self.optimizer, self.steps, self.rank, layout, extra
         )
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path) -> dict[str, Any]:
         """Every rank: resume from ``save``'s directory, saved under this plan or another one
-        over the same layers (each rank reads the shards holding its stage's names)."""
+        over the same layers (each rank reads the shards holding its stage's names); returns
+        the ``extra`` saved with it (``{}`` for none)."""
         self.drain()
-        self.steps = checkpoints.load(path, self.layers, self.optimizer)
+        self.steps, extra = checkpoints.load(path, self.layers, self.optimizer)
+        return extra
 
     def close(self) -> None:
         """Wait for the messages still under way, then give back the pipeline's process groups

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def _save(rank: int, world: int, path: str) -> list[float]:
     with Pipeline(make_model(), nn.functional.mse_loss, sgd, microbatches=M, balance=[3, 3]) as p:
         losses = [p.train_step(batch).item() for batch in make_batches()[:2]]
-        p.save(path)
+        p.save(path, extra={"epoch": 1, "note": "halfway"})  # the caller's own state
     return losses
 
 
@@ -32,10 +32,16 @@ def _resume(rank: int, world: int, path: str) -> dict:
             p.load(path + "-nowhere")
         except CheckpointError as error:
             refused = str(error)
-        p.load(path)
+        extra = p.load(path)
         steps = p.steps
         losses = [p.train_step(batch).item() for batch in make_batches()[2:]]
-        return {"losses": losses, "steps": steps, "state": p.state_dict(), "refused": refused}
+        return {
+            "losses": losses,
+            "steps": steps,
+            "extra": extra,
+            "state": p.state_dict(),
+            "refused": refused,
+        }
 
 
 def test_a_checkpoint_saved_on_two_stages_resumes_on_three_as_one_device(tmp_path: Path) -> None:
@@ -53,6 +59,7 @@ def test_a_checkpoint_saved_on_two_stages_resumes_on_three_as_one_device(tmp_pat
     for rank, (status, value) in resumed.items():
         assert status == "ok", f"rank {rank}: {value}"
         assert value["steps"] == 2
+        assert value["extra"] == {"epoch": 1, "note": "halfway"}  # on every rank
         assert value["losses"] == pytest.approx(losses[2:], abs=1e-6), rank
         assert value["refused"].startswith("Pipeline.load reads the directory Pipeline.save")
         merged.update(value["state"]["model"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from pl_pipedream.engine import Pipeline
@@ -34,6 +35,12 @@ class PipelineModule(nn.Module):
         self.confirms = False  # whether the loop calls optimizer.step() at all
 
     def forward(self, batch: Any = None, *, inputs: Any = None) -> Any:
+        # Fabric enters its precision's autocast around this call; the engine enters its own
+        # around each stage's forward passes only, not around backward passes and updates
+        with torch.autocast(self.pipeline.device.type, enabled=False):
+            return self._call(batch, inputs)
+
+    def _call(self, batch: Any, inputs: Any) -> Any:
         if inputs is not None:
             return self.pipeline.predict_step(inputs)
         if not self.training:

@@ -7,12 +7,17 @@ and checkpoints exactly as it does under ``torchrun``. Fabric's calls then map o
 (``docs/fabric.md``): the module's call runs one batch's schedule and returns the loss on every
 rank (``module.PipelineModule``), ``fabric.backward`` and ``optimizer.step()`` confirm what the
 schedule already did, ``fabric.save``/``fabric.load`` write and read the sharded checkpoint
-(``checkpoint``), and what a pipeline cannot do (clipping from the loop, other precisions, a
-model set up without its optimizer, a sampler per rank) is refused, naming the alternative.
+(``checkpoint``), and what a pipeline cannot do (clipping from the loop, the true low
+precisions, a model set up without its optimizer, a sampler per rank) is refused, naming the
+alternative. Fabric's ``precision="bf16-mixed"`` and ``"16-mixed"`` become the engine's
+(``engine.precision``: autocast around each stage's forward passes, one loss scale for fp16).
 
 Lightning internals touched: ``DDPStrategy._get_process_group_backend`` (overridden, so that a
-GPU run also has gloo for the CPU collectives the core runs) and ``_backward_sync_control`` (the
-object ``fabric.no_backward_sync`` asks, here one that refuses: ``module.NoAccumulation``).
+GPU run also has gloo for the CPU collectives the core runs), ``_backward_sync_control`` (the
+object ``fabric.no_backward_sync`` asks, here one that refuses: ``module.NoAccumulation``), and
+the precision plugin's ``convert_input``, which ``_FabricModule`` applies to the call's batch:
+the pipeline's batch holds the targets, which a mixed precision must not cast to its dtype
+(``loss_fn(model(x), y)`` on one device sees ``y`` as given).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -33,6 +38,7 @@ from pl_pipedream.engine import Pipeline
 from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 
 __all__ = ["PipeDreamFabricStrategy"]
 
@@ -44,8 +50,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
-        sync, microbatches, balance, plan, timeout, recompute, weight_prediction, divergence,
-            preempt_signals: as ``pl_pipedream.Pipeline`` takes them.
+        sync, microbatches, balance, plan, example_input, topology, memory, timeout, recompute,
+            weight_prediction, divergence, preempt_signals: as ``pl_pipedream.Pipeline`` takes
+            them (``example_input``: plan automatically from one microbatch of the input).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
             ``"spawn"`` / ``"fork"`` (``fabric.launch(function)``), as DDP's.
     """
@@ -58,6 +65,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
         microbatches: int = 1,
         balance: Sequence[int] | None = None,
         plan: Plan | None = None,
+        example_input: Any = None,
+        topology: Topology | None = None,
+        memory: float | str | None = None,
         timeout: float = 300.0,
         recompute: bool = False,
         weight_prediction: bool = False,
@@ -88,6 +98,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "microbatches": microbatches,
             "balance": balance,
             "plan": plan,
+            "example_input": example_input,
+            "topology": topology,
+            "memory": memory,
             "timeout": timeout,
             "recompute": recompute,
             "weight_prediction": weight_prediction,
@@ -120,9 +133,17 @@ class PipeDreamFabricStrategy(DDPStrategy):
         layers = cast(nn.Sequential, module)  # or a list of modules: the engine checks it
         loss_fn = cast(Callable[[Any, Any], Tensor], self.loss_fn)  # checked above
         pipeline = Pipeline(
-            layers, loss_fn, optimizers[0], device=self.root_device, **self.engine_arguments
+            layers,
+            loss_fn,
+            optimizers[0],
+            device=self.root_device,
+            precision=engine_precision(self.precision),
+            **self.engine_arguments,
         )
         self._module = PipelineModule(pipeline)
+        # the call's batch holds the targets too: Fabric would cast its floating tensors to the
+        # precision's dtype; they reach the pipeline as given and autocast casts per operation
+        self.precision.convert_input = _as_given  # type: ignore[method-assign]
         return self._module, optimizers, scheduler
 
     @override
@@ -235,23 +256,16 @@ class PipeDreamFabricStrategy(DDPStrategy):
                 "a Fabric process runs one pipeline (fabric.setup: called before); set the model "
                 f"and its optimizer up once per process: {SETUP}"
             )
-        if type(self.precision) is not Precision:
-            given = getattr(self.precision, "precision", type(self.precision).__name__)
-            raise ValueError(
-                f'the pipeline under Fabric trains in "32-true" precision only (precision: '
-                f'{given}); write Fabric(strategy="pipedream", precision="32-true"), or train '
-                'mixed precision with Trainer(strategy="pipedream", precision=...)'
-            )
         arguments = self.engine_arguments
-        if not callable(self.loss_fn) or (arguments["balance"] is None) == (
-            arguments["plan"] is None
-        ):
+        layouts = ("balance", "plan", "example_input")
+        if not callable(self.loss_fn) or all(arguments[name] is None for name in layouts):
             raise ValueError(
                 f"the pipeline needs its loss function and its layout on the strategy (loss_fn: "
                 f"{type(self.loss_fn).__name__}, balance: {arguments['balance']}, plan: "
-                f"{arguments['plan']}); write Fabric(strategy=PipeDreamFabricStrategy("
-                "loss_fn=nn.functional.cross_entropy, balance=[2, 2]), ...) (layers per stage, "
-                "one rank each) or plan=pl_pipedream.plan(profile, topology)"
+                f"{arguments['plan']}, example_input: None); write Fabric(strategy="
+                "PipeDreamFabricStrategy(loss_fn=nn.functional.cross_entropy, balance=[2, 2]), "
+                "...) (layers per stage, one rank each), plan=pl_pipedream.plan(profile, "
+                "topology), or example_input=x to plan from one microbatch of the input"
             )
         if len(optimizers) != 1:
             raise ValueError(
@@ -281,3 +295,22 @@ class PipeDreamFabricStrategy(DDPStrategy):
             f"({given}); leave clip_gradients out, or train with the Lightning strategy, "
             f'which clips inside the schedule: Trainer(strategy="pipedream", {trainer_flag})'
         )
+
+
+def _as_given(data: Any) -> Any:
+    return data
+
+
+def engine_precision(precision: Precision) -> str:
+    """The engine's flag for Fabric's precision plugin: ``"32-true"``, or the mixed precisions
+    (the engine applies autocast around each forward pass and scales fp16 losses itself)."""
+    if type(precision) is Precision:
+        return "32-true"
+    name = getattr(precision, "precision", type(precision).__name__)
+    if isinstance(precision, MixedPrecision) and name in ("bf16-mixed", "16-mixed"):
+        return str(name)
+    raise ValueError(
+        f'the pipeline under Fabric trains in "32-true", "bf16-mixed" or "16-mixed" precision '
+        f'(precision: {name}); write Fabric(strategy="pipedream", precision="bf16-mixed"), or '
+        'train the true low precisions with Trainer(strategy="pipedream", precision=...)'
+    )

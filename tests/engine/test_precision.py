@@ -46,6 +46,24 @@ def test_what_cannot_run_is_refused_naming_the_fix() -> None:
         choose_precision("bf16-true", SyncMode.FLUSH, CPU)
 
 
+def bf16_one_device() -> tuple[list[float], nn.Module]:
+    """One device under ``torch.autocast(bfloat16)`` with each microbatch's backward pass run
+    on its own, as every pipeline stage runs them: the losses and the trained model."""
+    model = make_model()
+    optimizer, expected = sgd(model.parameters()), []
+    for x, y in make_batches():
+        optimizer.zero_grad()
+        loss = 0.0
+        for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                microbatch = nn.functional.mse_loss(model(a), b)
+            (microbatch / M).backward()
+            loss += microbatch.item() / M
+        optimizer.step()
+        expected.append(loss)
+    return expected, model
+
+
 def test_bf16_on_one_rank_equals_one_device_under_the_same_autocast() -> None:
     with one_rank_group():
         with Pipeline(
@@ -60,18 +78,7 @@ def test_bf16_on_one_rank_equals_one_device_under_the_same_autocast() -> None:
             x, y = make_batches()[0]
             evaluated = pipeline.eval_step((x, y))
             weights = pipeline.state_dict()["model"]
-    model = make_model()
-    optimizer, expected = sgd(model.parameters()), []
-    for x, y in make_batches():
-        optimizer.zero_grad()
-        loss = 0.0
-        for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                microbatch = nn.functional.mse_loss(model(a), b)
-            (microbatch / M).backward()
-            loss += microbatch.item() / M
-        optimizer.step()
-        expected.append(loss)
+    expected, model = bf16_one_device()
     assert losses == pytest.approx(expected, abs=1e-6)
     for name, tensor in model.state_dict().items():
         assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-6), name

@@ -25,6 +25,7 @@ def launch(
     fn: Callable[..., Any],
     *args: Any,
     loggers: Any = None,
+    precision: str = "32-true",
     **strategy: Any,
 ) -> dict[int, Any]:
     """``fn(fabric, *args)`` on ``world`` forked ranks of ``Fabric(strategy=
@@ -39,6 +40,7 @@ def launch(
         accelerator="cpu",
         devices=world,
         loggers=loggers,
+        precision=precision,  # type: ignore[arg-type]
     )
     fabric.launch(_saving, fn, out, *args)
     return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)}

@@ -17,6 +17,7 @@ class Engine:
 
     def __init__(self) -> None:
         self.module = nn.Sequential(nn.Linear(2, 2))
+        self.device = torch.device("cpu")
         self.calls: list[str] = []
 
     def train_step(self, batch: Any) -> torch.Tensor:

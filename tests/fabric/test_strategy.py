@@ -36,6 +36,7 @@ from tests.engine.test_pipeline import (
     one_device,
     sgd,
 )
+from tests.engine.test_precision import bf16_one_device
 from tests.fabric.launch import launch
 from tests.runtime import oracle
 
@@ -103,6 +104,43 @@ def test_flush_equals_one_device_and_the_loss_reaches_the_logger(
         assert torch.allclose(value["predicted"], output, rtol=0, atol=1e-6), rank
         assert torch.allclose(value["evaluated"], MSE(output, y), rtol=0, atol=1e-6), rank
     assert _logged(tmp_path / "logs") == pytest.approx(losses, abs=1e-6)  # rank 0 logs, once
+
+
+@pytest.mark.slow
+def test_bf16_mixed_equals_one_device_under_the_same_autocast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fabric's ``precision="bf16-mixed"`` is the engine's: autocast around each stage's
+    forward passes only (Fabric's own autocast around the call is left), evaluation included."""
+    results = launch(
+        monkeypatch, tmp_path, 2, _train, precision="bf16-mixed", loss_fn=MSE,
+        microbatches=M, balance=[3, 3],
+    )  # fmt: skip
+    expected, model = bf16_one_device()
+    merged = _merged(results)
+    for name, tensor in model.state_dict().items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+    x, y = make_batches()[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = MSE(model(x), y)
+    for value in results.values():
+        assert value["losses"] == pytest.approx(expected, abs=1e-6)
+        assert torch.allclose(value["evaluated"], reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_without_a_layout_it_plans_from_an_example(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inputs = make_batches()[0][0]
+    results = launch(
+        monkeypatch, tmp_path, 2, _train, loss_fn=MSE, microbatches=M,
+        example_input=inputs[: len(inputs) // M],
+    )  # fmt: skip
+    _, weights = one_device(make_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
 
 
 @pytest.mark.slow
@@ -312,28 +350,24 @@ def test_importing_the_package_first_registers_both_front_ends_when_lightning_lo
             {},
             {},
             "the pipeline needs its loss function and its layout on the strategy (loss_fn: "
-            "NoneType, balance: None, plan: None); write Fabric(strategy=PipeDreamFabricStrategy("
-            "loss_fn=nn.functional.cross_entropy, balance=[2, 2]), ...)",
+            "NoneType, balance: None, plan: None, example_input: None); write Fabric(strategy="
+            "PipeDreamFabricStrategy(loss_fn=nn.functional.cross_entropy, balance=[2, 2]), ...)",
         ),
         (
             {"loss_fn": MSE},
             {},
             "the pipeline needs its loss function and its layout on the strategy (loss_fn: "
-            "function, balance: None, plan: None)",
-        ),
-        (
-            {"loss_fn": MSE, "balance": [3, 3]},
-            {"precision": "bf16-mixed"},
-            'the pipeline under Fabric trains in "32-true" precision only (precision: '
-            'bf16-mixed); write Fabric(strategy="pipedream", precision="32-true")',
+            "function, balance: None, plan: None, example_input: None)",
         ),
         (
             {"loss_fn": MSE, "balance": [3, 3]},
             {"precision": "64-true"},
-            'the pipeline under Fabric trains in "32-true" precision only (precision: 64-true)',
+            'the pipeline under Fabric trains in "32-true", "bf16-mixed" or "16-mixed" '
+            'precision (precision: 64-true); write Fabric(strategy="pipedream", '
+            'precision="bf16-mixed")',
         ),
     ],
-    ids=["no loss", "no layout", "bf16-mixed", "64-true"],
+    ids=["no loss", "no layout", "64-true"],
 )
 def test_setup_refuses_a_missing_loss_or_layout_and_another_precision(
     strategy: dict, fabric: dict, message: str

@@ -22,7 +22,9 @@ the pipeline's batch holds the targets, which a mixed precision must not cast to
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -33,7 +35,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import process_group_backend
+from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.engine import Pipeline
 from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
@@ -50,9 +54,10 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
-        sync, microbatches, balance, plan, example_input, topology, memory, timeout, recompute,
-            weight_prediction, divergence, preempt_signals: as ``pl_pipedream.Pipeline`` takes
-            them (``example_input``: plan automatically from one microbatch of the input).
+        sync, microbatches, balance, plan, example_input, topology, memory, pretrained,
+            timeout, recompute, weight_prediction, divergence, preempt_signals: as
+            ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
+            one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
             ``"spawn"`` / ``"fork"`` (``fabric.launch(function)``), as DDP's.
     """
@@ -68,6 +73,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         example_input: Any = None,
         topology: Topology | None = None,
         memory: float | str | None = None,
+        pretrained: str | os.PathLike | Pretrained | None = None,
         timeout: float = 300.0,
         recompute: bool = False,
         weight_prediction: bool = False,
@@ -101,6 +107,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "example_input": example_input,
             "topology": topology,
             "memory": memory,
+            "pretrained": pretrained,
             "timeout": timeout,
             "recompute": recompute,
             "weight_prediction": weight_prediction,
@@ -108,6 +115,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "preempt_signals": preempt_signals,
         }
         self._module: PipelineModule | None = None
+        self._build = EmptyBuild()  # what fabric.init_module(empty_init=True) recorded
 
     @property
     def pipeline(self) -> Pipeline:
@@ -138,6 +146,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             optimizers[0],
             device=self.root_device,
             precision=engine_precision(self.precision),
+            empty_build=self._build,
             **self.engine_arguments,
         )
         self._module = PipelineModule(pipeline)
@@ -145,6 +154,23 @@ class PipeDreamFabricStrategy(DDPStrategy):
         # precision's dtype; they reach the pipeline as given and autocast casts per operation
         self.precision.convert_input = _as_given  # type: ignore[method-assign]
         return self._module, optimizers, scheduler
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)``: the model is built on ``meta`` with its
+        initialisation recorded; at ``fabric.setup`` each rank creates only its stage, with
+        the values of the whole build or the ``pretrained`` weights (``core.materialize``)."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(self._build.record())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing before the cut: at ``fabric.setup`` each rank places only its stage on its
+        device (the whole model is never on one device; a model built empty stays on meta)."""
 
     @override
     def setup_module(self, module: nn.Module) -> Any:

@@ -28,6 +28,7 @@ from pl_pipedream.planner.plan import Plan
 from tests.engine.test_pipeline import (
     STEPS,
     M,
+    build_model,
     gpt_batches,
     gpt_layers,
     gpt_loss,
@@ -126,6 +127,35 @@ def test_bf16_mixed_equals_one_device_under_the_same_autocast(
     for value in results.values():
         assert value["losses"] == pytest.approx(expected, abs=1e-6)
         assert torch.allclose(value["evaluated"], reference, rtol=0, atol=1e-6)
+
+
+def _train_built_empty(fabric: Fabric) -> dict:
+    torch.manual_seed(0)  # the record replays from the generator's state at the build's start
+    with fabric.init_module(empty_init=True):
+        model = build_model()
+    assert all(p.is_meta for p in model.parameters())
+    return _train(fabric, make=lambda: model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["record", "pretrained"])
+def test_a_model_built_empty_creates_only_each_ranks_stage(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fabric.init_module(empty_init=True)`` builds on ``meta``; each rank creates its stage
+    from the build's record (the whole build's values) or from ``pretrained`` weights."""
+    given = {}
+    if source == "pretrained":
+        given["pretrained"] = str(tmp_path / "weights.pt")
+        torch.save(make_model().state_dict(), given["pretrained"])
+    results = launch(
+        monkeypatch, tmp_path / "run", 2, _train_built_empty, loss_fn=MSE, microbatches=M,
+        balance=[3, 3], **given,
+    )  # fmt: skip
+    _, weights = one_device(make_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ and gloo, ``cuda:LOCAL_RANK`` under NCCL) and the mixed precision (``accelerate.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,8 +24,11 @@ from torch.optim import Optimizer
 
 from pl_pipedream.accelerate import guards, state
 from pl_pipedream.accelerate.precision import carry_scaler, engine_precision
+from pl_pipedream.core.materialize import EmptyBuild
+from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.engine import Pipeline
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 
 __all__ = ["prepare_pipeline"]
 
@@ -46,12 +50,19 @@ def prepare_pipeline(
     weight_prediction: bool = False,
     divergence: str = "error",
     preempt_signals: Sequence[str | int] = (),
+    example_input: Any = None,
+    topology: Topology | None = None,
+    memory: float | str | None = None,
+    pretrained: str | os.PathLike | Pretrained | None = None,
+    empty_build: EmptyBuild | None = None,
 ) -> Pipeline:
     """This process's part of a pipeline over ``model``'s layers (an ``nn.Sequential`` or a
     list of modules, the same on every process, not passed to ``accelerator.prepare``),
     trained by ``optimizer`` (built over ``model.parameters()`` before any step, or a function
     of a stage's parameters) on ``loss_fn(output, targets)``. The other arguments are
-    ``Pipeline``'s (docs/engine.md); the device and the precision are the Accelerator's."""
+    ``Pipeline``'s (docs/engine.md: a layout as ``balance``/``plan`` or planned from
+    ``example_input``; ``pretrained``/``empty_build`` for a model larger than one process);
+    the device and the precision are the Accelerator's."""
     check_accelerator(accelerator)
     precision = engine_precision(accelerator)
     pipeline = Pipeline(
@@ -69,6 +80,11 @@ def prepare_pipeline(
         divergence=divergence,
         preempt_signals=preempt_signals,
         precision=precision,
+        example_input=example_input,
+        topology=topology,
+        memory=memory,
+        pretrained=pretrained,
+        empty_build=empty_build,
     )
     carry_scaler(accelerator, pipeline.scaler)
     guards.install(accelerator, pipeline, optimizer if isinstance(optimizer, Optimizer) else None)

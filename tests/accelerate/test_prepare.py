@@ -39,18 +39,14 @@ from tests.runtime.distributed import run
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train(rank: int, world: int, sync: str, balance: list[int]) -> dict:
+def _train(rank: int, world: int, sync: str, balance: list[int] | None) -> dict:
     accelerator = accelerator_on(rank, world)
     model = make_model()
     optimizer = sgd(model.parameters())  # built over the whole model, as for prepare()
+    inputs = make_batches()[0][0]
+    layout = {"balance": balance} if balance else {"example_input": inputs[: len(inputs) // M]}
     pipeline = prepare_pipeline(
-        accelerator,
-        model,
-        optimizer,
-        nn.functional.mse_loss,
-        sync=sync,
-        microbatches=M,
-        balance=balance,
+        accelerator, model, optimizer, nn.functional.mse_loss, sync=sync, microbatches=M, **layout
     )
     losses = [pipeline.train_step(batch).item() for batch in make_batches()]
     state = pipeline.state_dict()
@@ -68,9 +64,11 @@ def _merged(results: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
-def test_flush_equals_one_device(balance: list[int]) -> None:
-    results = run(len(balance), _train, "flush", balance, timeout=120.0)
+@pytest.mark.parametrize(
+    "balance", [[3, 3], [2, 2, 2], None], ids=["2 ranks", "3 ranks", "planned from an example"]
+)
+def test_flush_equals_one_device(balance: list[int] | None) -> None:
+    results = run(len(balance or [3, 3]), _train, "flush", balance, timeout=120.0)
     losses, weights = one_device(make_batches())
     merged = _merged(results)
     assert merged.keys() == weights.keys()

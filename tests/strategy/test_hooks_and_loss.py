@@ -3,7 +3,7 @@
 One launch of two gloo ranks fits a recording LightningModule once per mode (Lightning sees the
 ranks as started by a launcher, so it starts none); a second launch of three ranks fits a plan
 whose last stage has two replicas. The hooks each rank ran, how often, and whether the local
-stage's ``.grad`` was set, must match the table in README.md; every rank must log the same
+stage's ``.grad`` was set, must match the table in docs/lightning-hooks.md; every rank must log the same
 ``train_loss``, the mean over a whole batch (one device's loss of that batch in the flushed
 modes), and never NaN.
 """
@@ -32,7 +32,7 @@ from tests.strategy.test_lightning_features import Net
 pytestmark = pytest.mark.slow  # two launches (2 and 3 ranks), about 25 s together
 
 M = 4  # microbatches
-README = Path(__file__).resolve().parents[2] / "README.md"
+HOOKS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "lightning-hooks.md"
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
 HOOKS = (
     "on_train_batch_start",
@@ -214,8 +214,8 @@ def single_device_losses() -> list[float]:
 
 
 def readme_hook_table() -> dict[str, dict[str, str]]:
-    """README's table: {hook: {mode: cell}}, from the rows after the header naming the modes."""
-    text = README.read_text()
+    """docs/lightning-hooks.md's table: {hook: {mode: cell}}, from the rows after the header naming the modes."""
+    text = HOOKS_PAGE.read_text()
     start = text.index("| hook |")
     lines = []
     for line in text[start:].splitlines():
@@ -234,7 +234,7 @@ def readme_hook_table() -> dict[str, dict[str, str]]:
 
 
 def expected_count(cell: str, sync: str, rank: int) -> int:
-    """What a README cell means for one rank of the 2-stage runs (rank 1 is the last stage)."""
+    """What a table cell means for one rank of the 2-stage runs (rank 1 is the last stage)."""
     updates = NUM_BATCHES * M if sync in ("async", "vertical_sync") else NUM_BATCHES
     if cell.startswith("never"):
         return 0
@@ -244,7 +244,7 @@ def expected_count(cell: str, sync: str, rank: int) -> int:
         return updates
     if cell.startswith("each microbatch, last stage"):
         return NUM_BATCHES * M if rank == 1 else 0
-    raise AssertionError(f"README hook table: unknown cell {cell!r}")
+    raise AssertionError(f"docs/lightning-hooks.md: unknown cell {cell!r}")
 
 
 def test_the_readme_hook_table_names_every_recorded_hook() -> None:

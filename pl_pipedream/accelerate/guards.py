@@ -34,9 +34,8 @@ BACKWARD = (
 )
 CLIP = (
     "a pipeline applies and clears each stage's gradients inside train_step, so clipping after "
-    "it would clip nothing ({}: over the pipeline's parameters); remove the call, or clip by "
-    "the global norm with the Lightning strategy: Trainer(strategy='pipedream', "
-    "gradient_clip_val=...)"
+    "it would clip nothing ({}: over the pipeline's parameters); remove the call and let the "
+    "pipeline clip inside the schedule: prepare_pipeline(..., clip_grad_norm=1.0)"
 )
 STEP = (
     "the pipeline steps this optimizer inside train_step, where the schedule says (optimizer: "

@@ -53,6 +53,7 @@ def prepare_pipeline(
     example_input: Any = None,
     topology: Topology | None = None,
     memory: float | str | None = None,
+    clip_grad_norm: float | None = None,
     pretrained: str | os.PathLike | Pretrained | None = None,
     empty_build: EmptyBuild | None = None,
 ) -> Pipeline:
@@ -83,6 +84,7 @@ def prepare_pipeline(
         example_input=example_input,
         topology=topology,
         memory=memory,
+        clip_grad_norm=clip_grad_norm,
         pretrained=pretrained,
         empty_build=empty_build,
     )

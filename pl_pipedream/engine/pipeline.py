@@ -22,7 +22,6 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,12 @@ from torch.optim import Optimizer
 from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
-from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild, materialize
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import (
-    join_process_group,
     keep_local_parameters,
     move_to_device,
 )
@@ -57,8 +54,9 @@ from pl_pipedream.engine.arguments import (
     choose_plan,
     pipeline_of,
 )
+from pl_pipedream.engine.group import default_device, join_launched_group
 from pl_pipedream.engine.precision import choose_precision
-from pl_pipedream.engine.updates import OptimizerUpdate
+from pl_pipedream.engine.updates import OptimizerUpdate, clipping
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
@@ -69,9 +67,8 @@ from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["Pipeline", "join_launched_group"]
+__all__ = ["Pipeline"]
 
-TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
 
 
@@ -93,6 +90,8 @@ class Pipeline:
     ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
     where ``train_step`` drains and raises ``Preempted``; ``precision``: ``"32-true"``,
     ``"bf16-mixed"`` or ``"16-mixed"`` (``engine.precision``), or a ``StagePrecision``;
+    ``clip_grad_norm``: the largest gradient norm at each update (``core.clipping``: over every
+    stage in ``flush`` and ``gpipe``, as one device; over the stage in the other modes);
     ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
     stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
     ``layers`` were built on ``meta``, from which each rank creates only its stage."""
@@ -114,6 +113,7 @@ class Pipeline:
         divergence: str = "error",
         preempt_signals: Sequence[str | int] = (),
         precision: str | StagePrecision = "32-true",
+        clip_grad_norm: float | None = None,
         example_input: Any = None,
         topology: Topology | None = None,
         memory: float | str | None = None,
@@ -160,7 +160,11 @@ class Pipeline:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
-        self.updates = OptimizerUpdate(self.local.module, self.optimizer, self.scaler)
+        norm = clipping(clip_grad_norm, self.sync, self.local, self.plan, self.device)
+        elsewhere = self.local.ties_counted_elsewhere()
+        self.updates = OptimizerUpdate(
+            self.local.module, self.optimizer, self.scaler, norm, elsewhere
+        )
         self.runner: PipelineRunner | None = PipelineRunner.create(
             self.plan,
             self.sync,
@@ -367,33 +371,3 @@ def _pair(piece: Any) -> tuple[Any, Any]:
         f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}); pass "
         "train_step((inputs, targets)): the first layer takes inputs, loss_fn takes targets"
     )
-
-
-def join_launched_group(timeout: float) -> None:
-    """Join the default process group from ``torchrun``'s variables unless this process is in
-    one already (``torch.multiprocessing`` with ``init_process_group``)."""
-    if dist.is_initialized():
-        return
-    missing = [name for name in TORCHRUN if name not in os.environ]
-    if missing:
-        raise PipelineSetupError(
-            f"a Pipeline runs in a process group (none joined, and torchrun's variables are "
-            f"not set: {', '.join(missing)}); start the script with torchrun --nproc_per_node "
-            "N, or call torch.distributed.init_process_group in each process first"
-        )
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    join_process_group(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        backend,
-        timedelta(seconds=timeout),
-    )
-
-
-def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` when the default group runs NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")

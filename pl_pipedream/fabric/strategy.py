@@ -54,8 +54,8 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
-        sync, microbatches, balance, plan, example_input, topology, memory, pretrained,
-            timeout, recompute, weight_prediction, divergence, preempt_signals: as
+        sync, microbatches, balance, plan, example_input, topology, memory, clip_grad_norm,
+            pretrained, timeout, recompute, weight_prediction, divergence, preempt_signals: as
             ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
             one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
@@ -73,6 +73,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         example_input: Any = None,
         topology: Topology | None = None,
         memory: float | str | None = None,
+        clip_grad_norm: float | None = None,
         pretrained: str | os.PathLike | Pretrained | None = None,
         timeout: float = 300.0,
         recompute: bool = False,
@@ -107,6 +108,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "example_input": example_input,
             "topology": topology,
             "memory": memory,
+            "clip_grad_norm": clip_grad_norm,
             "pretrained": pretrained,
             "timeout": timeout,
             "recompute": recompute,
@@ -202,13 +204,16 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     @override
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: Any, *a: Any, **k: Any):  # type: ignore[no-untyped-def]
-        raise self._no_clipping(f"max_norm: {max_norm}", f"gradient_clip_val={max_norm}")
+        raise self._no_clipping(
+            f"max_norm: {max_norm}", f"PipeDreamFabricStrategy(clip_grad_norm={max_norm})"
+        )
 
     @override
     def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: Any) -> None:
         raise self._no_clipping(
             f"clip_val: {clip_val}",
-            f'gradient_clip_val={clip_val}, gradient_clip_algorithm="value"',
+            f'Trainer(strategy="pipedream", gradient_clip_val={clip_val}, '
+            'gradient_clip_algorithm="value")',
         )
 
     @override
@@ -318,8 +323,8 @@ class PipeDreamFabricStrategy(DDPStrategy):
         return RuntimeError(
             f"fabric.clip_gradients has no gradients to clip under the pipeline: they exist "
             f"only inside the schedule, between a stage's backward passes and its update "
-            f"({given}); leave clip_gradients out, or train with the Lightning strategy, "
-            f'which clips inside the schedule: Trainer(strategy="pipedream", {trainer_flag})'
+            f"({given}); leave clip_gradients out and clip inside the schedule: "
+            f"{trainer_flag}"
         )
 
 

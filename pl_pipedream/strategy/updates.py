@@ -29,10 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.clipping import clip_global_norm
 from pl_pipedream.runtime import update
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.schedule.modes import SyncMode
@@ -139,9 +139,8 @@ class TrainerUpdates(StageUpdates):
         return loss
 
     def clip_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        """Scale gradients so their norm over every stage is at most ``clip_val`` (one
-        all-reduce over all ranks; replicas of a stage hold the same gradient, and a tied
-        parameter's holders the same one, counted by its first stage only)."""
+        """Scale gradients so their norm over every stage is at most ``clip_val``
+        (``core.clipping``: a tied parameter counted by its first stage only)."""
         grads = [
             p.grad
             for group in optimizer.param_groups
@@ -155,15 +154,7 @@ class TrainerUpdates(StageUpdates):
             for p in group["params"]
             if p.grad is not None and id(p) not in skip
         ]
-        square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for grad in counted:
-            square += grad.detach().double().pow(2).sum()
-        square /= self.replicas
-        dist.all_reduce(square)
-        coefficient = float(clip_val) / (float(square.sqrt()) + 1e-6)
-        if coefficient < 1.0:
-            for grad in grads:
-                grad.mul_(coefficient)
+        clip_global_norm(grads, counted, float(clip_val), self.replicas, self.device)
 
 
 def step_after_hooks(

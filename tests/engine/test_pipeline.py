@@ -21,7 +21,7 @@ import pl_pipedream
 from pl_pipedream import Pipeline
 from pl_pipedream.core.errors import PipelineSetupError, TrainingDiverged
 from pl_pipedream.core.preemption import Preempted
-from pl_pipedream.engine.pipeline import TORCHRUN
+from pl_pipedream.engine.group import TORCHRUN
 from pl_pipedream.planner.plan import Plan
 from tests.runtime import oracle
 from tests.runtime.distributed import run
@@ -394,23 +394,37 @@ def gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _train_gpt(rank: int, world: int) -> tuple[list[float], dict]:
-    with Pipeline(gpt_layers(), gpt_loss, sgd, microbatches=M, balance=[2, 2]) as pipeline:
+def _train_gpt(
+    rank: int, world: int, balance: list[int], clip: float | None
+) -> tuple[list[float], dict]:
+    with Pipeline(
+        gpt_layers(), gpt_loss, sgd, microbatches=M, balance=balance, clip_grad_norm=clip
+    ) as pipeline:
         losses = [pipeline.train_step(batch).item() for batch in gpt_batches()]
         return losses, pipeline.state_dict()["model"]
 
 
 @pytest.mark.slow
-def test_the_gpt_example_with_its_tied_embedding_trains_as_on_one_device() -> None:
-    results = run(2, _train_gpt, timeout=120.0)
+@pytest.mark.parametrize(
+    ("balance", "clip"), [([2, 2], None), ([1, 2, 1], 0.05)], ids=["2 ranks", "3 ranks clipped"]
+)
+def test_the_gpt_example_with_its_tied_embedding_trains_as_on_one_device(
+    balance: list[int], clip: float | None
+) -> None:
+    """Clipped: by the norm over every stage, the tied embedding counted once, as
+    ``clip_grad_norm_`` over the whole model clips it on one device."""
+    results = run(len(balance), _train_gpt, balance, clip, timeout=120.0)
     model = gpt_layers()
-    optimizer, losses = sgd(model.parameters()), []
+    optimizer, losses, norms = sgd(model.parameters()), [], []
     for x, y in gpt_batches():
         optimizer.zero_grad()
         loss = gpt_loss(model(x), y)
         loss.backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
         losses.append(loss.item())
+    assert all(norm > 2 * clip for norm in norms) if clip else True  # clipping engaged
     merged: dict[str, torch.Tensor] = {}
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"

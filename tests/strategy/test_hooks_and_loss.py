@@ -3,8 +3,8 @@
 One launch of two gloo ranks fits a recording LightningModule once per mode (Lightning sees the
 ranks as started by a launcher, so it starts none); a second launch of three ranks fits a plan
 whose last stage has two replicas. The hooks each rank ran, how often, and whether the local
-stage's ``.grad`` was set, must match the table in docs/lightning-hooks.md; every rank must log the same
-``train_loss``, the mean over a whole batch (one device's loss of that batch in the flushed
+stage's ``.grad`` was set, must match the table in docs/lightning-hooks.md; every rank must log
+the same ``train_loss``, the mean over a whole batch (one device's loss of that batch in the flushed
 modes), and never NaN.
 """
 
@@ -214,7 +214,8 @@ def single_device_losses() -> list[float]:
 
 
 def readme_hook_table() -> dict[str, dict[str, str]]:
-    """docs/lightning-hooks.md's table: {hook: {mode: cell}}, from the rows after the header naming the modes."""
+    """docs/lightning-hooks.md's table: {hook: {mode: cell}}, from the rows after the header
+    naming the modes."""
     text = HOOKS_PAGE.read_text()
     start = text.index("| hook |")
     lines = []

@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pl_pipedream
 from pl_pipedream import Pipeline
-from pl_pipedream.core.errors import PipelineSetupError, TrainingDiverged
+from pl_pipedream.core.errors import TrainingDiverged
 from pl_pipedream.core.preemption import Preempted
 from pl_pipedream.engine.group import TORCHRUN
 from pl_pipedream.planner.plan import Plan
@@ -192,19 +191,6 @@ def test_the_other_modes_equal_the_oracle_on_two_ranks(sync: str) -> None:
 
 def _same(a: list[float], b: list[float]) -> bool:
     return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
-
-
-def test_outside_a_process_group_names_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not dist.is_initialized()
-    for name in TORCHRUN:
-        monkeypatch.setenv(name, "0")  # set, then removed: monkeypatch restores either way
-        monkeypatch.delenv(name)
-    with pytest.raises(
-        PipelineSetupError,
-        match=r"a Pipeline runs in a process group \(none joined, and torchrun's variables are "
-        r"not set: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE\); start the script with torchrun",
-    ):
-        Pipeline(make_model(), nn.functional.mse_loss, sgd, balance=[6])
 
 
 def _plan_for_three(rank: int, world: int) -> str:

@@ -14,6 +14,7 @@ from pl_pipedream.accelerate import prepare_pipeline
 from pl_pipedream.accelerate.precision import carry_scaler, engine_precision
 from tests.accelerate.ranks import accelerator_on
 from tests.engine.test_pipeline import M, make_batches, make_model, sgd
+from tests.engine.test_precision import bf16_one_device
 from tests.runtime.distributed import run
 
 # Measured: 0.0 (weights and losses) against one device running the microbatches' backward
@@ -64,19 +65,8 @@ def _train_bf16(rank: int, world: int) -> tuple[list[float], dict]:
 @pytest.mark.slow
 def test_bf16_equals_one_device_under_the_same_autocast() -> None:
     results = run(2, _train_bf16, timeout=120.0)
-    model = make_model()
-    optimizer, losses = sgd(model.parameters()), []
-    for x, y in make_batches():
-        optimizer.zero_grad()
-        loss = 0.0
-        # one backward pass per microbatch, as Accelerate accumulates, under its autocast
-        for a, b in zip(x.chunk(M), y.chunk(M), strict=True):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                microbatch = nn.functional.mse_loss(model(a), b)
-            (microbatch / M).backward()
-            loss += microbatch.item() / M
-        optimizer.step()
-        losses.append(loss)
+    # one backward pass per microbatch, as Accelerate accumulates, under its autocast
+    losses, model = bf16_one_device()
     merged: dict[str, torch.Tensor] = {}
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"

@@ -1,0 +1,149 @@
+"""Run a scenario on N ranks as an external launcher (torchrun, srun, the Hydra app's rank 0)
+starts them, forked from the test process: what each rank printed, its exit status, and what
+the scenario returned.
+
+Each rank is forked with ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set, so Lightning sees processes created externally and starts none; its output
+(file descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr``) goes to ``rank{r}.out`` and
+``rank{r}.err`` in ``folder``. A rank's status is what a process running the scenario as its
+main program would exit with: 0, the code of ``SystemExit`` (a preemption's 143), 1 for any
+other exception (its traceback printed to the rank's stderr), or ``-signal`` when a signal
+ended it. Forking spares each rank the 3-5 s of importing torch and Lightning again that a
+fresh interpreter pays; the tests that are about how ranks are started keep a real launch.
+
+The ranks form a process group of their own, led by rank 0, as a command started in a session
+of its own would: a scenario may signal the whole group (``os.killpg``, as ``scancel`` does)
+without reaching the test process. ``tests.runtime.distributed`` instead runs plain functions
+on ranks that it puts in a gloo group itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.runtime.distributed import free_port
+
+
+@dataclass
+class Rank:
+    """How one rank ended: its status, its output, and the scenario's return value."""
+
+    code: int
+    stdout: str
+    stderr: str
+    value: Any = None
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def launch(
+    world: int,
+    scenario: Callable[..., Any],
+    *args: Any,
+    folder: Path,
+    timeout: float = 180.0,
+    launcher_env: bool = True,
+) -> list[Rank]:
+    """Run ``scenario(rank, *args)`` on ``world`` forked ranks; each rank's end, by rank.
+    ``launcher_env=False`` leaves the rank variables unset (a command run by hand, which may
+    start its own ranks). Ranks still running at ``timeout`` are killed (status ``-9``)."""
+    if dist.is_initialized() or torch.cuda.is_initialized():
+        raise RuntimeError("fork the ranks from a process outside any process group, without CUDA")
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = {
+        "NODE_RANK": "0",
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: list[int] = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns
+            leader = pids[0] if pids else 0
+            with contextlib.suppress(OSError):
+                os.setpgid(0, leader)
+            env = {**shared, "LOCAL_RANK": str(rank)} if launcher_env else {}
+            _rank(rank, scenario, args, folder, env)
+        with contextlib.suppress(OSError):  # (also here: no race with the child's own call)
+            os.setpgid(pid, pids[0] if pids else pid)
+        pids.append(pid)
+    codes = _wait(pids, time.monotonic() + timeout)
+    ends = []
+    for rank, code in enumerate(codes):
+        value_file = folder / f"rank{rank}.value"
+        value = pickle.loads(value_file.read_bytes()) if value_file.is_file() else None
+        out, err = (folder / f"rank{rank}.{kind}" for kind in ("out", "err"))
+        ends.append(
+            Rank(code, out.read_text(errors="replace"), err.read_text(errors="replace"), value)
+        )
+    return ends
+
+
+def _rank(rank: int, scenario: Callable[..., Any], args: tuple, folder: Path, env: dict) -> None:  # type: ignore[type-arg]
+    code = 1
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, signal.SIG_DFL)  # as a fresh process has them
+        os.environ.update(env)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        for fd, kind in ((1, "out"), (2, "err")):
+            os.dup2(
+                os.open(folder / f"rank{rank}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd
+            )
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        try:
+            value = scenario(rank, *args)
+            if value is not None:
+                (folder / f"rank{rank}.value").write_bytes(pickle.dumps(value))
+            code = 0
+        except SystemExit as stopped:
+            code = stopped.code if isinstance(stopped.code, int) else int(stopped.code is not None)
+        except BaseException:  # noqa: BLE001 - a rank's error ends its process with status 1
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)  # no test-process teardown (pytest's atexit, gloo's threads) in a rank
+
+
+def _wait(pids: list[int], deadline: float) -> list[int]:
+    """Each rank's status; the ranks still running at ``deadline`` are killed."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        if len(codes) < len(pids):
+            if time.monotonic() > deadline:
+                for pid in pids:
+                    if pid not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                break
+            time.sleep(0.05)
+    return [codes[pid] for pid in pids]

@@ -62,6 +62,42 @@ def launch(
     """Run ``scenario(rank, *args)`` on ``world`` forked ranks; each rank's end, by rank.
     ``launcher_env=False`` leaves the rank variables unset (a command run by hand, which may
     start its own ranks). Ranks still running at ``timeout`` are killed (status ``-9``)."""
+    return start(world, scenario, *args, folder=folder, launcher_env=launcher_env).wait(timeout)
+
+
+@dataclass
+class Launch:
+    """Ranks started by ``start``: their process ids, by rank, and where their output goes."""
+
+    pids: list[int]
+    folder: Path
+
+    def all_running(self) -> bool:
+        """Whether every rank is still running (an ended one is left for ``wait`` to reap)."""
+        peek = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        return all(os.waitid(os.P_PID, pid, peek) is None for pid in self.pids)
+
+    def wait(self, timeout: float) -> list[Rank]:
+        """Each rank's end, by rank; the ranks still running after ``timeout`` are killed."""
+        codes = _wait(self.pids, time.monotonic() + timeout)
+        ends = []
+        for rank, code in enumerate(codes):
+            value_file = self.folder / f"rank{rank}.value"
+            value = pickle.loads(value_file.read_bytes()) if value_file.is_file() else None
+            out, err = (self.folder / f"rank{rank}.{kind}" for kind in ("out", "err"))
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+            ends.append(Rank(code, stdout, stderr, value))
+        return ends
+
+
+def start(
+    world: int,
+    scenario: Callable[..., Any],
+    *args: Any,
+    folder: Path,
+    launcher_env: bool = True,
+) -> Launch:
+    """``launch``'s ranks, started; the caller waits for them (``Launch.wait``)."""
     if dist.is_initialized() or torch.cuda.is_initialized():
         raise RuntimeError("fork the ranks from a process outside any process group, without CUDA")
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,24 +113,14 @@ def launch(
     for rank in range(world):
         pid = os.fork()
         if pid == 0:  # the rank: never returns
-            leader = pids[0] if pids else 0
             with contextlib.suppress(OSError):
-                os.setpgid(0, leader)
+                os.setpgid(0, pids[0] if pids else 0)
             env = {**shared, "LOCAL_RANK": str(rank)} if launcher_env else {}
             _rank(rank, scenario, args, folder, env)
         with contextlib.suppress(OSError):  # (also here: no race with the child's own call)
             os.setpgid(pid, pids[0] if pids else pid)
         pids.append(pid)
-    codes = _wait(pids, time.monotonic() + timeout)
-    ends = []
-    for rank, code in enumerate(codes):
-        value_file = folder / f"rank{rank}.value"
-        value = pickle.loads(value_file.read_bytes()) if value_file.is_file() else None
-        out, err = (folder / f"rank{rank}.{kind}" for kind in ("out", "err"))
-        ends.append(
-            Rank(code, out.read_text(errors="replace"), err.read_text(errors="replace"), value)
-        )
-    return ends
+    return Launch(pids, folder)
 
 
 def _rank(rank: int, scenario: Callable[..., Any], args: tuple, folder: Path, env: dict) -> None:  # type: ignore[type-arg]

@@ -5,7 +5,8 @@ the scenario returned.
 Each rank is forked with ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set, so Lightning sees processes created externally and starts none; its output
 (file descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr``) goes to ``rank{r}.out`` and
-``rank{r}.err`` in ``folder``. A rank's status is what a process running the scenario as its
+``rank{r}.err`` in ``folder``, with logging's records and warnings (pytest's capture of them is
+undone). A rank's status is what a process running the scenario as its
 main program would exit with: 0, the code of ``SystemExit`` (a preemption's 143), 1 for any
 other exception (its traceback printed to the rank's stderr), or ``-signal`` when a signal
 ended it. Forking spares each rank the 3-5 s of importing torch and Lightning again that a
@@ -20,6 +21,7 @@ on ranks that it puts in a gloo group itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -137,6 +139,9 @@ def _rank(rank: int, scenario: Callable[..., Any], args: tuple, folder: Path, en
             )
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        # pytest's handlers and its record of warnings out: logs and warnings reach stderr
+        logging.basicConfig(stream=sys.stderr, format="%(message)s", force=True)
+        logging.captureWarnings(True)
         try:
             value = scenario(rank, *args)
             if value is not None:

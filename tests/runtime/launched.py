@@ -6,11 +6,12 @@ Each rank is forked with ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER
 ``MASTER_PORT`` set, so Lightning sees processes created externally and starts none; its output
 (file descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr``) goes to ``rank{r}.out`` and
 ``rank{r}.err`` in ``folder``, with logging's records and warnings (pytest's capture of them is
-undone). A rank's status is what a process running the scenario as its
-main program would exit with: 0, the code of ``SystemExit`` (a preemption's 143), 1 for any
-other exception (its traceback printed to the rank's stderr), or ``-signal`` when a signal
-ended it. Forking spares each rank the 3-5 s of importing torch and Lightning again that a
-fresh interpreter pays; the tests that are about how ranks are started keep a real launch.
+undone). A rank's status is what a process running the scenario as its main program would exit
+with: 0, the code of ``SystemExit`` (a preemption's 143), 1 for any other exception (passed to
+``sys.excepthook`` as an uncaught one is: printed to the rank's stderr, and recorded by a hook
+the scenario set), or ``-signal`` when a signal ended it. Forking spares each rank the 3-5 s of
+importing torch and Lightning again that a fresh interpreter pays; the tests that are about how
+ranks are started keep a real launch.
 
 The ranks form a process group of their own, led by rank 0, as a command started in a session
 of its own would: a scenario may signal the whole group (``os.killpg``, as ``scancel`` does)
@@ -27,8 +28,7 @@ import pickle
 import signal
 import sys
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ class Rank:
     code: int
     stdout: str
     stderr: str
+    at: float  # when its end was seen (seconds since the epoch)
     value: Any = None
 
     @property
@@ -60,11 +61,14 @@ def launch(
     folder: Path,
     timeout: float = 180.0,
     launcher_env: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> list[Rank]:
     """Run ``scenario(rank, *args)`` on ``world`` forked ranks; each rank's end, by rank.
     ``launcher_env=False`` leaves the rank variables unset (a command run by hand, which may
-    start its own ranks). Ranks still running at ``timeout`` are killed (status ``-9``)."""
-    return start(world, scenario, *args, folder=folder, launcher_env=launcher_env).wait(timeout)
+    start its own ranks); ``env``: more variables for every rank. Ranks still running at
+    ``timeout`` are killed (status ``-9``)."""
+    started = start(world, scenario, *args, folder=folder, launcher_env=launcher_env, env=env)
+    return started.wait(timeout)
 
 
 @dataclass
@@ -83,12 +87,12 @@ class Launch:
         """Each rank's end, by rank; the ranks still running after ``timeout`` are killed."""
         codes = _wait(self.pids, time.monotonic() + timeout)
         ends = []
-        for rank, code in enumerate(codes):
+        for rank, (code, at) in enumerate(codes):
             value_file = self.folder / f"rank{rank}.value"
             value = pickle.loads(value_file.read_bytes()) if value_file.is_file() else None
             out, err = (self.folder / f"rank{rank}.{kind}" for kind in ("out", "err"))
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-            ends.append(Rank(code, stdout, stderr, value))
+            ends.append(Rank(code, stdout, stderr, at, value))
         return ends
 
 
@@ -98,6 +102,7 @@ def start(
     *args: Any,
     folder: Path,
     launcher_env: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Launch:
     """``launch``'s ranks, started; the caller waits for them (``Launch.wait``)."""
     if dist.is_initialized() or torch.cuda.is_initialized():
@@ -117,8 +122,8 @@ def start(
         if pid == 0:  # the rank: never returns
             with contextlib.suppress(OSError):
                 os.setpgid(0, pids[0] if pids else 0)
-            env = {**shared, "LOCAL_RANK": str(rank)} if launcher_env else {}
-            _rank(rank, scenario, args, folder, env)
+            variables = {**shared, "LOCAL_RANK": str(rank)} if launcher_env else {}
+            _rank(rank, scenario, args, folder, {**variables, **(env or {})})
         with contextlib.suppress(OSError):  # (also here: no race with the child's own call)
             os.setpgid(pid, pids[0] if pids else pid)
         pids.append(pid)
@@ -150,7 +155,7 @@ def _rank(rank: int, scenario: Callable[..., Any], args: tuple, folder: Path, en
         except SystemExit as stopped:
             code = stopped.code if isinstance(stopped.code, int) else int(stopped.code is not None)
         except BaseException:  # noqa: BLE001 - a rank's error ends its process with status 1
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())  # as uncaught: printed, and recorded by a hook set
     finally:
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
@@ -158,23 +163,25 @@ def _rank(rank: int, scenario: Callable[..., Any], args: tuple, folder: Path, en
         os._exit(code)  # no test-process teardown (pytest's atexit, gloo's threads) in a rank
 
 
-def _wait(pids: list[int], deadline: float) -> list[int]:
-    """Each rank's status; the ranks still running at ``deadline`` are killed."""
-    codes: dict[int, int] = {}
+def _wait(pids: list[int], deadline: float) -> list[tuple[int, float]]:
+    """Each rank's status and when its end was seen; the ranks still running at ``deadline``
+    are killed."""
+    codes: dict[int, tuple[int, float]] = {}
     while len(codes) < len(pids):
         for pid in pids:
             if pid in codes:
                 continue
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
+                codes[pid] = (os.waitstatus_to_exitcode(status), time.time())
         if len(codes) < len(pids):
             if time.monotonic() > deadline:
                 for pid in pids:
                     if pid not in codes:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
-                        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                        status = os.waitpid(pid, 0)[1]
+                        codes[pid] = (os.waitstatus_to_exitcode(status), time.time())
                 break
             time.sleep(0.05)
     return [codes[pid] for pid in pids]

@@ -5,7 +5,7 @@ Every row of the checked table (``pl_pipedream/published/table1.csv``) and every
 paper's figures only where the checked table has them, pins the row's cluster, servers x GPUs,
 sync mode, model and data, refuses to start on this machine (no CUDA device) and, with
 ``smoke=true``, becomes a 2-process CPU run. One recipe per model runs that smoke run through
-``pl-pipedream-train`` and the strategy (slow).
+``pl-pipedream-train``'s main and the strategy, its two ranks forked from the test (slow).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from pl_pipedream.apps.train import MachineError, _build_model, apply_smoke, check_machine
 from pl_pipedream.reproduce.table import read_table
-from tests.apps.test_train import run_app
+from tests.apps.test_train import fork_app
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # Table 1's model names -> the model config each recipe must use
@@ -154,7 +154,7 @@ def test_a_recipe_smoke_run_trains_on_two_stages_and_writes_its_results(
     name: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    done = run_app(
+    done = fork_app(
         f"--config-dir={RECIPES}",
         f"--config-name={name}",
         "smoke=true",

@@ -2,9 +2,10 @@
 
 How rank 0 starts the other ranks is tested in test_hydra_ranks.py.
 
-Composition and construction run in-process (no training). The slow tests run the app as a
-user would, in a subprocess (the app starts its other ranks by re-running itself, which must not
-happen inside pytest), and check what it prints and writes.
+Composition and construction run in-process (no training). The slow tests check what the app
+prints and writes: one real launch as a user types it (``run_app``: a ``--multirun`` of the main
+job, whose rank 0 starts rank 1 by re-running the app), the others with the app's ``main`` on
+ranks forked from this process as a launcher that sets ``LOCAL_RANK`` starts them (``fork_app``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -421,7 +423,7 @@ def test_main_is_a_hydra_app_over_the_package_configs() -> None:
     assert (REPO / "configs" / "train.yaml").is_file()  # the top-level configs/ link
 
 
-# ----- end to end (subprocess) ------------------------------------------------------------------
+# ----- end to end -----------------------------------------------------------------------------
 
 
 def run_app(*arguments: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -437,54 +439,101 @@ def run_app(*arguments: str, cwd: Path, timeout: float = 240) -> subprocess.Comp
     )
 
 
+def app_rank(rank: int, argv: list[list[str]], cwd: Path) -> None:
+    """Rank ``rank`` of the app: its ``main`` with the command line ``argv[rank]``."""
+    from pl_pipedream.apps.train import main
+
+    os.chdir(cwd)
+    sys.argv = ["pl-pipedream-train", *argv[rank]]
+    main()
+
+
+def fork_app(
+    *arguments: str, cwd: Path, ranks: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``run_app``'s RUN-mode job with its ranks forked from this process (no interpreter to
+    start per rank), as a launcher that sets ``LOCAL_RANK`` starts them: rank 0 runs
+    ``arguments``, every other rank the command line the app's own launcher gives it
+    (``hydra_ranks.child_command``: this job's overrides, rank 0's ``hydra.run.dir``). The
+    status is rank 0's when every rank ended alike, else 1 (as the app's launcher reports a
+    failed rank); stdout is rank 0's, stderr rank 0's then the other ranks'. With ``ranks=1``
+    no rank variable is set: the command as typed by hand (the app would start its own ranks)."""
+    from pl_pipedream.hydra_ranks import child_command
+    from tests.runtime.launched import launch
+
+    flags = [a for a in arguments if a.startswith("--")]
+    overrides = [a for a in arguments if not a.startswith("--")]
+    hydra = [o for o in overrides if o.startswith("hydra.")]
+    run_dir = next(o.split("=", 1)[1] for o in hydra if o.startswith("hydra.run.dir="))
+    name = next((f.split("=", 1)[1] for f in flags if f.startswith("--config-name=")), None)
+    dirs = [f.split("=", 1)[1] for f in flags if f.startswith("--config-dir=")]
+    task = [o for o in overrides if o not in hydra]
+    child = child_command(task, hydra, run_dir, name, dirs)[3:]
+    argv = [list(arguments)] + [[*child, f"hydra.job.name=train_rank{r}"] for r in range(1, ranks)]
+    with tempfile.TemporaryDirectory() as outputs:  # outside cwd: the app's folders only there
+        ends = launch(
+            ranks,
+            app_rank,
+            argv,
+            cwd,
+            folder=Path(outputs),
+            timeout=timeout,
+            launcher_env=ranks > 1,
+        )
+    codes = {end.code for end in ends}
+    code = ends[0].code if len(codes) == 1 else 1
+    stderr = "".join(end.stderr for end in ends) + "".join(end.stdout for end in ends[1:])
+    return subprocess.CompletedProcess(argv[0], code, ends[0].stdout, stderr)
+
+
 def final_val_acc(output: str) -> float:
     line = next(line for line in output.splitlines() if "Final metrics:" in line)
     return float(line.split("val_acc=")[1].split(",")[0])
 
 
-@pytest.mark.slow
-def test_main_job_trains_validates_and_writes_its_outputs(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The one real launch of the app here, as a user types it: ``--multirun`` over two sync
+    modes of the main job (the default config, ``async`` first), each job starting its rank 1
+    by the app's own launcher; the folder it ran in and everything it printed."""
+    cwd = tmp_path_factory.mktemp("sweep-cwd")
     done = run_app(
+        "--multirun",
+        "sync=async,flush",
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=16",
-        f"hydra.run.dir={run_dir}",
-        cwd=tmp_path,
+        f"hydra.sweep.dir={cwd / 'sweep'}",
+        cwd=cwd,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    output = done.stdout + done.stderr
+    return cwd, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_main_job_trains_validates_and_writes_its_outputs(sweep: tuple[Path, str]) -> None:
+    cwd, output = sweep
+    run_dir = cwd / "sweep" / "0"  # the main job: the default config
     assert 0.4 < final_val_acc(output) <= 1.0  # chance: 0.1
     for name in ("metrics.csv", "timeline.json", "pipedream_plan.json", ".hydra/config.yaml"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "train_rank1.log").is_file()  # rank 1 wrote into rank 0's folder
     assert "val_acc" in (run_dir / "metrics.csv").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray output folders
     results = json.loads((run_dir / "results.json").read_text())
     assert results["metrics"]["val_acc"] == pytest.approx(final_val_acc(output), abs=5e-5)
     assert results["plan"]["stages"] == 2
 
 
 @pytest.mark.slow
-def test_multirun_runs_each_job_with_its_own_ranks(tmp_path: Path) -> None:
-    sweep_dir = tmp_path / "sweep"
-    done = run_app(
-        "--multirun",
-        "sync=async,flush",
-        "data=synthetic",
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=6",
-        f"hydra.sweep.dir={sweep_dir}",
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (done.stdout + done.stderr).count("Final metrics:") == 2
+def test_multirun_runs_each_job_with_its_own_ranks(sweep: tuple[Path, str]) -> None:
+    cwd, output = sweep
+    assert output.count("Final metrics:") == 2
     for job, sync in enumerate(("async", "flush")):
-        folder = sweep_dir / str(job)
+        folder = cwd / "sweep" / str(job)
         plan = (folder / "pipedream_plan.json").read_text()
         assert '"num_workers": 2' in plan
         assert (folder / "train_rank1.log").is_file()
         assert f"sync: {sync}" in (folder / ".hydra" / "config.yaml").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+    assert sorted(p.name for p in cwd.iterdir()) == ["sweep"]  # no stray output folders
 
 
 @pytest.mark.slow
@@ -492,7 +541,7 @@ def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    done = run_app(
+    done = fork_app(
         "model=seq2seq",
         "data=sequences",
         "strategy.balance=[2,3]",  # the cut after the encoder carries a dict with a state pair
@@ -507,7 +556,7 @@ def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_gpu_run_stops_before_any_rank_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    done = run_app("trainer=gpu", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    done = fork_app("trainer=gpu", f"hydra.run.dir={run_dir}", cwd=tmp_path, ranks=1, timeout=60)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert (
@@ -561,17 +610,17 @@ def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_end
     # could choose two plans (data parallel or a pipeline) whose sums differ in the last bits
     common = ["sync=flush", "model.hidden=[16]", "trainer.max_epochs=2", "strategy.balance=[2,2]"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    done = run_app(*common, f"hydra.run.dir={whole}", cwd=tmp_path)
+    done = fork_app(*common, f"hydra.run.dir={whole}", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     signal = "+trainer.callbacks=[{_target_:tests.app_signal.SigtermAt,step:25}]"
-    stopped = run_app(*common, f"hydra.run.dir={cut}", signal, cwd=tmp_path)
+    stopped = fork_app(*common, f"hydra.run.dir={cut}", signal, cwd=tmp_path)
     assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "in the app with pl-pipedream-train" in stopped.stdout
     assert "ckpt_path=last" in stopped.stdout
     assert not (cut / "checkpoints" / "epoch=1-step=38.ckpt").exists()
     kept = tmp_path / "preempted.ckpt"  # the same checkpoint, resumed below on another cluster
     shutil.copytree(cut / "checkpoints" / "last.ckpt", kept)
-    resumed = run_app(*common, f"hydra.run.dir={cut}", "ckpt_path=last", cwd=tmp_path)
+    resumed = fork_app(*common, f"hydra.run.dir={cut}", "ckpt_path=last", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {cut / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
     final = "checkpoints/epoch=1-step=38.ckpt"  # the same last step
@@ -587,7 +636,7 @@ def test_a_preempted_app_run_resumes_with_ckpt_path_last_where_it_would_have_end
     elsewhere = tmp_path / "elsewhere"
     moved = ["sync=gpipe", "model.hidden=[16]", "trainer.max_epochs=2", "trainer.devices=3"]
     moved += ["strategy.balance=[1,2,1]", f"hydra.run.dir={elsewhere}", f"ckpt_path={kept}"]
-    continued = run_app(*moved, cwd=tmp_path)
+    continued = fork_app(*moved, cwd=tmp_path, ranks=3)
     assert continued.returncode == 0, continued.stdout[-3000:] + continued.stderr[-3000:]
     there = consolidate_checkpoint(elsewhere / final)
     for key in want:

@@ -1,16 +1,14 @@
 """Sharded checkpoints: one shard per stage plus ``pipeline.json``, read back, checked and merged;
-saved atomically by the strategy (the multi-process tests at the end)."""
+saved atomically by the strategy (the multi-process test at the end: ``checkpoint_script.py`` on
+two ranks forked from this process, one of them killed mid-save)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,10 @@ from pl_pipedream.core.checkpoint import (
 )
 from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.planner.plan import Plan
+from tests.runtime import launched
+from tests.runtime.launched import Launch, Rank
 from tests.runtime.test_executor import NUM_BATCHES
+from tests.strategy import checkpoint_script
 
 PLAN = Plan.from_balance([2, 1], replicas=[2, 1])  # stage 0 on ranks 0 and 1, stage 1 on rank 2
 
@@ -204,33 +205,22 @@ def test_a_checkpoint_left_aside_by_an_interrupted_publish_is_named(tmp_path: Pa
     assert f"left the previous checkpoint at {aside}: rename it to {path}" in str(error.value)
 
 
-SCRIPT = Path(__file__).parents[1] / "strategy" / "checkpoint_script.py"
 STEPS = NUM_BATCHES  # per epoch
 
 
-def launch(out: Path, *extra: str) -> subprocess.Popen:
-    """Start ``checkpoint_script.py`` (2 ranks, flush, ``timeout=20``) in its own process group."""
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--timeout", "20", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command,
-        cwd=out.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def script_rank(rank: int, argv: list[str]) -> None:
+    checkpoint_script.main(argv)
 
 
-def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    """The exit code and stderr; the whole process group is killed if it has not ended."""
-    try:
-        _, stderr = process.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, stderr
+def start(out: Path, *extra: str) -> Launch:
+    """``checkpoint_script.py``'s two ranks (flush, ``timeout=20``), forked from this process
+    as a launcher starts them; their output goes beside ``out``."""
+    argv = ["--out", str(out), "--timeout", "20", *extra]
+    return launched.start(2, script_rank, argv, folder=out.parent / f"{out.name}-ranks")
+
+
+def failure(ranks: list[Rank]) -> str:
+    return "\n".join(f"rank {r} ({end.code}): {end.stderr[-2000:]}" for r, end in enumerate(ranks))
 
 
 def checkpoints(directory: Path) -> dict[str, int]:
@@ -254,17 +244,18 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_resumes_bit_e
         f"epoch=2-step={3 * STEPS}.ckpt": 3 * STEPS,
         "last.ckpt": 3 * STEPS,
     }
-    process = launch(crashed, "--block")
+    ranks = start(crashed, "--block")
     blocked = crashed / "blocked"
     deadline = time.monotonic() + 90
-    while not blocked.is_file() and process.poll() is None and time.monotonic() < deadline:
+    while not blocked.is_file() and ranks.all_running() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert blocked.is_file(), finish(process, 5)[1][-3000:]
+    assert blocked.is_file(), failure(ranks.wait(5))
     os.kill(int(blocked.read_text()), signal.SIGKILL)
     killed = time.monotonic()
-    code, stderr = finish(process, 60)
-    assert code != 0 and time.monotonic() - killed < 20, stderr[-3000:]
-    assert "could not receive stage 1's shard record from rank 1" in stderr, stderr[-3000:]
+    ends = ranks.wait(60)
+    assert ends[1].code == -signal.SIGKILL, failure(ends)
+    assert ends[0].code != 0 and time.monotonic() - killed < 20, failure(ends)
+    assert "could not receive stage 1's shard record from rank 1" in ends[0].stderr, failure(ends)
     last = crashed / "ckpts" / "last.ckpt"
     assert read_shards(last)[0]["step"] == STEPS  # the previous save, whole
     assert leftovers(last), "the kill did not interrupt a save of last.ckpt"
@@ -272,8 +263,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_resumes_bit_e
     # ckpt_path="last": ModelCheckpoint looks for "last" in its directory's names, and the
     # staging directory left by the kill has none. The uninterrupted run follows in the same
     # launch, into "straight".
-    code, stderr = finish(launch(crashed, "--resume", "last", "--straight-out", str(straight)), 200)
-    assert code == 0, stderr[-3000:]
+    ends = start(crashed, "--resume", "last", "--straight-out", str(straight)).wait(200)
+    assert [end.code for end in ends] == [0, 0], failure(ends)
     assert checkpoints(straight / "ckpts") == expected
     # The crashed run's complete epoch-1 checkpoint keeps its name and the resumed run's gets a
     # version suffix (Lightning does so for any existing file); the leftovers are gone.

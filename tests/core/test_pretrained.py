@@ -12,8 +12,6 @@ weights, a mismatch stops every rank at setup, and ``fit(ckpt_path=...)`` wins o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,8 @@ from pl_pipedream.core import pretrained
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.pretrained import Pretrained, load_stage, open_weights
+from tests.runtime import launched
+from tests.runtime.launched import Rank
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -211,14 +211,19 @@ def test_parse_takes_a_path_or_a_pretrained() -> None:
         Pretrained.parse(3)  # type: ignore[arg-type]
 
 
-# ----- through Lightning, 2 ranks (slow): tests/strategy/pretrained_script.py -----------------
-
-SCRIPT = Path(__file__).parents[1] / "strategy" / "pretrained_script.py"
+# ----- through Lightning, 2 ranks forked from here (slow): tests/strategy/pretrained_script.py ---
 
 
-def launch(*args: object) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    command = [sys.executable, str(SCRIPT), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=os.environ)
+def script_rank(rank: int, argv: list[str]) -> None:
+    from tests.strategy import pretrained_script
+
+    pretrained_script.main(argv)
+
+
+def launch(*args: object, folder: Path) -> list[Rank]:
+    """``pretrained_script`` on two ranks forked from this process as a launcher starts them,
+    each running the script's ``main`` (a user's script, its output kept per rank)."""
+    return launched.launch(2, script_rank, [str(arg) for arg in args], folder=folder, timeout=240)
 
 
 def fork(*args: object) -> None:
@@ -287,10 +292,12 @@ def test_names_that_do_not_match_stop_every_rank_before_training(tmp_path) -> No
     state = torch.load(torch_file)
     state["blocks.1.1.bias"] = state.pop("blocks.1.1.weight")  # misnamed, and misshapen
     torch.save(state, tmp_path / "bad.pt")
-    run = launch("--weights", tmp_path / "bad.pt", "--out", tmp_path / "run")
-    assert run.returncode != 0
-    assert "missing: ['blocks.1.1.weight']" in run.stderr
-    assert "blocks.1.1.bias: file (8, 8), module (8,)" in run.stderr
+    args = ("--weights", tmp_path / "bad.pt", "--out", tmp_path / "run")
+    ranks = launch(*args, folder=tmp_path / "ranks")
+    assert all(rank.code != 0 for rank in ranks)
+    stderr = "".join(rank.stderr for rank in ranks)
+    assert "missing: ['blocks.1.1.weight']" in stderr
+    assert "blocks.1.1.bias: file (8, 8), module (8,)" in stderr
     assert not (tmp_path / "run" / "0" / "rank0.pt").exists()
 
 
@@ -303,9 +310,9 @@ def test_resuming_wins_over_pretrained_weights_and_continues_the_checkpoint(tmp_
     fork("--weights", torch_file, "--out", tmp_path / "a", "--epochs", 1, "--save-last")
     last = tmp_path / "a" / "0" / "ckpts" / "last.ckpt"
     args = ("--weights", torch_file, "--out", tmp_path / "b", "--epochs", 2, "--resume", last)
-    resumed = launch(*args)  # as a user's script: its output says the checkpoint wins
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "the pretrained weights (" in resumed.stderr + resumed.stdout
+    resumed = launch(*args, folder=tmp_path / "ranks")  # a user's script: the checkpoint wins
+    assert [rank.code for rank in resumed] == [0, 0], [rank.stderr[-2000:] for rank in resumed]
+    assert "the pretrained weights (" in "".join(rank.output for rank in resumed)
     assert_close(pipelined(tmp_path / "b" / "0"), one_device(torch_file, epochs=2))
 
 

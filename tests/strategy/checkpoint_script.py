@@ -7,7 +7,8 @@ Lightning's script launcher starts rank 1 by re-running this file. Checkpoints g
 ``--block``, rank 1 writes half of its shard of the second ``last.ckpt`` save (the end of epoch
 1), writes its process id to ``DIR/blocked`` and sleeps, so that the test can kill it mid-save.
 ``--straight-out DIR2`` fits once more in the same launch, from scratch, into ``DIR2`` (the
-uninterrupted reference).
+uninterrupted reference). The tests call ``main(argv)`` on ranks forked from their own process
+(``tests.runtime.launched``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def block_second_save_of(last: Path, out: Path) -> None:
     checkpoint.write_file = blocking_write
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3)
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--block", action="store_true")
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--straight-out", default=None, help="then fit from scratch into it")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     fit(Path(args.out), args.epochs, args.resume, args.block, args.timeout)
     if args.straight_out is not None:
         fit(Path(args.straight_out), args.epochs, None, False, args.timeout)

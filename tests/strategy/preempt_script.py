@@ -9,6 +9,8 @@ rank whose fit raises ``SystemExit`` writes its code and the time to ``DIR/exit-
 The loader is the package's ``ResumableLoader``, so a fit resumed mid-epoch goes on with the
 next batch, as Lightning resumes on one device. ``--straight-out DIR2`` fits once more
 in the same launch, from scratch without a signal, into ``DIR2`` (the uninterrupted reference).
+The tests call ``main(argv)`` on ranks forked from their own process
+(``tests.runtime.launched``), which form a process group of their own.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Signal(Callback):
             os.killpg(os.getpgid(0), signal.SIGTERM)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sync", default="flush")
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--straight-out", default=None, help="then fit uninterrupted into it")
     parser.add_argument("--agree-every-step", action="store_true", help="a known stop step")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.agree_every_step:  # the ranks agree at every step: they stop 3 steps after the signal
         preemption.MAX_PERIOD = 1
     fit(Path(args.out), args.sync, args.epochs, args.signal_at, args.target, args.resume)

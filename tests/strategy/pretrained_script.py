@@ -11,7 +11,8 @@ state under the module's names after training. ``--save-last`` keeps
 ``configure_model()`` and initialises as nanoGPT does (``self.apply(init)``, outside any
 ``reset_parameters``): only pretrained weights can fill it; ``--init reset`` leaves each layer
 to its own ``reset_parameters`` (an empty build replays it). The tests call
-``main(argv, start_method="fork")`` in their own process, the ranks forked from it.
+``main(argv, start_method="fork")`` in their own process, the ranks forked from it, or
+``main(argv)`` on each of two ranks they fork as a launcher would (``tests.runtime.launched``).
 """
 
 from __future__ import annotations

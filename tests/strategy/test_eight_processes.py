@@ -1,15 +1,20 @@
 """Eight processes in the suite: ``flush`` on a straight 8-stage pipeline equals one device, and a
-SIGKILL of a middle rank is named first by the launcher's report.
+SIGKILL of a middle rank is named first by the report over the ranks' ends.
 
-One launch of ``fit_script.py`` (``--model deep``: one Linear block per stage) serves both tests,
-since eight ranks on a loaded 2-core machine take most of a minute to start: it trains ``flush``
-with SGD and consolidates the weights, then runs a second fit (``async``) in which rank 3 (stage
-3) SIGKILLs itself at the start of step 2, so the command ends with the report.
+One launch of ``fit_script.py``'s ``main`` on eight ranks forked from this process, as a
+launcher starts them (``tests.runtime.launched``; ``--model deep``: one Linear block per stage),
+serves both tests: it trains ``flush`` with SGD and consolidates the weights, then runs a second
+fit (``async``) in which rank 3 (stage 3) SIGKILLs itself at the start of step 2. Each rank
+records its uncaught error as under the strategy's launcher (``PL_PIPEDREAM_ERRORS``), and the
+report is rendered from those records and the ranks' statuses as that launcher renders it
+(``runtime.processes.render``); that launcher's own watching of the ranks and its exit status
+are tested on four ranks in test_launcher.py.
 """
 
 from __future__ import annotations
 
-import subprocess
+import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,10 +22,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.processes import ERRORS_VARIABLE, RankEnd, render
 from tests.runtime import oracle
+from tests.runtime.launched import Rank, launch
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches
-from tests.strategy.test_fit import launch
-from tests.strategy.test_launcher import report_of
+from tests.strategy import fit_script
 
 STAGES = 8
 MICROBATCHES = 4
@@ -28,12 +34,22 @@ KILLED = 3
 TOLERANCE = 1e-6  # measured: 3.0e-8 against both (one device and the oracle agree bit for bit)
 
 
+def script_rank(rank: int, argv: list[str]) -> None:
+    fit_script.main(argv)
+
+
 @pytest.fixture(scope="module")
-def eight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+def eight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Rank], Path]:
+    """The launch's folder, how each rank ended, and the folder of their recorded errors."""
     out = tmp_path_factory.mktemp("eight")
-    extra = ["--model", "deep", "--kill-rank", str(KILLED), "--kill-at", "2", "--timeout", "120"]
-    result = launch(out, [1] * STAGES, None, MICROBATCHES, ["flush:sgd"], extra=extra)
-    return out, result
+    errors = out / "errors"
+    errors.mkdir()
+    argv = ["--balance", *["1"] * STAGES, "--microbatches", str(MICROBATCHES), "--out", str(out)]
+    argv += ["--configs", "flush:sgd", "--model", "deep", "--timeout", "60"]
+    argv += ["--kill-rank", str(KILLED), "--kill-at", "2"]
+    env = {ERRORS_VARIABLE: str(errors)}
+    ranks = launch(STAGES, script_rank, argv, folder=out / "ranks", timeout=300, env=env)
+    return out, ranks, errors
 
 
 @pytest.mark.slow
@@ -42,9 +58,9 @@ def test_flush_on_eight_stages_equals_one_device_and_the_oracle(eight) -> None: 
 
     from tests.strategy.fit_script import DeepNet, deep_model
 
-    out, result = eight
+    out, ranks, _ = eight
     weights = out / "flush-sgd" / "weights.pt"
-    assert weights.is_file(), result.stderr[-3000:]
+    assert weights.is_file(), ranks[0].stderr[-3000:]
     got = torch.load(weights)
     reference = DeepNet(STAGES)
     one = Trainer(
@@ -75,13 +91,25 @@ def test_flush_on_eight_stages_equals_one_device_and_the_oracle(eight) -> None: 
 
 
 @pytest.mark.slow
-def test_a_killed_middle_rank_of_eight_is_named_first_and_the_command_exits_1(eight) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_middle_rank_of_eight_is_named_first(eight) -> None:  # type: ignore[no-untyped-def]
     """Its neighbours fail with a PeerError naming it; the report leads with rank 3 itself and
-    lists the seven others after it; the exit status is 1, not 0 nor Lightning's 137."""
-    _, result = eight
-    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
-    assert "Forcefully terminating" not in result.stderr
-    report = report_of(result.stderr)
+    lists the seven others after it."""
+    _, ranks, errors = eight
+    assert ranks[KILLED].code == -signal.SIGKILL, [rank.code for rank in ranks]
+    assert all(rank.code == 1 for r, rank in enumerate(ranks) if r != KILLED), ranks
+    for neighbour in (KILLED - 1, KILLED + 1):
+        entry = json.loads((errors / f"rank-{neighbour}.json").read_text())
+        assert entry["kind"] == "PeerError" and f"rank {KILLED}" in entry["message"], entry
+    ends = []
+    for r, rank in enumerate(ranks):  # as the launcher reads them (RankProcesses._end)
+        end = RankEnd(r, rank.code, rank.at)
+        recorded = errors / f"rank-{r}.json"
+        if recorded.is_file():
+            entry = json.loads(recorded.read_text())
+            end.kind, end.text, end.message = entry["kind"], entry["text"], entry["message"]
+            end.at = min(end.at, float(entry["time"]))
+        ends.append(end)
+    report = render(ends).splitlines()
     lead = f"pl-pipedream: rank {KILLED} failed (killed by SIGKILL); its error:"
     assert report[0] == lead, report
     others = [line for line in report[1:] if line.startswith("pl-pipedream: rank")]

@@ -1,13 +1,11 @@
 """Preemption under Lightning: SIGTERM mid-training to one rank or to every rank stops them at
 one step with ``last.ckpt``, which resumes to the weights of an uninterrupted run
-(``preempt_script.py``); where the checkpoint goes."""
+(``preempt_script.py`` on two ranks forked from this process, real signals to real processes);
+where the checkpoint goes."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +15,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pl_pipedream.strategy.preemption import checkpoint_path
-
-SCRIPT = Path(__file__).with_name("preempt_script.py")
+from tests.runtime.launched import Rank, launch
+from tests.strategy import preempt_script
 
 
 def test_a_preempted_fit_saves_the_checkpoint_callbacks_last_ckpt(tmp_path: Path) -> None:
@@ -36,13 +34,15 @@ def test_a_preempted_fit_saves_the_checkpoint_callbacks_last_ckpt(tmp_path: Path
     assert checkpoint_path(bare) == tmp_path / "last.ckpt"
 
 
-def run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
-    # A session of its own: "--target group" signals the whole process group, as scancel does.
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=90, start_new_session=True
-    )
+def script_rank(rank: int, argv: list[str]) -> None:
+    preempt_script.main(argv)
+
+
+def run(out: Path, *args: str) -> list[Rank]:
+    """``preempt_script.py``'s two ranks, forked from this process as a launcher starts them, in
+    a process group of their own: "--target group" signals the whole group, as scancel does."""
+    argv = ["--out", str(out), *args]
+    return launch(2, script_rank, argv, folder=out.parent / f"{out.name}-ranks", timeout=90)
 
 
 @pytest.mark.slow
@@ -66,7 +66,7 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
         tmp_path / "stopped", "--sync", sync, *signal, *["--agree-every-step"] * every_step
     )
     ended = time.time()
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert [rank.code for rank in stopped] == [143, 143], [r.stderr[-2000:] for r in stopped]
     signalled = float((tmp_path / "stopped" / "signalled").read_text())
     exits = [json.loads((tmp_path / "stopped" / f"exit-rank{r}.json").read_text()) for r in (0, 1)]
     assert [e["code"] for e in exits] == [143, 143]
@@ -80,7 +80,7 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
     # the resumed fit, then (same launch) the uninterrupted one into "straight"
     straight_out = str(tmp_path / "straight")
     resumed = run(tmp_path / "stopped", "--sync", sync, "--resume", "--straight-out", straight_out)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [rank.code for rank in resumed] == [0, 0], [r.stderr[-2000:] for r in resumed]
     got = torch.load(tmp_path / "stopped" / "weights.pt")
     want = torch.load(tmp_path / "straight" / "weights.pt")
     assert got.keys() == want.keys()

@@ -3,9 +3,11 @@
 The loss exists on the last stage and the inputs enter at the first, but every rank runs its own
 Lightning loop over the same batches (``core.data``), so every rank holds the whole batch,
 inputs and targets alike. Each rank notes, per microbatch of each batch it feeds, whether every
-floating-point tensor in it is finite: one reduction per tensor of the batch, whose result stays
-on the device (no wait for the GPU) and is read only when a non-finite loss is logged. In the
-asynchronous modes the loss logged in a step belongs to a batch fed some steps earlier
+floating-point tensor in it is finite: one reduction per tensor of the batch, each microbatch's
+smallest and largest value (a NaN in a microbatch makes both NaN, an inf makes one of them
+infinite, so both are finite exactly when every value is), whose result stays on the device (no
+wait for the GPU) and is read, and reduced to a verdict, only when a non-finite loss is logged.
+In the asynchronous modes the loss logged in a step belongs to a batch fed some steps earlier
 (``PipelineRunner.loss_batch``), so the notes of the batches since the last finite logged loss
 are kept; they are the batches whose bad data could have made the loss, directly or through the
 weights they updated.
@@ -27,7 +29,7 @@ class FiniteData:
     """Per batch fed (counted from 0 in the fit), whether each microbatch's data were finite."""
 
     def __init__(self) -> None:
-        self._notes: dict[int, Tensor | None] = {}
+        self._notes: dict[int, list[Tensor]] = {}
 
     def note(self, batch: int, data: Any, microbatches: int) -> None:
         """Note batch ``batch``: ``data`` (any structure of tensors), split along dim 0 into
@@ -43,21 +45,32 @@ class FiniteData:
         """The first (batch, microbatch) up to batch ``through`` whose data held a NaN or inf;
         None when all were finite (reads the notes: on a GPU, waits for them)."""
         for batch in sorted(b for b in self._notes if b <= through):
-            finite = self._notes[batch]
+            finite = _finite(self._notes[batch])
             if finite is not None and not bool(finite.all()):
                 return batch, int((~finite.cpu()).nonzero()[0])
         return None
 
 
-def _finite_slices(data: Any, microbatches: int) -> Tensor | None:
-    """Per slice of ``data``, whether its floating-point tensors are finite (a bool tensor of
-    ``microbatches`` on the first tensor's device); None when there is no such tensor (integer
-    tensors are always finite)."""
-    floating = [t for t in tensors(data) if t.dim() and (t.is_floating_point() or t.is_complex())]
-    checks = [torch.isfinite(t.reshape(microbatches, -1)).all(1) for t in floating]
-    if not checks:
+def _finite_slices(data: Any, microbatches: int) -> list[Tensor]:
+    """Per floating-point tensor of ``data`` (integer tensors are always finite; an empty one
+    holds nothing), per slice of ``microbatches``: its smallest and largest values, or for a
+    complex tensor whether it is finite."""
+    notes = []
+    for t in tensors(data):
+        if not t.dim() or not t.numel():
+            continue
+        if t.is_complex():
+            notes.append(torch.isfinite(t.reshape(microbatches, -1)).all(1))
+        elif t.is_floating_point():
+            notes.extend(t.detach().reshape(microbatches, -1).aminmax(dim=1))
+    return notes
+
+
+def _finite(notes: list[Tensor]) -> Tensor | None:
+    """Per slice, whether the tensors ``_finite_slices`` noted were finite (a bool tensor on
+    the first one's device); None when there were none."""
+    if not notes:
         return None
-    if len(checks) == 1:
-        return checks[0]
-    first = checks[0].device
+    first = notes[0].device
+    checks = [n if n.dtype == torch.bool else torch.isfinite(n) for n in notes]
     return torch.stack([c.to(first) for c in checks]).all(0)

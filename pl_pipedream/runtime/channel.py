@@ -49,9 +49,9 @@ from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.frames import (
     HEADER_BYTES,
     RESIZE,
+    Layouts,
     Message,
     PeerError,
-    layout_of,
     notice,
     pack,
     unpack,
@@ -100,12 +100,13 @@ class Channel:
         self._nccl = "nccl" in str(backend) and device.type == "cuda"
         self._wire = device if self._nccl else torch.device("cpu")
         self._side = SideStreams()  # reads of received frames (on a GPU)
+        self._layouts = Layouts()  # a link's messages repeat their shapes
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
         self._reap((peer, tag), room=1)  # before packing: the link holds its bound at most
         size = self._send_sizes.get((peer, tag), HEADER_BYTES)
-        layout = layout_of(message)
+        layout = self._layouts.of(message)
         needed = layout.needed
         frames = []
         if not (size - ROOM) // 2 < needed <= size:  # less than half of its own size
@@ -166,7 +167,7 @@ class Channel:
             self._count_received(-frame.nbytes)  # the message's now, or a notice
             header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
             if header[0] != RESIZE:
-                return self._on_device(unpack(frame, header, self._side))
+                return self._on_device(unpack(frame, header, self._side, self._layouts))
             self._recv_sizes[(peer, tag)] = header[1]
 
     def _on_device(self, message: Message) -> Message:

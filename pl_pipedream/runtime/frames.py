@@ -14,7 +14,10 @@ each tensor's bytes, then the scalars, then the structure, then the keys. One tr
 message matters: a gloo send moves no data until its receive is posted, so every extra transfer
 is one more round trip between the ranks.
 
-A frame is written and read here; ``runtime.channel`` moves frames between ranks.
+A frame is written and read here; ``runtime.channel`` moves frames between ranks. A link's
+messages repeat their shapes from step to step, so a channel keeps the layout of each kind of
+message it sends and reads (``Layouts``): the offsets and the header are worked out once per
+shape, and each message costs only its copies.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "RESIZE",
     "SUPPORTED_DTYPES",
     "Layout",
+    "Layouts",
     "Message",
     "MinibatchLoss",
     "PeerError",
@@ -92,7 +96,8 @@ class Message:
 
 class Layout(NamedTuple):
     """Where a message goes in a frame: the tensors' byte offsets, where the scalars start, the
-    bytes the frame needs, the header, the scalars and the keys (UTF-8 JSON, or empty)."""
+    bytes the frame needs, the header, the scalars and the keys (UTF-8 JSON, or empty), and the
+    header as an int64 tensor when one is kept (``Layouts``)."""
 
     offsets: list[int]
     end: int
@@ -100,6 +105,15 @@ class Layout(NamedTuple):
     header: list[int]
     scalars: list[float]
     keys: bytes
+    header_tensor: torch.Tensor | None = None
+
+
+class _Reading(NamedTuple):
+    """What a header says of its frame: each tensor's offset, bytes, dtype, shape and whether
+    it asks for a gradient, then where the scalars start."""
+
+    tensors: list[tuple[int, int, torch.dtype, list[int], bool]]
+    end: int
 
 
 def _scalars(message: Message) -> tuple[list[float], list[str], int]:
@@ -155,21 +169,84 @@ def _layout(specs: list[tuple[torch.dtype, list[int]]]) -> tuple[list[int], int]
     return offsets, position
 
 
-def _view(frame: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    return frame[offset : offset + nbytes].view(dtype).view(shape)
-
-
 def layout_of(message: Message) -> Layout:
     """Where ``message``'s tensors, scalars and keys go in a frame, and the bytes it needs."""
-    offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
-    scalars, keys, logged = _scalars(message)
-    blob = json.dumps(keys).encode() if keys else b""
-    header = header_of(message, logged, len(blob))
+    return Layouts(keep=0).of(message)
+
+
+def _needed(message: Message, end: int, scalars: list[float], blob: bytes) -> int:
     structure = 0 if message.structure is None else len(message.structure)
     needed = end + 8 * len(scalars) + structure + len(blob)
-    # whole 8-byte words: views of any dtype load back
-    return Layout(offsets, end, -(-needed // 8) * 8, header, scalars, blob)
+    return -(-needed // 8) * 8  # whole 8-byte words: views of any dtype load back
+
+
+class Layouts:
+    """The layouts of one channel's frames, kept per kind of message: what a header says
+    depends only on the tensors' dtypes, shapes and gradient flags and on how many scalars,
+    logged values, structure and key bytes ride along, so a message of a kind seen before
+    reuses its offsets and its header (as a tensor, ready to copy), and a header seen before
+    its reading. At most ``keep`` of each (shapes that never settle: they are worked out
+    afresh once ``keep`` are held; ``keep=0`` keeps none)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._sent: dict[tuple, tuple[list[int], int, list[int], torch.Tensor]] = {}
+        self._read: dict[tuple[int, ...], _Reading] = {}
+
+    def of(self, message: Message) -> Layout:
+        """``message``'s layout (as ``layout_of``), its shape part kept for the next one."""
+        scalars, keys, logged = _scalars(message)
+        blob = json.dumps(keys).encode() if keys else b""
+        kind = (
+            tuple((t.dtype, t.shape, t.requires_grad) for t in message.tensors),
+            len(message.losses),
+            logged,
+            len(blob),
+            message.fingerprint is None,
+            None if message.structure is None else len(message.structure),
+        )
+        shape = self._sent.get(kind)
+        if shape is None:
+            offsets, end = _layout([(t.dtype, list(t.shape)) for t in message.tensors])
+            header = header_of(message, logged, len(blob))
+            shape = (offsets, end, header, torch.tensor(header, dtype=torch.int64))
+            _keep(self._sent, kind, shape, self.keep)
+        offsets, end, header, header_tensor = shape
+        needed = _needed(message, end, scalars, blob)
+        return Layout(offsets, end, needed, header, scalars, blob, header_tensor)
+
+    def reading(self, header: list[int]) -> _Reading:
+        """What ``header`` says of the tensors in its frame, and where its scalars start."""
+        key = tuple(header)
+        found = self._read.get(key)
+        if found is None:
+            found = _reading(header)
+            _keep(self._read, key, found, self.keep)
+        return found
+
+
+def _keep(kept: dict, key: object, value: object, keep: int) -> None:
+    if keep <= 0:
+        return
+    if len(kept) >= keep:
+        kept.clear()
+    kept[key] = value
+
+
+def _reading(header: list[int]) -> _Reading:
+    specs, grads = [], []
+    position = 7
+    for _ in range(header[1]):
+        code, ndim = header[position], header[position + 1]
+        specs.append((_DTYPES[code % REQUIRES_GRAD], header[position + 2 : position + 2 + ndim]))
+        grads.append(code >= REQUIRES_GRAD)
+        position += 2 + ndim
+    offsets, end = _layout(specs)
+    tensors = [
+        (offset, torch.Size(shape).numel() * dtype.itemsize, dtype, shape, grad)
+        for offset, (dtype, shape), grad in zip(offsets, specs, grads, strict=True)
+    ]
+    return _Reading(tensors, end)
 
 
 def pack(message: Message, layout: Layout, size: int, device: torch.device) -> torch.Tensor:
@@ -177,9 +254,13 @@ def pack(message: Message, layout: Layout, size: int, device: torch.device) -> t
     and the keys."""
     offsets, end = layout.offsets, layout.end
     frame = torch.empty(size, dtype=torch.uint8, device=device)
-    upload(frame[:HEADER_BYTES].view(torch.int64), torch.tensor(layout.header))
+    header = layout.header_tensor
+    if header is None:
+        header = torch.tensor(layout.header, dtype=torch.int64)
+    upload(frame[:HEADER_BYTES].view(torch.int64), header)
     for tensor, offset in zip(message.tensors, offsets, strict=True):
-        _view(frame, offset, tensor.dtype, list(tensor.shape)).copy_(tensor.detach())
+        view = frame[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.detach())
     position = end + 8 * len(layout.scalars)
     if layout.scalars:
         scalars = torch.tensor(layout.scalars, dtype=torch.float64)
@@ -199,21 +280,21 @@ def notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
     return frame.to(device)
 
 
-def unpack(frame: torch.Tensor, header: list[int], side: SideStreams | None = None) -> Message:
-    """The message in ``frame``; its tensors are views of the frame's bytes."""
-    count, num_losses, num_logged, fingerprinted, structure_bytes, key_bytes = header[1:7]
-    specs, grads = [], []
-    position = 7
-    for _ in range(count):
-        code, ndim = header[position], header[position + 1]
-        specs.append((_DTYPES[code % REQUIRES_GRAD], header[position + 2 : position + 2 + ndim]))
-        grads.append(code >= REQUIRES_GRAD)
-        position += 2 + ndim
-    offsets, end = _layout(specs)
-    tensors = [_view(frame, o, d, s) for o, (d, s) in zip(offsets, specs, strict=True)]
-    for tensor, grad in zip(tensors, grads, strict=True):
-        if grad:
-            tensor.requires_grad_(True)
+def unpack(
+    frame: torch.Tensor,
+    header: list[int],
+    side: SideStreams | None = None,
+    layouts: Layouts | None = None,
+) -> Message:
+    """The message in ``frame``; its tensors are views of the frame's bytes. ``layouts`` keeps
+    the reading of each header (a link's headers repeat)."""
+    num_losses, num_logged, fingerprinted, structure_bytes, key_bytes = header[2:7]
+    reading = _reading(header) if layouts is None else layouts.reading(header)
+    end = reading.end
+    tensors = []
+    for offset, nbytes, dtype, shape, grad in reading.tensors:
+        tensor = frame[offset : offset + nbytes].view(dtype).view(shape)
+        tensors.append(tensor.requires_grad_(True) if grad else tensor)
     num_scalars = 2 * num_losses + 3 * num_logged + fingerprinted
     scalars_end = end + 8 * num_scalars
     structure = None

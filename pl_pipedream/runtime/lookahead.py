@@ -49,31 +49,43 @@ def last_uses(actions: Sequence[Action], weight_prediction: bool) -> dict[int, i
 
 def minibatch_of(action: Action) -> int:
     """The minibatch of a message or compute action (the schedule gives every one of them)."""
-    return _given(action.minibatch, "minibatch", action)
+    value = action.minibatch
+    if value is None:
+        raise _missing("minibatch", action)
+    return value
 
 
 def peer_of(action: Action) -> int:
     """The other rank of a message action."""
-    return _given(action.peer, "peer", action)
+    value = action.peer
+    if value is None:
+        raise _missing("peer", action)
+    return value
 
 
 def batch_of(action: Action) -> int:
     """The Lightning batch a message or compute action belongs to."""
-    return _given(action.batch, "batch", action)
+    value = action.batch
+    if value is None:
+        raise _missing("batch", action)
+    return value
 
 
 def version_of(action: Action) -> int:
     """The weights' version a compute action uses."""
-    return _given(action.version, "version", action)
-
-
-def _given(value: int | None, field: str, action: Action) -> int:
+    value = action.version
     if value is None:
-        raise ExecutorError(
-            f"a {action.kind.name} action must name its {field} (action: {action}); "
-            "run a schedule made by schedule.build"
-        )
+        raise _missing("version", action)
     return value
+
+
+def _missing(field: str, action: Action) -> ExecutorError:
+    """The error for an action without ``field`` (each accessor checks inline: they run
+    several times per action)."""
+    return ExecutorError(
+        f"a {action.kind.name} action must name its {field} (action: {action}); "
+        "run a schedule made by schedule.build"
+    )
 
 
 def receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Link]]:

@@ -53,6 +53,9 @@ class SegmentStream:
     _endings: dict[int, Schedule] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _drains: dict[tuple[int, int], Segment] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         mode = rules.check_arguments(self.plan, self.sync, 1, self.microbatches)
@@ -183,5 +186,10 @@ class SegmentStream:
         }
 
     def _drain(self, rank: int, t: int) -> Segment:
-        """Rank's drain after step ``t <= steady_from``."""
-        return segments(self._ending(t), rank)[t][len(self._segments[rank][t]) :]
+        """Rank's drain after step ``t <= steady_from`` (cut once: a flushed mode drains at
+        every step)."""
+        drain = self._drains.get((rank, t))
+        if drain is None:
+            drain = segments(self._ending(t), rank)[t][len(self._segments[rank][t]) :]
+            self._drains[(rank, t)] = drain
+        return drain

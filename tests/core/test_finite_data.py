@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pl_pipedream.core.finite_data import FiniteData
@@ -24,4 +25,35 @@ def test_the_data_notes_find_the_first_non_finite_microbatch() -> None:
 def test_a_batch_without_floating_tensors_has_no_note_to_read() -> None:
     notes = FiniteData()
     notes.note(0, (torch.arange(4), torch.arange(4)), 4)
+    assert notes.first_bad(through=0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_every_nan_and_inf_is_found_wherever_it_sits(dtype: torch.dtype) -> None:
+    """The note (each microbatch's smallest and largest value) tells a microbatch with a NaN or
+    an inf in any position from a finite one, as ``torch.isfinite`` does."""
+    for position in range(6):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            notes = FiniteData()
+            x = torch.tensor([[1e4, -3.0, 2.0], [0.5, -1e4, 7.0]] * 2, dtype=dtype)
+            x.view(-1)[position + 6] = bad  # microbatch 1 of 2 (rows 2 and 3)
+            notes.note(
+                0, {"x": x, "empty": torch.zeros(4, 0), "c": torch.ones(4, dtype=torch.cfloat)}, 2
+            )
+            assert notes.first_bad(through=0) == (0, 1)
+    notes = FiniteData()
+    c = torch.ones(4, dtype=torch.cfloat)
+    c[0] = complex(0, float("nan"))
+    notes.note(0, (torch.ones(4, 2, dtype=dtype), c), 2)
+    assert notes.first_bad(through=0) == (0, 0)
+
+
+def test_a_note_takes_no_elementwise_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Noting a batch costs one reduction per tensor; whether it was finite is worked out only
+    when a non-finite loss asks (``first_bad``)."""
+    notes = FiniteData()
+    x = torch.randn(8, 4)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "isfinite", lambda *a: pytest.fail("isfinite ran at the note"))
+        notes.note(0, (x, x.double()), 4)
     assert notes.first_bad(through=0) is None

@@ -7,6 +7,7 @@ import torch
 
 from pl_pipedream.runtime.frames import (
     HEADER_BYTES,
+    Layouts,
     Message,
     MinibatchLoss,
     PeerError,
@@ -42,3 +43,50 @@ def test_a_frame_carries_the_losses_what_was_logged_and_the_data_fingerprint(  #
     back = unpack(frame, frame[:HEADER_BYTES].view(torch.int64).tolist())
     assert (back.losses, back.fingerprint, back.structure) == (losses, fingerprint, structure)
     assert back.tensors[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def _messages() -> list[Message]:
+    """Messages whose kinds repeat and change: shapes, dtypes, gradient flags, losses, what was
+    logged, the fingerprint and the structure."""
+    x = torch.arange(6.0).reshape(2, 3)
+    logged = (MinibatchLoss(2, 0.5, (("a", 1.0),)), MinibatchLoss(3, 0.25, (("bb", 2.0),)))
+    return [
+        Message([x]),
+        Message([x + 1]),
+        Message([torch.ones(2, 3, requires_grad=True) * 2]),
+        Message([x[:1].detach(), torch.tensor([1, 2], dtype=torch.int32)], fingerprint=0.5),
+        Message([x.t().detach()], (MinibatchLoss(0, 1.5),)),
+        Message([x.detach()], (MinibatchLoss(0, 1.5), MinibatchLoss(1, 2.5))),
+        Message([x.detach()], logged),
+        Message([x.detach()], logged[:1], structure=b"\x01\x02"),
+        Message([x.detach() * 3]),
+        Message([torch.zeros(0, 3), torch.tensor(True)], fingerprint=-1.0),
+    ]
+
+
+def test_kept_layouts_write_and_read_the_frames_fresh_ones_do() -> None:
+    """A channel keeps each kind of message's layout (``Layouts``): its layouts and headers are
+    the ones worked out afresh, a repeated kind reuses its header, and the reading of a header
+    seen before gives the same message."""
+    layouts, cpu = Layouts(keep=4), torch.device("cpu")  # 4: the kept ones are dropped too
+    headers = []
+    for message in _messages() * 2:
+        kept, fresh = layouts.of(message), layout_of(message)
+        assert kept[:6] == fresh[:6]
+        frame = pack(message, kept, kept.needed + 64, cpu)
+        other = pack(message, fresh, fresh.needed + 64, cpu)
+        assert torch.equal(frame[:HEADER_BYTES], other[:HEADER_BYTES])
+        header = frame[:HEADER_BYTES].view(torch.int64).tolist()
+        back, again = unpack(frame, header, layouts=layouts), unpack(frame, header)
+        for got in (back, again):
+            assert [t.tolist() for t in got.tensors] == [t.tolist() for t in message.tensors]
+            assert [t.requires_grad for t in got.tensors] == [
+                t.requires_grad for t in message.tensors
+            ]
+            assert (got.losses, got.fingerprint, got.structure) == (
+                message.losses,
+                message.fingerprint,
+                message.structure,
+            )
+        headers.append(kept.header_tensor)
+    assert headers[1] is headers[0]  # the same kind: its header kept, not rebuilt

@@ -152,6 +152,21 @@ def test_a_drain_is_checked_before_it_is_given(monkeypatch: pytest.MonkeyPatch) 
         stream.drain(0, 1)
 
 
+def test_a_drain_is_cut_once_however_often_it_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flushed mode drains at every step: the drain of a step is cut from its schedule once."""
+    stream = SegmentStream(Plan.from_balance([1, 1]), "async", 4, ranks=(0,))
+    first, far = stream.drain(0, 0), stream.drain(0, 10)
+    assert first and far
+    cuts: list[int] = []
+    monkeypatch.setattr(stream_module, "segments", lambda *a: cuts.append(1) or segments(*a))
+    assert stream.drain(0, 0) is first
+    assert stream.drain(0, 10) == far  # past the warm-up: shifted copies of one cut
+    assert stream.drain(0, 11)[0].minibatch == far[0].minibatch + 4
+    assert cuts == []
+
+
 def test_a_segment_is_checked_before_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     stream = SegmentStream(Plan.from_balance([1, 1]), "flush", 1, ranks=(1,))
     _breaking(monkeypatch, stream.steady_from + 2)

@@ -29,6 +29,7 @@ from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.engine import Pipeline
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["prepare_pipeline"]
 
@@ -41,7 +42,7 @@ def prepare_pipeline(
     optimizer: Optimizer | Callable[[list[nn.Parameter]], Optimizer],
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    sync: str = "flush",
+    sync: str | SyncMode = SyncMode.FLUSH,
     microbatches: int = 1,
     balance: Sequence[int] | None = None,
     plan: Plan | None = None,

@@ -43,6 +43,7 @@ from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["PipeDreamFabricStrategy"]
 
@@ -66,7 +67,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         self,
         loss_fn: Callable[[Any, Any], Tensor] | None = None,
         *,
-        sync: str = "flush",
+        sync: str | SyncMode = SyncMode.FLUSH,
         microbatches: int = 1,
         balance: Sequence[int] | None = None,
         plan: Plan | None = None,

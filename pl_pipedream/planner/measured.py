@@ -14,8 +14,10 @@ goes. ``measured_model`` tells them apart by the ratios measured / profiled of a
 * a layer's cost is its measured time divided by its rank's slowdown (the mean over a replicated
   stage's ranks); a layer nobody measured keeps its profiled cost times the median slowdown.
 
-A rank that holds one layer cannot tell the two apart from one window: the change is taken as the
-rank's (the next window after a move shows which it was). Pure Python: no torch import.
+A rank that holds one layer cannot tell the two apart: ``MeasuredModel`` takes the change as the
+rank's and lists such ranks in ``ambiguous``; ``alternatives`` gives the model that takes it as
+the layers' instead, so that a decision can ask a move to pay under both readings
+(``planner.replan``). Pure Python: no torch import.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pl_pipedream.planner.plan import PlanError
 from pl_pipedream.profile.graph import Profile
@@ -47,10 +49,30 @@ class RankTimes:
 @dataclass(frozen=True)
 class MeasuredModel:
     """What the measurements say: ``profile`` with every layer's cost as measured on a rank of
-    speed 1, and ``speeds[rank]`` (1: as fast as the median rank; 0.5: twice as slow)."""
+    speed 1, and ``speeds[rank]`` (1: as fast as the median rank; 0.5: twice as slow).
+    ``ambiguous``: ranks of one measured layer whose speed is not 1 (their change could be the
+    layer's), with ``measured`` their layers' costs as measured on them."""
 
     profile: Profile
     speeds: tuple[float, ...]
+    ambiguous: tuple[int, ...] = ()
+    measured: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def alternatives(self) -> tuple[MeasuredModel, ...]:
+        """This model, and when some ranks are ambiguous the one that takes their change as
+        their layers' (speed 1, the layers at their measured cost)."""
+        if not self.ambiguous:
+            return (self,)
+        speeds = tuple(1.0 if r in self.ambiguous else s for r, s in enumerate(self.speeds))
+        nodes = [
+            replace(
+                n, forward_ms=self.measured[n.node_id][0], backward_ms=self.measured[n.node_id][1]
+            )
+            if n.node_id in self.measured
+            else n
+            for n in self.profile.nodes
+        ]
+        return (self, MeasuredModel(self.profile.with_nodes(nodes), speeds))
 
     @property
     def slowest(self) -> int:
@@ -96,15 +118,29 @@ def measured_model(
                     node, forward_ms=node.forward_ms * middle, backward_ms=node.backward_ms * middle
                 )
             )
-    return MeasuredModel(profile.with_nodes(nodes), speeds)
+    ambiguous = tuple(
+        m.rank
+        for m in sorted(measurements, key=lambda m: m.rank)
+        if speeds[m.rank] != 1.0 and len(_measured_layers(profile, m)) == 1
+    )
+    measured = {
+        n: (m.forward_ms.get(n, 0.0), m.backward_ms.get(n, 0.0))
+        for m in measurements
+        if m.rank in ambiguous
+        for n in _measured_layers(profile, m)
+    }
+    return MeasuredModel(profile.with_nodes(nodes), speeds, ambiguous, measured)
+
+
+def _measured_layers(profile: Profile, times: RankTimes) -> list[str]:
+    """The rank's layers with a profiled and a measured time."""
+    names = sorted(set(times.forward_ms) | set(times.backward_ms))
+    return [n for n in names if profile.node(n).compute_ms > 0 and times.compute_ms(n) > 0]
 
 
 def _slowdown(profile: Profile, times: RankTimes) -> float | None:
     """The smallest measured / profiled ratio among the rank's layers (None: nothing to go by)."""
-    ratios = []
-    for node_id in set(times.forward_ms) | set(times.backward_ms):
-        profiled = profile.node(node_id).compute_ms
-        measured = times.compute_ms(node_id)
-        if profiled > 0 and measured > 0:
-            ratios.append(measured / profiled)
+    ratios = [
+        times.compute_ms(n) / profile.node(n).compute_ms for n in _measured_layers(profile, times)
+    ]
     return min(ratios) if ratios else None

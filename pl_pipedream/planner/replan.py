@@ -8,8 +8,10 @@ rank that did not hold it, its parameters and its optimizer state (``state_facto
 parameters: 2 for Adam, 1 for SGD with momentum), sent at ``move_bandwidth``; spread over
 ``horizon`` minibatches it is added to the new plan's time per minibatch. The decision moves
 only when the current time exceeds that by more than ``threshold`` (a fraction), so measurement
-noise does not move layers back and forth. A better plan that does not fit ``memory`` is skipped
-with a warning, and the best plan that fits is weighed instead. Pure: no torch import.
+noise does not move layers back and forth. Where the measurements read two ways (a rank of one
+layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
+A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
+fits is weighed instead. Pure: no torch import.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ __all__ = ["Decision", "decide", "fits_memory", "move_bytes"]
 @dataclass(frozen=True)
 class Decision:
     """The outcome of one check: ``plan`` is the plan to train with next (the current one when
-    ``move`` is False); times are predicted seconds per minibatch on the measured model."""
+    ``move`` is False); times are predicted seconds per minibatch on the measured model,
+    ``new_time`` the best candidate's with its ``move_seconds`` amortised (under the reading
+    least favourable to it)."""
 
     move: bool
     plan: Plan
@@ -103,25 +107,39 @@ def decide(
             f"the threshold must be >= 0 and the horizon >= 1 minibatch (threshold: "
             f"{threshold}, horizon: {horizon}); pass e.g. threshold=0.05, horizon=1000"
         )
-    profile, speeds = model.profile, model.speeds
     bandwidth = move_bandwidth or min(level.bandwidth for level in topology.levels)
-    current_time = plan_time(current, profile, topology, speeds)
     options = dict(straight=straight, cuts=cuts, microbatches=microbatches)
+    readings = model.alternatives()
     warnings: list[str] = []
-    best = _best(profile, topology, speeds, None, options)
-    if best is not None and not fits_memory(best, profile, memory):
-        warnings.append(
-            f"a faster plan does not fit the memory per worker (plan: {best.shape}, memory: "
-            f"{memory}); it is skipped, and the best plan that fits is weighed instead"
-        )
-        best = _best(profile, topology, speeds, memory, options)
-    if best is None:
-        return Decision(False, current, current_time, current_time, 0.0, tuple(warnings))
-    seconds = move_bytes(current, best, profile, state_factor) / bandwidth
-    new_time = plan_time(best, profile, topology, speeds) + seconds / horizon
-    move = current_time > new_time * (1.0 + threshold)
+    candidates = []
+    for reading in readings:
+        best = _best(reading.profile, topology, reading.speeds, None, options)
+        if best is not None and not fits_memory(best, reading.profile, memory):
+            warnings.append(
+                f"a faster plan does not fit the memory per worker (plan: {best.shape}, "
+                f"memory: {memory}); it is skipped, and the best plan that fits is weighed instead"
+            )
+            best = _best(reading.profile, topology, reading.speeds, memory, options)
+        if best is not None:
+            candidates.append(best)
+    current_time = plan_time(current, model.profile, topology, model.speeds)
+    keep = Decision(False, current, current_time, current_time, 0.0, tuple(warnings))
+    if not candidates:
+        return keep
+    scored = []
+    for best in candidates:
+        seconds = move_bytes(current, best, model.profile, state_factor) / bandwidth
+        # The gain under the reading least favourable to the move.
+        gains = []
+        for reading in readings:
+            before = plan_time(current, reading.profile, topology, reading.speeds)
+            after = plan_time(best, reading.profile, topology, reading.speeds) + seconds / horizon
+            gains.append(before / after)
+        scored.append((min(gains), seconds, best))
+    gain, seconds, best = max(scored, key=lambda item: item[0])
+    move = gain > 1.0 + threshold
     chosen = best if move else current
-    return Decision(move, chosen, current_time, new_time, seconds, tuple(warnings))
+    return Decision(move, chosen, current_time, current_time / gain, seconds, keep.warnings)
 
 
 def _best(

@@ -128,7 +128,11 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    header = f"{'model':<10} {'cluster':<8} {'scenario':<13} {'off':>8} {'auto':>8} {'static':>8} {'auto/off':>8} {'auto/static':>11} moves"
+    columns = ("off", "auto", "static", "auto/off")
+    header = f"{'model':<10} {'cluster':<8} {'scenario':<13} " + " ".join(
+        f"{c:>8}" for c in columns
+    )
+    header += f" {'auto/static':>11} moves"
     print("minibatches per second over", args.total, "minibatches, check every", args.every)
     print(header)
     print("-" * len(header))
@@ -160,7 +164,8 @@ def main() -> None:
                 rate = lambda s: args.total / s  # noqa: E731
                 print(
                     f"{name:<10} {spec:<8} {scenario:<13} {rate(off):>8.1f} {rate(auto):>8.1f} "
-                    f"{rate(static):>8.1f} {off / auto:>8.2f} {static / auto:>11.2f} {len(used) - 1}"
+                    f"{rate(static):>8.1f} {off / auto:>8.2f} {static / auto:>11.2f} "
+                    f"{len(used) - 1}"
                 )
 
 

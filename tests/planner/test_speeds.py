@@ -26,7 +26,9 @@ def brute_force(profile: Profile, speeds: list[float]) -> float:
     best = math.inf
     for cuts in itertools.combinations(range(1, len(layers)), workers - 1):
         bounds = (0, *cuts, len(layers))
-        times = [sum(layers[a:b]) / speeds[s] for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+        times = [
+            sum(layers[a:b]) / speeds[s] for s, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
         best = min(best, max(times))
     return best
 

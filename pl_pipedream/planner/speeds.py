@@ -188,7 +188,7 @@ def _replica_counts(m: int, straight: bool, microbatches: int | None) -> list[in
 
 
 def _fit(
-    time: np.ndarray,
+    time: np.ndarray | float,
     stash: np.ndarray,
     after: int,
     replicas: int,
@@ -198,7 +198,7 @@ def _fit(
 ) -> np.ndarray:
     """``time``, infinite where the stage's ``costs.held_bytes`` exceed ``memory``."""
     if memory is None:
-        return time
+        return np.asarray(time)
     return fitting_time(time, held_bytes(stash, after, replicas, received, sent), memory)
 
 

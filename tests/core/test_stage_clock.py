@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from pl_pipedream.core.stage_clock import LayerClock, rank_times
+from pl_pipedream.core.stage_clock import LayerClock, gather_rank_times, rank_times
+from pl_pipedream.planner.measured import RankTimes
 from pl_pipedream.profile.graph import Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
+from tests.runtime.distributed import one_rank_group
 
 PROFILE = Profile.chain([1.0, 3.0], [2.0, 6.0], [1.0, 1.0], [0.0, 0.0])
 NODES = ["layer0", "layer1"]
@@ -68,3 +70,9 @@ def test_the_layer_clock_times_each_layer_forward() -> None:
     clock.remove()
     layers["slow"](x)
     assert clock.shares() == {}
+
+
+def test_every_ranks_times_are_gathered() -> None:
+    mine = RankTimes(0, {"layer0": 1.0}, {"layer0": 2.0}, steps=3)
+    with one_rank_group():
+        assert gather_rank_times(mine) == [mine]

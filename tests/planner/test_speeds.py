@@ -41,6 +41,34 @@ def test_a_straight_pipeline_matches_brute_force_on_every_speed(speeds: list[flo
     assert result.slowest_stage_time == pytest.approx(brute_force(profile, speeds), rel=1e-6)
 
 
+def brute_force_replicated(profile: Profile, speeds: list[float]) -> float:
+    """Every split into consecutive stages on consecutive ranks, any replica counts: a stage
+    takes its compute over its replicas at its slowest replica's speed."""
+    layers = [n.compute_ms / 1000 for n in profile.nodes]
+    workers = len(speeds)
+    best = math.inf
+    for stages in range(1, min(len(layers), workers) + 1):
+        for cuts in itertools.combinations(range(1, len(layers)), stages - 1):
+            for splits in itertools.combinations(range(1, workers), stages - 1):
+                bounds = list(itertools.pairwise((0, *cuts, len(layers))))
+                ranks = list(itertools.pairwise((0, *splits, workers)))
+                times = [
+                    sum(layers[a:b]) / ((d - c) * min(speeds[c:d]))
+                    for (a, b), (c, d) in zip(bounds, ranks, strict=True)
+                ]
+                best = min(best, max(times))
+    return best
+
+
+@pytest.mark.parametrize("speeds", [[1, 1, 1, 1], [1, 0.5, 1, 1], [0.3, 1, 1, 0.8]])
+def test_replicated_stages_match_brute_force_on_every_speed(speeds: list[float]) -> None:
+    profile = chain([3.0, 1.0, 4.0, 1.0, 5.0, 9.0])
+    topology = Topology.flat(4, BANDWIDTH)
+    result = plan_with_speeds(profile, topology, speeds)
+    expected = brute_force_replicated(profile, speeds)
+    assert result.slowest_stage_time == pytest.approx(expected, rel=1e-6)
+
+
 def test_a_slow_rank_gets_fewer_layers() -> None:
     profile = chain([1.0] * 12)
     topology = Topology.flat(3, BANDWIDTH)

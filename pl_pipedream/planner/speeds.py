@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from pl_pipedream.planner.costs import fitting_time, held_bytes, stage_time
 from pl_pipedream.planner.dp import TIE
 from pl_pipedream.planner.level import all_pairs, ancestor_matrix
-from pl_pipedream.planner.optimize import _graph, _prefix, _stages, data_parallel_time
+from pl_pipedream.planner.optimize import _graph, _Prefix, _prefix, _stages, data_parallel_time
 from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.planner.states import MAX_STATES, planning_graph
 from pl_pipedream.planner.topology import Topology
@@ -127,40 +128,23 @@ def plan_with_speeds(
     last = count - 1
     best = np.full((count, workers + 1), math.inf)
     choice: dict[tuple[int, int], tuple[int, int]] = {}  # (j, m) -> (k or -1, replicas)
-    sent_first = np.where(np.arange(count) < last, prefix.outputs, 0.0)
-    received = prefix.outputs[ks]
-    sent = np.where(js < last, prefix.outputs[js], 0.0)
-    heads = np.flatnonzero(np.r_[True, js[1:] != js[:-1]]) if js.size else np.zeros(0, int)
-    sizes, positions = np.diff(np.r_[heads, ks.size]), np.arange(ks.size)
+    pairs = _Pairs(ks, js, prefix.outputs[ks], np.where(js < last, prefix.outputs[js], 0.0))
     for m in range(1, workers + 1):
         for r in _replica_counts(m, straight, microbatches):
             a = m - r
-            ranks = range(a, m)
-            speed = min(rates[a:m])
-            bandwidth = span_bandwidth(topology, ranks)
-            after = workers - m
+            speed, bandwidth = min(rates[a:m]), span_bandwidth(topology, range(a, m))
             if a == 0:
-                stash = prefix.activations + prefix.params
-                compute = prefix.compute / speed
-                time = _stage_seconds(compute, prefix.params, r, bandwidth, 1.0, None, None)
-                time = _fit(time, stash, after, r, 0.0, sent_first, memory)
+                time = _first_stages(prefix, speed, r, bandwidth, workers - m, memory)
                 _improve(best, choice, np.arange(count), time, m, -1, r)
-                continue
-            if not js.size:
-                continue
-            link = _link(topology, (a - 1,), ranks)
-            compute = (prefix.compute[js] - prefix.compute[ks]) / speed
-            params = prefix.params[js] - prefix.params[ks]
-            stash = prefix.activations[js] - prefix.activations[ks] + params
-            time = _stage_seconds(compute, params, r, bandwidth, link, received, sent)
-            time = _fit(time, stash, after, r, received, sent, memory)
-            candidate = np.maximum(best[ks, a], time)
-            group = np.minimum.reduceat(candidate, heads)
-            tied = candidate <= np.repeat(group, sizes) * (1 + TIE)
-            first = np.minimum.reduceat(np.where(tied, positions, ks.size), heads)
-            _improve(best, choice, js[heads], group, m, ks[first], r)
-    time = float(best[last, workers])
-    if not math.isfinite(time):
+            elif ks.size:
+                link = _link(topology, (a - 1,), range(a, m))
+                time = _appended_stages(
+                    prefix, pairs, speed, r, bandwidth, link, workers - m, memory
+                )
+                group, first = pairs.best_per_end(np.maximum(best[ks, a], time))
+                _improve(best, choice, pairs.ends, group, m, ks[first], r)
+    slowest = float(best[last, workers])
+    if not math.isfinite(slowest):
         raise PlanError(
             f"no pipeline fits the constraints (workers: {workers}, memory per worker: "
             f"{memory}, straight: {straight}, speeds: {list(rates)}); allow more memory, "
@@ -172,12 +156,72 @@ def plan_with_speeds(
         topology,
         straight,
         memory,
-        time,
+        slowest,
         data_parallel_time(float(prefix.compute[-1]), float(prefix.params[-1]), topology),
         float(prefix.compute[-1]),
         {"cuts": graph.cuts, "states": str(count), "speeds": ",".join(f"{s:g}" for s in rates)},
     )
     return result
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """The DP's pairs (state ``k`` preceding state ``j``), grouped by ``j`` with ``k`` ascending,
+    and the bytes a stage from after ``k`` to ``j`` receives and sends."""
+
+    ks: np.ndarray
+    js: np.ndarray
+    received: np.ndarray
+    sent: np.ndarray
+
+    @property
+    def heads(self) -> np.ndarray:
+        return np.flatnonzero(np.r_[True, self.js[1:] != self.js[:-1]])
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.js[self.heads]
+
+    def best_per_end(self, candidate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per end state: the least candidate, and the position of the earliest ``k`` tied
+        with it."""
+        heads = self.heads
+        group = np.minimum.reduceat(candidate, heads)
+        sizes = np.diff(np.r_[heads, candidate.size])
+        tied = candidate <= np.repeat(group, sizes) * (1 + TIE)
+        positions = np.where(tied, np.arange(candidate.size), candidate.size)
+        return group, np.minimum.reduceat(positions, heads)
+
+
+def _first_stages(
+    prefix: _Prefix, speed: float, replicas: int, bandwidth: float, after: int, memory: float | None
+) -> np.ndarray:
+    """A first stage from the model's input to every state, on ``replicas`` ranks."""
+    last = prefix.compute.shape[0] - 1
+    sent = np.where(np.arange(last + 1) < last, prefix.outputs, 0.0)
+    stash = prefix.activations + prefix.params
+    compute = prefix.compute / speed
+    time = _stage_seconds(compute, prefix.params, replicas, bandwidth, 1.0, None, None)
+    return _fit(time, stash, after, replicas, 0.0, sent, memory)
+
+
+def _appended_stages(
+    prefix: _Prefix,
+    pairs: _Pairs,
+    speed: float,
+    replicas: int,
+    bandwidth: float,
+    link: float,
+    after: int,
+    memory: float | None,
+) -> np.ndarray:
+    """A stage from after ``k`` to ``j`` for every pair, on ``replicas`` ranks."""
+    ks, js = pairs.ks, pairs.js
+    compute = (prefix.compute[js] - prefix.compute[ks]) / speed
+    params = prefix.params[js] - prefix.params[ks]
+    stash = prefix.activations[js] - prefix.activations[ks] + params
+    time = _stage_seconds(compute, params, replicas, bandwidth, link, pairs.received, pairs.sent)
+    return _fit(time, stash, after, replicas, pairs.received, pairs.sent, memory)
 
 
 def _replica_counts(m: int, straight: bool, microbatches: int | None) -> list[int]:

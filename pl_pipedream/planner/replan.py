@@ -1,0 +1,162 @@
+"""Whether to re-plan: a better plan for the measured costs, worth the one-off cost of moving.
+
+Given the plan in use, the measured model (``planner.measured``: per-layer costs and a speed per
+rank), the topology and the memory per worker, ``decide`` plans again with the ranks' speeds
+(``planner.speeds``; ``planner.plan`` too when every speed is 1) and prices both plans with
+``speeds.plan_time`` on the same terms. Moving costs the bytes of every layer that lands on a
+rank that did not hold it, its parameters and its optimizer state (``state_factor`` times the
+parameters: 2 for Adam, 1 for SGD with momentum), sent at ``move_bandwidth``; spread over
+``horizon`` minibatches it is added to the new plan's time per minibatch. The decision moves
+only when the current time exceeds that by more than ``threshold`` (a fraction), so measurement
+noise does not move layers back and forth. Where the measurements read two ways (a rank of one
+layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
+A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
+fits is weighed instead. Pure: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pl_pipedream.planner.costs import fits, held_bytes
+from pl_pipedream.planner.measured import MeasuredModel
+from pl_pipedream.planner.optimize import plan as plan_equal
+from pl_pipedream.planner.plan import Plan, PlanError
+from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
+from pl_pipedream.planner.topology import Topology
+from pl_pipedream.profile.graph import Profile
+
+__all__ = ["Decision", "decide", "fits_memory", "move_bytes"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one check: ``plan`` is the plan to train with next (the current one when
+    ``move`` is False); times are predicted seconds per minibatch on the measured model,
+    ``new_time`` the best candidate's with its ``move_seconds`` amortised (under the reading
+    least favourable to it)."""
+
+    move: bool
+    plan: Plan
+    current_time: float
+    new_time: float
+    move_seconds: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def gain(self) -> float:
+        """Current time over the new plan's time with the move amortised (1: no gain)."""
+        return self.current_time / self.new_time if self.new_time > 0 else math.inf
+
+    def render(self) -> str:
+        verb = f"move to {self.plan.shape}" if self.move else "keep the plan"
+        return (
+            f"{verb}: {self.current_time * 1e3:.3f} ms -> {self.new_time * 1e3:.3f} ms per "
+            f"minibatch (move {self.move_seconds:.3f} s)"
+        )
+
+
+def move_bytes(current: Plan, new: Plan, profile: Profile, state_factor: float = 2.0) -> float:
+    """Bytes sent to move from ``current`` to ``new``: each layer's parameters and optimizer
+    state (``state_factor`` times the parameters) to every rank that newly holds it."""
+    before = {n: set(s.ranks) for s in current.stages for n in s.nodes}
+    total = 0.0
+    for stage in new.stages:
+        for node_id in stage.nodes:
+            gained = len(set(stage.ranks) - before.get(node_id, set()))
+            total += gained * profile.node(node_id).parameter_bytes * (1.0 + state_factor)
+    return total
+
+
+def fits_memory(candidate: Plan, profile: Profile, memory: float | None) -> bool:
+    """Whether every stage of ``candidate`` holds at most ``memory`` bytes per worker by the
+    planner's rule (``costs.held_bytes`` of its layers' activations and parameters)."""
+    if memory is None:
+        return True
+    after = candidate.num_workers
+    for stage in candidate.stages:
+        after -= stage.replicas
+        nodes = [profile.node(n) for n in stage.nodes]
+        stash = math.fsum(n.output_bytes + n.parameter_bytes for n in nodes)
+        held = held_bytes(stash, after, stage.replicas, stage.input_bytes, stage.output_bytes)
+        if not fits(held, memory):
+            return False
+    return True
+
+
+def decide(
+    current: Plan,
+    model: MeasuredModel,
+    topology: Topology,
+    memory: float | None = None,
+    *,
+    threshold: float = 0.05,
+    horizon: int = 1000,
+    move_bandwidth: float | None = None,
+    state_factor: float = 2.0,
+    straight: bool = False,
+    cuts: str = "auto",
+    microbatches: int | None = None,
+) -> Decision:
+    """Re-plan for ``model`` and say whether moving to the new plan pays within ``horizon``
+    minibatches (``move_bandwidth``, bytes/s: default the topology's slowest level)."""
+    if threshold < 0 or horizon < 1:
+        raise PlanError(
+            f"the threshold must be >= 0 and the horizon >= 1 minibatch (threshold: "
+            f"{threshold}, horizon: {horizon}); pass e.g. threshold=0.05, horizon=1000"
+        )
+    bandwidth = move_bandwidth or min(level.bandwidth for level in topology.levels)
+    options = dict(straight=straight, cuts=cuts, microbatches=microbatches)
+    readings = model.alternatives()
+    warnings: list[str] = []
+    candidates = []
+    for reading in readings:
+        best = _best(reading.profile, topology, reading.speeds, None, options)
+        if best is not None and not fits_memory(best, reading.profile, memory):
+            warnings.append(
+                f"a faster plan does not fit the memory per worker (plan: {best.shape}, "
+                f"memory: {memory}); it is skipped, and the best plan that fits is weighed instead"
+            )
+            best = _best(reading.profile, topology, reading.speeds, memory, options)
+        if best is not None:
+            candidates.append(best)
+    current_time = plan_time(current, model.profile, topology, model.speeds)
+    keep = Decision(False, current, current_time, current_time, 0.0, tuple(warnings))
+    if not candidates:
+        return keep
+    scored = []
+    for best in candidates:
+        seconds = move_bytes(current, best, model.profile, state_factor) / bandwidth
+        # The gain under the reading least favourable to the move.
+        gains = []
+        for reading in readings:
+            before = plan_time(current, reading.profile, topology, reading.speeds)
+            after = plan_time(best, reading.profile, topology, reading.speeds) + seconds / horizon
+            gains.append(before / after)
+        scored.append((min(gains), seconds, best))
+    gain, seconds, best = max(scored, key=lambda item: item[0])
+    move = gain > 1.0 + threshold
+    chosen = best if move else current
+    return Decision(move, chosen, current_time, current_time / gain, seconds, keep.warnings)
+
+
+def _best(
+    profile: Profile,
+    topology: Topology,
+    speeds: Sequence[float],
+    memory: float | None,
+    options: dict[str, object],
+) -> Plan | None:
+    """The fastest plan on ``speeds`` by ``plan_time`` (None: none fits): the speed DP's, and
+    PipeDream's hierarchical one as well when every speed is 1."""
+    candidates = []
+    try:
+        candidates.append(plan_with_speeds(profile, topology, speeds, memory=memory, **options))  # type: ignore[arg-type]
+        if all(s == 1.0 for s in speeds):
+            candidates.append(plan_equal(profile, topology, memory=memory, **options))  # type: ignore[arg-type]
+    except PlanError:
+        if not candidates:
+            return None
+    return min(candidates, key=lambda p: plan_time(p, profile, topology, speeds))

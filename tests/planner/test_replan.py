@@ -1,0 +1,107 @@
+"""The re-plan decision (planner/replan.py): a slowed rank loses layers, a costly layer is
+rebalanced, noise under the threshold and moves that do not pay keep the plan, a faster plan
+that does not fit memory is skipped with a warning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pl_pipedream.planner import PlanError, Topology
+from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.replan import decide, fits_memory, move_bytes
+from pl_pipedream.planner.speeds import plan_with_speeds
+from pl_pipedream.profile.graph import Profile
+
+WORKERS = 3
+TOPOLOGY = Topology.flat(WORKERS, 1e12)
+PROFILE = Profile.chain([1.0] * 12, [2.0] * 12, [1.0] * 12, [1000.0] * 12)
+
+
+def current() -> Plan:
+    return plan_with_speeds(PROFILE, TOPOLOGY, [1.0] * WORKERS, straight=True)
+
+
+def measure(
+    plan: Plan, slow: dict[int, float], costly: dict[str, float], noise: float = 0.0
+) -> MeasuredModel:
+    rng = random.Random(0)
+    jitter = lambda: 1 + rng.uniform(-noise, noise)  # noqa: E731
+    out = []
+    for stage in plan.stages:
+        rank = stage.ranks[0]
+        factor = {n: slow.get(rank, 1.0) * costly.get(n, 1.0) for n in stage.nodes}
+        forward = {n: PROFILE.node(n).forward_ms * factor[n] * jitter() for n in stage.nodes}
+        backward = {n: PROFILE.node(n).backward_ms * factor[n] * jitter() for n in stage.nodes}
+        out.append(RankTimes(rank, forward, backward))
+    return measured_model(PROFILE, out, WORKERS)
+
+
+def test_a_slowed_rank_has_layers_moved_off_it() -> None:
+    plan = current()
+    decision = decide(plan, measure(plan, {1: 2.0}, {}), TOPOLOGY, straight=True)
+    assert decision.move
+    assert [len(s.nodes) for s in decision.plan.stages] == [5, 2, 5]
+    assert decision.new_time < decision.current_time
+
+
+def test_a_costly_layer_is_rebalanced() -> None:
+    plan = current()
+    decision = decide(plan, measure(plan, {}, {"layer0": 4.0}), TOPOLOGY, straight=True)
+    assert decision.move
+    sizes = [len(s.nodes) for s in decision.plan.stages]
+    assert sizes[0] < 4 and sum(sizes) == 12
+
+
+def test_noise_under_the_threshold_keeps_the_plan() -> None:
+    plan = current()
+    decision = decide(plan, measure(plan, {}, {}, noise=0.02), TOPOLOGY, straight=True)
+    assert not decision.move
+    assert decision.plan is plan
+
+
+def test_a_move_that_does_not_pay_within_the_horizon_is_not_made() -> None:
+    plan = current()
+    model = measure(plan, {1: 2.0}, {})
+    slow_link = decide(plan, model, TOPOLOGY, straight=True, horizon=1, move_bandwidth=1e3)
+    assert not slow_link.move and slow_link.move_seconds > 1.0
+
+
+def test_a_faster_plan_that_does_not_fit_memory_is_skipped_with_a_warning() -> None:
+    plan = current()
+    # Room for the plan in use (4 layers on the first rank) but not for the 5 the slow rank asks.
+    memory = 4 * 1001.0 * 2 + 10.0
+    assert fits_memory(plan, PROFILE, memory)
+    decision = decide(plan, measure(plan, {1: 2.0}, {}), TOPOLOGY, memory, straight=True)
+    assert decision.warnings and "does not fit the memory" in decision.warnings[0]
+    assert fits_memory(decision.plan, PROFILE, memory)
+
+
+def test_a_single_layer_rank_moves_only_when_the_move_pays_either_way() -> None:
+    profile = Profile.chain([1.0, 1.0, 1.0], [2.0] * 3, [1.0] * 3, [0.0] * 3)
+    plan = plan_with_speeds(profile, TOPOLOGY, [1.0] * WORKERS, straight=True)
+    times = [
+        RankTimes(
+            r, {f"layer{r}": 1.0 * (3 if r == 1 else 1)}, {f"layer{r}": 2.0 * (3 if r == 1 else 1)}
+        )
+        for r in range(3)
+    ]
+    model = measured_model(profile, times, WORKERS)
+    assert model.ambiguous == (1,)
+    assert len(model.alternatives()) == 2
+    # One layer per rank: no plan beats this one if layer1 is costly, so nothing moves.
+    assert not decide(plan, model, TOPOLOGY, straight=True).move
+
+
+def test_moving_sends_parameters_and_optimizer_state_to_each_new_holder() -> None:
+    before = Plan.from_balance([2, 1], ["layer0", "layer1", "layer2"])
+    after = Plan.from_balance([1, 2], ["layer0", "layer1", "layer2"])
+    profile = Profile.chain([1.0] * 3, [1.0] * 3, [1.0] * 3, [10.0, 20.0, 30.0])
+    assert move_bytes(before, after, profile, state_factor=2.0) == 20.0 * 3
+
+
+def test_a_negative_threshold_is_refused() -> None:
+    with pytest.raises(PlanError, match="threshold must be >= 0"):
+        decide(current(), measure(current(), {}, {}), TOPOLOGY, threshold=-1.0)

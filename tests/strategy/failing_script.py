@@ -4,7 +4,8 @@ in the user's code after ``trainer.fit`` returned, when rank 0 has finished), ``
 hang-after-fit`` (rank 1 never ends after ``fit``) or ``--fail kill`` (rank ``--rank`` SIGKILLs
 itself in step ``--at``); ``--devices`` ranks (2 or 4 in a straight pipeline, 3 with the last
 stage's two replicas on ranks 1 and 2); ``--divergence`` and ``--timeout`` are the strategy's
-options of those names. Used by test_errors.py and test_launcher.py."""
+options of those names. Used by test_errors.py and test_launcher.py, as a user's script or as
+``main(argv)`` on ranks forked from the test's process (``launched``)."""
 
 from __future__ import annotations
 

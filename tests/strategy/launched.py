@@ -3,18 +3,48 @@ launcher started (``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE`` set, the proc
 
 The strategy then runs in each rank itself, so a script's code after ``fit`` runs on every rank as
 in a user's run, and no interpreter starts per rank (torch and Lightning take ~3-5 s to import).
-A test that is about the launch itself runs the script as a user does instead."""
+What a rank prints, logs or warns reaches file descriptors 1 and 2, as in a process of its own,
+so that a test reads it with ``capfd``. A test that is about the launch itself runs the script
+as a user does instead."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import warnings
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from tests.runtime import distributed
 
 
+def _print_warning(  # the signature of warnings.showwarning
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def _output_to_descriptors() -> None:
+    """Point what pytest redirected in the parent back at fds 1 and 2: ``sys.stdout`` and
+    ``sys.stderr`` (pytest's capture files), the stream handlers created while they were
+    pytest's (Lightning's), and the warnings (pytest records them in a list)."""
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            if type(handler) is logging.StreamHandler:  # not pytest's own (subclasses)
+                handler.setStream(sys.stderr)
+    warnings.showwarning = _print_warning
+
+
 def _rank(rank: int, world: int, main: Callable[[list[str]], Any], argv: list[str]) -> Any:
+    _output_to_descriptors()
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     return main(list(argv))
 

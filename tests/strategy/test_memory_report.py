@@ -243,11 +243,11 @@ def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
 @pytest.mark.slow
 def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -> None:
     """The tied parameter's version of a minibatch is kept with its weights for the replay
-    (``tied_script``'s fits, the ranks forked from this process)."""
+    (``tied_script``'s fits on ranks forked from this process)."""
     configs = ["async:sgd", "flush:sgd"]
     for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
         argv = ["--balance", "1", "3", "--configs", *configs, "--out", str(tmp_path / folder)]
-        tied_script.main([*argv, *flag], start_method="fork")
+        succeeded(launched(2, tied_script.main, [*argv, *flag]))
     for config in ("async-sgd", "flush-sgd"):
         plain = torch.load(tmp_path / "plain" / config / "weights.pt")
         recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")

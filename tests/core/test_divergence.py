@@ -197,7 +197,7 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def fork(world: int, tmp_path: Path, *args: str) -> dict[int, tuple[str, object]]:
     """``divergence_script``'s ``main`` on ``world`` ranks forked from this process."""
-    return launched(world, divergence_script.main, ["--out", str(tmp_path), *args])
+    return launched(world, divergence_script.main, ["--out", str(tmp_path), *args], tmp_path)
 
 
 class Scenario:

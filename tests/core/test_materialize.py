@@ -238,9 +238,8 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
     # memory-cap test below.
     builds = ("whole", "configure")  # fitted in turn on 2 ranks forked from this process
     argv = ["--builds", *builds, "--balance", "4", "4", "--steps", "3", "--save", "--tie"]
-    for rank, (status, value) in launched(
-        2, big_script.main, [*argv, "--out", str(tmp_path)]
-    ).items():
+    results = launched(2, big_script.main, [*argv, "--out", str(tmp_path)], tmp_path)
+    for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
     for build in builds:
         out = tmp_path / build

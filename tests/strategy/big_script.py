@@ -93,7 +93,7 @@ def forked(args: argparse.Namespace) -> None:
             os._exit(status)
         status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     else:
-        results = launched(args.devices, lambda _: run(args), [], timeout=600)
+        results = launched(args.devices, lambda _: run(args), [], os.getcwd(), timeout=600)
         errors = "".join(f"rank {r}: {v}" for r, (kind, v) in results.items() if kind != "ok")
         status = 1 if errors else 0
     (out / "ended.json").write_text(json.dumps({"status": status, "errors": errors}))

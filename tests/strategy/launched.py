@@ -43,8 +43,11 @@ def _output_to_descriptors() -> None:
     warnings.showwarning = _print_warning
 
 
-def _rank(rank: int, world: int, main: Callable[[list[str]], Any], argv: list[str]) -> Any:
+def _rank(
+    rank: int, world: int, main: Callable[[list[str]], Any], argv: list[str], cwd: str
+) -> Any:
     _output_to_descriptors()
+    os.chdir(cwd)
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     return main(list(argv))
 
@@ -53,9 +56,13 @@ def launched(
     world: int,
     main: Callable[[list[str]], Any],
     argv: Sequence[str],
+    cwd: str | os.PathLike[str],
     timeout: float = 300.0,
     killed: Collection[int] = (),
 ) -> dict[int, tuple[str, Any]]:
-    """``main(argv)`` on ``world`` forked ranks: {rank: ("ok", what it returned) or ("error",
-    the error and its traceback)}; the ranks in ``killed`` end their process themselves."""
-    return distributed.run(world, _rank, main, list(argv), timeout=timeout, killed=killed)
+    """``main(argv)`` on ``world`` forked ranks working in ``cwd`` (what a script writes to its
+    working directory, a plan for one, goes there): {rank: ("ok", what it returned) or
+    ("error", the error and its traceback)}; the ranks in ``killed`` end their process
+    themselves."""
+    args = (main, list(argv), os.fspath(cwd))
+    return distributed.run(world, _rank, *args, timeout=timeout, killed=killed)

@@ -66,18 +66,22 @@ def test_nan_loss_stops_every_rank_with_one_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_nan_loss_unwatched_trains_on_as_on_one_device(capfd: pytest.CaptureFixture[str]) -> None:
+def test_nan_loss_unwatched_trains_on_as_on_one_device(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Ranks forked from this process (``launched``); capfd reads what they wrote to fd 2."""
-    results = launched(2, failing_script.main, ["--fail", "nan", "--divergence", "off"], 180)
+    results = launched(
+        2, failing_script.main, ["--fail", "nan", "--divergence", "off"], tmp_path, 180
+    )
     assert [status for status, _ in results.values()] == ["ok", "ok"], results
     assert "not finite" not in capfd.readouterr().err
 
 
 @pytest.mark.slow
-def test_a_dead_rank_is_named_by_the_others() -> None:
+def test_a_dead_rank_is_named_by_the_others(tmp_path: Path) -> None:
     """Rank 1 exits in step 2 (``os._exit``): rank 0 stops with an error naming it."""
     start = time.perf_counter()
-    results = launched(2, failing_script.main, ["--fail", "die"], 150, killed=[1])
+    results = launched(2, failing_script.main, ["--fail", "die"], tmp_path, 150, killed=[1])
     seconds = time.perf_counter() - start
     status, error = results[0]
     assert status == "error" and 1 not in results, results

@@ -176,7 +176,7 @@ def test_the_estimate_follows_the_paper_rule_per_mode() -> None:
 
 def launch(tmp_path: Path, *args: str) -> dict[int, tuple[str, object]]:
     """``memory_script``'s ``main`` on 2 ranks forked from this process (``launched``)."""
-    return launched(2, memory_script.main, ["--out", str(tmp_path), *args])
+    return launched(2, memory_script.main, ["--out", str(tmp_path), *args], tmp_path)
 
 
 def succeeded(results: dict[int, tuple[str, object]]) -> None:
@@ -247,7 +247,7 @@ def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -
     configs = ["async:sgd", "flush:sgd"]
     for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
         argv = ["--balance", "1", "3", "--configs", *configs, "--out", str(tmp_path / folder)]
-        succeeded(launched(2, tied_script.main, [*argv, *flag]))
+        succeeded(launched(2, tied_script.main, [*argv, *flag], tmp_path))
     for config in ("async-sgd", "flush-sgd"):
         plain = torch.load(tmp_path / "plain" / config / "weights.pt")
         recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")
@@ -266,7 +266,7 @@ def test_the_reported_frames_are_those_the_channel_held(
     of room to the 32 KiB it carries, and a link's first message comes after a 512-byte
     notice of its size."""
     argv = ["--out", str(tmp_path), "--devices", "3", "--syncs", "async", "flush"]
-    succeeded(launched(3, frames_script.main, argv))
+    succeeded(launched(3, frames_script.main, argv, tmp_path))
     printed = capfd.readouterr()
     for sync in ("async", "flush"):
         rows = [StageMemory(**r) for r in json.loads((tmp_path / f"{sync}.json").read_text())]

@@ -41,11 +41,14 @@ from tests.runtime.distributed import run
 
 SCRIPT = Path(__file__).with_name("failing_script.py")
 KILL_2_AT_2 = ("--fail", "kill", "--rank", "2", "--at", "2")
-SLOW_START = ("--timeout", "60")  # a replicated start under load
+# The strategy's timeout bounds the ranks' rendezvous too: 20 s (the script's) failed the start
+# of 2 and 4 ranks on 2 loaded cores. A longer one costs these runs nothing (their ranks end by
+# themselves); the hang's run waits it out (plus 10 s), and starts alone.
+SLOW_START = ("--timeout", "60")
 RUNS = {  # failing_script.py's arguments per run
-    "after-fit": ("--fail", "after-fit"),
+    "after-fit": ("--fail", "after-fit", *SLOW_START),
     "hang": ("--fail", "hang-after-fit", "--timeout", "10"),
-    "killed middle": (*KILL_2_AT_2, "--devices", "4"),
+    "killed middle": (*KILL_2_AT_2, "--devices", "4", *SLOW_START),
     "killed replica": (*KILL_2_AT_2, "--devices", "3", *SLOW_START),
 }
 HANG = "hang"

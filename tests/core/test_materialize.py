@@ -6,13 +6,15 @@ layers of other stages are alive at once, and every refusal. Through Lightning (
 empty builds train exactly like the whole build, and a model larger than a per-process memory
 cap (``RLIMIT_DATA``) trains on 2 ranks (planned by profiling one layer at a time; one layer in
 16 trained, since half the parameters and their gradients would not fit under a cap below the
-parameters) and on 4 ranks (every layer trained).
+parameters) and on 4 ranks (every layer trained), the ranks forked from one process under the
+cap that imported torch and Lightning once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,8 @@ from torch import nn
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.materialize import EmptyBuild, materialize
+from tests.strategy import big_script
+from tests.strategy.launched import launched
 
 SCRIPT = Path(__file__).parents[1] / "strategy" / "big_script.py"
 
@@ -208,10 +212,10 @@ CAP_MB = 1950  # a stage of up to ~75 of the 128 layers fits (torch, Lightning, 
 PARAMETER_MB = 128 * (2048 * 2048 + 2048) * 4 / 2**20
 
 
-def run(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+def run(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tmp_path.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)]
+    command = [sys.executable, str(SCRIPT), *args]
     return subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -221,17 +225,22 @@ def reports(tmp_path: Path, ranks: int) -> list[dict]:  # type: ignore[type-arg]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+def ended(tmp_path: Path) -> dict:  # type: ignore[type-arg]
+    """How a ``--case`` run of ``big_script.py`` ended: its ``status`` and ranks' ``errors``."""
+    return json.loads((tmp_path / "ended.json").read_text())
+
+
 @pytest.mark.slow
 def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None:
     weights = {}
     # init_module(empty_init=True) builds through the same recorder (the fast tests check both the
     # recorder's values and that the strategy uses it there), and it trains in the 4-rank
     # memory-cap test below.
-    builds = ("whole", "configure")  # fitted in turn in one launch, each into its own folder
-    done = run(
-        tmp_path, "--builds", *builds, "--balance", "4", "4", "--steps", "3", "--save", "--tie"
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    builds = ("whole", "configure")  # fitted in turn on 2 ranks forked from this process
+    argv = ["--builds", *builds, "--balance", "4", "4", "--steps", "3", "--save", "--tie"]
+    results = launched(2, big_script.main, [*argv, "--out", str(tmp_path)], tmp_path)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
     for build in builds:
         out = tmp_path / build
         assert [r["built_on_meta"] for r in reports(out, 2)] == [build != "whole"] * 2
@@ -251,17 +260,34 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
         )
 
 
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:  # type: ignore[type-arg]
+    """One process under the cap (``RLIMIT_DATA``, inherited by its children) runs in turn: the
+    whole build alone, in a child (``alone/``); a fit on 2 ranks forked from it, planned
+    (``two/``); a fit on 4 forked ranks, every layer trained (``four/``)."""
+    out = tmp_path_factory.mktemp("capped")
+    wide = " ".join(WIDE)
+    four = "--balance 32 32 32 32 --trainable 1 --devices 4 --steps 1"
+    cases = [
+        f"--build alone {wide} --out {shlex.quote(str(out / 'alone'))}",
+        f"--build configure {wide} --steps 2 --out {shlex.quote(str(out / 'two'))}",
+        f"--build init_module {wide} {four} --out {shlex.quote(str(out / 'four'))}",
+    ]
+    command = ["--cap-mb", str(CAP_MB)] + [arg for case in cases for arg in ("--case", case)]
+    return out, run(out, *command, timeout=900)
+
+
 @pytest.mark.slow
 def test_a_model_larger_than_the_memory_cap_trains_on_2_ranks_planned_layer_by_layer(
-    tmp_path: Path,
+    capped: tuple[Path, subprocess.CompletedProcess],  # type: ignore[type-arg]
 ) -> None:
+    out, done = capped
     assert PARAMETER_MB > CAP_MB  # the parameters alone do not fit under the cap
-    alone = run(tmp_path / "alone", "--build", "alone", *WIDE, "--cap-mb", str(CAP_MB))
-    assert alone.returncode == 3 and "OUT OF MEMORY" in alone.stdout, alone.stdout + alone.stderr
-    done = run(tmp_path, "--build", "configure", *WIDE, "--cap-mb", str(CAP_MB), "--steps", "2")
-    assert done.returncode == 0, done.stderr[-3000:]
+    alone = ended(out / "alone")
+    assert alone["status"] == 3 and "OUT OF MEMORY" in done.stdout, done.stdout + done.stderr
+    assert ended(out / "two") == {"status": 0, "errors": ""}, done.stderr[-3000:]
     assert "to profile and plan" in done.stderr + done.stdout  # planned, not given a balance
-    for report in reports(tmp_path, 2):
+    for report in reports(out / "two", 2):
         print(f"rank {report['rank']}: peak RSS {report['peak_rss'] / 2**20:.0f} MiB, "
               f"balance {report['balance']}, cap {CAP_MB} MiB")  # fmt: skip
         assert report["built_on_meta"] and sum(report["balance"]) == 128
@@ -269,15 +295,13 @@ def test_a_model_larger_than_the_memory_cap_trains_on_2_ranks_planned_layer_by_l
 
 
 @pytest.mark.slow
-def test_a_model_larger_than_the_memory_cap_trains_on_4_ranks(tmp_path: Path) -> None:
+def test_a_model_larger_than_the_memory_cap_trains_on_4_ranks(
+    capped: tuple[Path, subprocess.CompletedProcess],  # type: ignore[type-arg]
+) -> None:
     """Every layer trained: a quarter of the parameters and their gradients fit."""
-    balance = ["--balance", "32", "32", "32", "32", "--trainable", "1"]
-    done = run(
-        tmp_path, "--build", "init_module", *WIDE, *balance, "--devices", "4",
-        "--cap-mb", str(CAP_MB), "--steps", "1",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for report in reports(tmp_path, 4):
+    out, done = capped
+    assert ended(out / "four") == {"status": 0, "errors": ""}, done.stderr[-3000:]
+    for report in reports(out / "four", 4):
         peak = report["peak_rss"] / 2**20
         print(f"rank {report['rank']}: peak RSS {peak:.0f} MiB, cap {CAP_MB} MiB")
         assert report["built_on_meta"] and report["peak_rss"] < CAP_MB * 2**20

@@ -9,14 +9,24 @@ Trainer) and reports whether that fits. Each rank writes ``rank{r}.json`` (peak 
 size, its stage, the balance) and with ``--save`` ``weights-rank{r}.pt`` (its stage's parameters
 after training). ``--tie`` ties the last layer's weight to the first's (a tie across stages).
 ``--builds B ...`` fits each of those builds in turn in one launch, each writing to ``DIR/B``.
+
+``--case "ARGS" ...`` runs each of those runs in turn (their arguments, ``--out`` among them) in
+this process, after ``--cap-mb``, which its children inherit: ``alone`` in a child of its own,
+any other on ``--devices`` ranks forked from this process as a launcher's ranks
+(``tests.strategy.launched``), so that torch and Lightning are imported once for them all. Each
+run writes ``ended.json`` (``status``: the child's exit status, or 1 when a rank failed, and
+``errors``) into its ``--out``. The tests call ``main(argv)`` on forked ranks as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shlex
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -27,7 +37,7 @@ def cap(megabytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     builds = ("configure", "init_module", "whole", "alone")
     parser.add_argument("--build", choices=builds)
@@ -42,14 +52,51 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=int, default=0)
     parser.add_argument("--save", action="store_true", help="write each rank's weights")
     parser.add_argument("--tie", action="store_true", help="tie the last weight to the first")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="required but with --case")
+    parser.add_argument("--case", action="append", default=[], help="one run's arguments")
+    args = parser.parse_args(argv)
     if args.cap_mb:
         cap(args.cap_mb)
+    for case in args.case:  # each under this process's cap, which its children inherit
+        settings = vars(parser.parse_args(shlex.split(case)))
+        forked(argparse.Namespace(**{**settings, "cap_mb": args.cap_mb}))
+    if args.case:
+        return
+    if args.out is None:
+        parser.error("--out is required")
     if not args.builds:
         run(args)
     for build in args.builds:
         run(argparse.Namespace(**{**vars(args), "build": build, "out": f"{args.out}/{build}"}))
+
+
+def forked(args: argparse.Namespace) -> None:
+    """The run ``args`` on processes forked from this one, its end in ``ended.json``."""
+    from tests.strategy.launched import launched
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    errors = ""
+    if args.build == "alone":
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                run(args)
+            except SystemExit as exit:
+                status = exit.code if isinstance(exit.code, int) else 1
+            except BaseException:  # noqa: BLE001 - reported as this child's status
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    else:
+        results = launched(args.devices, lambda _: run(args), [], os.getcwd(), timeout=600)
+        errors = "".join(f"rank {r}: {v}" for r, (kind, v) in results.items() if kind != "ok")
+        status = 1 if errors else 0
+    (out / "ended.json").write_text(json.dumps({"status": status, "errors": errors}))
 
 
 def run(args: argparse.Namespace) -> None:

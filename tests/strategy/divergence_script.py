@@ -10,13 +10,14 @@
 
 Run as ``python tests/strategy/divergence_script.py --case newcomer --sync async --epochs 2``;
 Lightning's script launcher starts the other ranks by re-running it. Rank 0 writes the final
-``val_acc`` (``val_loss`` for ``noise``) to ``finished`` in the working directory when the fit
-ends without an error.
+``val_acc`` (``val_loss`` for ``noise``) to ``finished`` in ``--out`` (the working directory
+unless given) when the fit ends without an error.
 
 ``--scenarios NAME:CASE:SYNC:MOMENTUM:EPOCHS ...`` fits each scenario in turn in one launch
-(cases of one stage count, under the default ``divergence``), each in a folder ``NAME`` of the
-working directory: every rank writes what it printed to stderr during that fit to
-``NAME/stderr-rank{r}`` (warnings shown afresh per scenario), and rank 0 writes ``NAME/finished``.
+(cases of one stage count, under the ``divergence`` given), each in a folder ``NAME`` of ``--out``:
+every rank writes what it printed to stderr during that fit to ``NAME/stderr-rank{r}``
+(warnings shown afresh per scenario), and rank 0 writes ``NAME/finished``. The tests call
+``main(argv)`` on ranks forked from their own process (``tests.strategy.launched``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class NanData(DigitsDataModule):
         return DataLoader(TensorDataset(x, y), self.batch_size, drop_last=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=("newcomer", "noise", "nan-data"), default="newcomer")
     parser.add_argument("--sync", default="async")
@@ -57,12 +58,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--divergence", default="error")
     parser.add_argument("--scenarios", nargs="*", default=[], help="NAME:CASE:SYNC:MOMENTUM:EPOCHS")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=".", help="the folder of finished and the scenarios'")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
     if not args.scenarios:
-        fit(args.case, args.sync, args.momentum, args.epochs, args.divergence, Path("finished"))
+        fit(args.case, args.sync, args.momentum, args.epochs, args.divergence, out / "finished")
     for scenario in args.scenarios:
         name, case, sync, momentum, epochs = scenario.split(":")
-        folder = Path(name)
+        folder = out / name
         folder.mkdir(exist_ok=True)
         rank = int(os.environ.get("LOCAL_RANK", "0"))  # unset on rank 0 until its first fit
         with warnings.catch_warnings(), stderr_to(folder / f"stderr-rank{rank}"):

@@ -4,7 +4,8 @@ in the user's code after ``trainer.fit`` returned, when rank 0 has finished), ``
 hang-after-fit`` (rank 1 never ends after ``fit``) or ``--fail kill`` (rank ``--rank`` SIGKILLs
 itself in step ``--at``); ``--devices`` ranks (2 or 4 in a straight pipeline, 3 with the last
 stage's two replicas on ranks 1 and 2); ``--divergence`` and ``--timeout`` are the strategy's
-options of those names. Used by test_errors.py and test_launcher.py."""
+options of those names. Used by test_errors.py and test_launcher.py, as a user's script or as
+``main(argv)`` on ranks forked from the test's process (``launched``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Failing(Net):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     fails = ["nan", "die", "after-fit", "hang-after-fit", "kill"]
     parser.add_argument("--fail", choices=fails, required=True)
@@ -54,7 +55,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=20)
     parser.add_argument("--rank", type=int, default=-1)
     parser.add_argument("--at", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layout: dict = {"balance": [3, 3] if args.devices == 2 else [2, 2, 1, 1]}
     if args.devices == 3:
         layout = {"plan": Plan.from_balance([3, 3], replicas=[1, 2])}
@@ -72,3 +73,7 @@ if __name__ == "__main__":
         raise RuntimeError("the user's code failed on rank 1 after fit")
     if args.fail == "hang-after-fit" and fitter.global_rank == 1:
         time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

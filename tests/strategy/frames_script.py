@@ -3,7 +3,8 @@
 Run as ``python tests/strategy/frames_script.py --devices 3 --syncs async flush --out DIR``;
 each sync mode is fitted in turn in the same processes with a plan profiled on this model
 (``plan=``), so the report has an estimate. Rank 0 writes ``DIR/<sync>.json`` with every rank's
-row (``strategy.memory_report``): the frames its channel held beside the estimate.
+row (``strategy.memory_report``): the frames its channel held beside the estimate. The tests
+call ``main(argv)`` on ranks forked from their own process (``launched``).
 """
 
 from __future__ import annotations
@@ -73,14 +74,14 @@ def profiled_plan(devices: int) -> Plan:
     return dataclasses.replace(planned, stages=stages)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=3)
     parser.add_argument("--syncs", nargs="+", default=["async"])
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     m = args.microbatches
     generator = torch.Generator().manual_seed(1)
     count = args.batches * m * ROWS

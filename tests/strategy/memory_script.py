@@ -4,6 +4,7 @@ Run as ``python tests/strategy/memory_script.py --configs async:1:0 ... --out DI
 config is ``sync:recompute:dropout`` (0 or 1), fitted in turn in the same processes. Every rank
 writes its stage's weights (``DIR/<config>/rank<r>.pt``); rank 0 writes the memory report
 (``report.json``). ``--memory`` with ``--devices`` plans automatically under that limit.
+The tests call ``main(argv)`` on ranks forked from their own process (``launched``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.runtime.test_recompute import make_dropout_model  # noqa: E402
 from tests.strategy.test_lightning_features import Net  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["async:1:0"])
     parser.add_argument("--balance", type=int, nargs="+", default=[3, 3])
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--memory", default=None)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     m = args.microbatches
     batches = make_batches(m)
     data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))

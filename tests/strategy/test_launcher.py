@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,17 +40,78 @@ from pl_pipedream.strategy.lightning_patches import (
 from tests.runtime.distributed import run
 
 SCRIPT = Path(__file__).with_name("failing_script.py")
+KILL_2_AT_2 = ("--fail", "kill", "--rank", "2", "--at", "2")
+# The strategy's timeout bounds the ranks' rendezvous too: 20 s (the script's) failed the start
+# of 2 and 4 ranks on 2 loaded cores. A longer one costs these runs nothing (their ranks end by
+# themselves); the hang's run waits it out (plus 10 s), and starts alone.
+SLOW_START = ("--timeout", "60")
+RUNS = {  # failing_script.py's arguments per run
+    "after-fit": ("--fail", "after-fit", *SLOW_START),
+    "hang": ("--fail", "hang-after-fit", "--timeout", "10"),
+    "killed middle": (*KILL_2_AT_2, "--devices", "4", *SLOW_START),
+    "killed replica": (*KILL_2_AT_2, "--devices", "3", *SLOW_START),
+}
+HANG = "hang"
 
 
-def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+class Runs:
+    """``failing_script.py`` run as a user runs it, once per ``RUNS`` entry. The hang's run
+    spends its last 20 s waiting for the hung rank: it starts first, and once its ranks have
+    joined the other runs go on meanwhile (one at a time), so that its wait overlaps them."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def start(self, name: str) -> None:
+        if name in self.procs:
+            return
+        folder = self.factory.mktemp(name.replace(" ", "-"))
+        with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), *RUNS[name]],
+                cwd=folder,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # one process group: ``close`` ends every rank
+            )
+        self.procs[name] = (proc, folder)
+        if name == HANG:  # its ranks start before any other run adds to the load
+            deadline = time.monotonic() + 240
+            while "processes joined" not in (folder / "stderr").read_text(errors="replace"):
+                assert proc.poll() is None and time.monotonic() < deadline, self.text(name)
+                time.sleep(0.2)
+
+    def text(self, name: str) -> str:
+        return (self.procs[name][1] / "stderr").read_text(errors="replace")[-3000:]
+
+    def result(self, name: str) -> subprocess.CompletedProcess[str]:
+        """The run ``name`` to its end (started now if it was not)."""
+        if name not in self.results:
+            self.start(HANG)
+            self.start(name)
+            proc, folder = self.procs[name]
+            proc.wait(timeout=240)
+            read = [(folder / f).read_text(errors="replace") for f in ("stdout", "stderr")]
+            self.results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, *read)
+        return self.results[name]
+
+    def close(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    started = Runs(tmp_path_factory)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 def report_of(stderr: str) -> list[str]:
@@ -90,10 +154,10 @@ def test_popen_starts_the_ranks_and_watches_them_without_lightnings_observer(
 
 
 @pytest.mark.slow
-def test_a_rank_failing_after_rank_0_finished_fails_the_command(tmp_path: Path) -> None:
+def test_a_rank_failing_after_rank_0_finished_fails_the_command(runs: Runs) -> None:
     """Rank 1 raises after ``fit``, when rank 0 has returned: the command exits 1 and its last
     lines are rank 1's error, printed once."""
-    result = run_script(tmp_path, "--fail", "after-fit")
+    result = runs.result("after-fit")
     assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
     tail = result.stderr.rstrip().splitlines()
     start = max(i for i, line in enumerate(tail) if line.startswith("pl-pipedream: rank"))
@@ -103,23 +167,11 @@ def test_a_rank_failing_after_rank_0_finished_fails_the_command(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_rank_that_hangs_after_fit_fails_the_command_and_is_named(tmp_path: Path) -> None:
-    """Rank 1 never ends after ``fit``: rank 0 waits its timeout plus a margin, stops it, and
-    the command exits 1 naming it (it exited 0 and named nothing)."""
-    result = run_script(tmp_path, "--fail", "hang-after-fit", "--timeout", "10")
-    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
-    assert report_of(result.stderr)[0] == (
-        "pl-pipedream: rank 1 was stopped at the deadline, still running 20 s after rank 0 "
-        "ended (killed by SIGTERM)"
-    )
-
-
-@pytest.mark.slow
-def test_a_killed_middle_rank_is_named_first_and_the_command_exits_1(tmp_path: Path) -> None:
+def test_a_killed_middle_rank_is_named_first_and_the_command_exits_1(runs: Runs) -> None:
     """Rank 2 of 4 is SIGKILLed in step 2: its neighbours fail with a PeerError naming it, and
     the report leads with rank 2 itself; the command exits 1, not Lightning's 137 (its observer
     SIGKILLed every rank within 5 s, leaving no report)."""
-    result = run_script(tmp_path, "--fail", "kill", "--devices", "4", "--rank", "2", "--at", "2")
+    result = runs.result("killed middle")
     assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
     assert "Forcefully terminating" not in result.stderr
     report = report_of(result.stderr)
@@ -128,12 +180,11 @@ def test_a_killed_middle_rank_is_named_first_and_the_command_exits_1(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_killed_replica_is_named_first_and_by_its_replica(tmp_path: Path) -> None:
+def test_a_killed_replica_is_named_first_and_by_its_replica(runs: Runs) -> None:
     """Rank 2, the second replica of stage 1, is SIGKILLed in step 2: its replica (rank 1)
     fails inside the replica all-reduce with a PeerError naming rank 2 and its stage (gloo's
     text named an address and port), and the report leads with rank 2."""
-    args = ("--fail", "kill", "--devices", "3", "--rank", "2", "--at", "2")
-    result = run_script(tmp_path, *args, "--timeout", "60")  # (a slow start under load)
+    result = runs.result("killed replica")
     assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
     report = report_of(result.stderr)
     assert report[0] == "pl-pipedream: rank 2 failed (killed by SIGKILL); its error:", report
@@ -141,6 +192,19 @@ def test_a_killed_replica_is_named_first_and_by_its_replica(tmp_path: Path) -> N
     assert "rank 1 (stage 1) could not sum the gradients of update " in result.stderr
     assert "with its replica rank 2 (stage 1): the connection was closed by rank 2 (stage 1)" in (
         result.stderr
+    )
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_after_fit_fails_the_command_and_is_named(runs: Runs) -> None:
+    """Rank 1 never ends after ``fit``: rank 0 waits its timeout plus a margin, stops it, and
+    the command exits 1 naming it (it exited 0 and named nothing). Last: the other runs went
+    on while it waited."""
+    result = runs.result(HANG)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert report_of(result.stderr)[0] == (
+        "pl-pipedream: rank 1 was stopped at the deadline, still running 20 s after rank 0 "
+        "ended (killed by SIGTERM)"
     )
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,9 @@ from tests.core.test_memory_limit import make
 from tests.runtime import oracle
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 from tests.schedule.test_memory import LAYOUTS, built_counts
+from tests.strategy import frames_script, memory_script, tied_script
+from tests.strategy.launched import launched
 
-SCRIPT = Path(__file__).with_name("memory_script.py")
 MiB = 2**20
 
 
@@ -70,12 +68,14 @@ def test_the_estimate_follows_the_paper_rule_per_mode() -> None:
     assert "10.000" in table and "3.000" in table and "memory per stage" in table
 
 
-def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+def launch(tmp_path: Path, *args: str) -> dict[int, tuple[str, object]]:
+    """``memory_script``'s ``main`` on 2 ranks forked from this process (``launched``)."""
+    return launched(2, memory_script.main, ["--out", str(tmp_path), *args], tmp_path)
+
+
+def succeeded(results: dict[int, tuple[str, object]]) -> None:
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -84,11 +84,11 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_fit_with_recompute_equals_the_oracle_and_reports_less_activation_memory(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     configs = ["async:0:0", "async:1:0", "flush:1:0", "async:0:1", "async:1:1"]
-    result = launch(tmp_path, "--configs", *configs)
-    assert result.returncode == 0, result.stderr[-3000:]
+    succeeded(launch(tmp_path, "--configs", *configs))
+    printed = capfd.readouterr()
     plan, m = Plan.from_balance([3, 3]), 2
     for sync in ("async", "flush"):
         expected = oracle.train(
@@ -113,21 +113,21 @@ def test_a_fit_with_recompute_equals_the_oracle_and_reports_less_activation_memo
     # stage 0 keeps two minibatches in flight; with recompute only their inputs
     assert reports["async-1-0"][0].activations < reports["async-0-0"][0].activations
     assert reports["async-0-0"][0].stashed > 0  # async stashes a second version
-    assert "PipeDream memory per stage" in result.stdout + result.stderr
+    assert "PipeDream memory per stage" in printed.out + printed.err
 
 
 @pytest.mark.slow
 def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    result = launch(tmp_path, "--memory", "64", "--devices", "2", "--configs", "async:0:0")
-    assert result.returncode != 0
-    text = result.stdout + result.stderr
+    results = launch(tmp_path, "--memory", "64", "--devices", "2", "--configs", "async:0:0")
+    assert any(status == "error" for status, _ in results.values()), results
+    printed = capfd.readouterr()
+    text = "".join(str(value) for _, value in results.values()) + printed.out + printed.err
     assert "no pipeline fits the memory per device (memory: 64 bytes" in text, text[-3000:]
     need = float(text.split("the smallest that fits: ")[1].split(" bytes")[0])
     assert math.isfinite(need) and need > 64
-    ok = launch(tmp_path, "--memory", str(int(need) + 1), "--devices", "2")
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    succeeded(launch(tmp_path, "--memory", str(int(need) + 1), "--devices", "2"))
     report = json.loads((tmp_path / "async-1-0" / "report.json").read_text())
     for stage in report["plan"]["stages"]:
         assert stage["activation_bytes"] > 0  # a profiled plan: the estimate is filled in
@@ -136,17 +136,12 @@ def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
 
 @pytest.mark.slow
 def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -> None:
-    """The tied parameter's version of a minibatch is kept with its weights for the replay."""
-    script = Path(__file__).with_name("tied_script.py")
+    """The tied parameter's version of a minibatch is kept with its weights for the replay
+    (``tied_script``'s fits on ranks forked from this process)."""
     configs = ["async:sgd", "flush:sgd"]
     for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
-        command = [sys.executable, str(script), "--balance", "1", "3", "--configs", *configs]
-        command += ["--out", str(tmp_path / folder), *flag]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        result = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+        argv = ["--balance", "1", "3", "--configs", *configs, "--out", str(tmp_path / folder)]
+        succeeded(launched(2, tied_script.main, [*argv, *flag], tmp_path))
     for config in ("async-sgd", "flush-sgd"):
         plain = torch.load(tmp_path / "plain" / config / "weights.pt")
         recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")
@@ -156,20 +151,17 @@ def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_the_reported_frames_are_those_the_channel_held(tmp_path: Path) -> None:
+def test_the_reported_frames_are_those_the_channel_held(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Three ranks over gloo, 32 KiB activations: each rank's channel held, at its peak, the
     estimate's frames (the schedule's messages in flight per link, one receive posted per
     link) to within 5 % (measured: 3.2-4.0 %): a frame adds its 512-byte header and 512 bytes
     of room to the 32 KiB it carries, and a link's first message comes after a 512-byte
     notice of its size."""
-    script = SCRIPT.with_name("frames_script.py")
-    command = [sys.executable, str(script), "--out", str(tmp_path), "--devices", "3"]
-    command += ["--syncs", "async", "flush"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--out", str(tmp_path), "--devices", "3", "--syncs", "async", "flush"]
+    succeeded(launched(3, frames_script.main, argv, tmp_path))
+    printed = capfd.readouterr()
     for sync in ("async", "flush"):
         rows = [StageMemory(**r) for r in json.loads((tmp_path / f"{sync}.json").read_text())]
         assert [r.rank for r in rows] == [0, 1, 2]
@@ -181,4 +173,4 @@ def test_the_reported_frames_are_those_the_channel_held(tmp_path: Path) -> None:
             for measured, estimated in pairs:
                 assert estimated is not None and estimated > 0, (sync, row)
                 assert estimated <= measured <= 1.05 * estimated, (sync, row)
-    assert "frames" in result.stdout + result.stderr  # the printed table's column
+    assert "frames" in printed.out + printed.err  # the printed table's column

@@ -28,11 +28,11 @@ import pickle
 import signal
 import sys
 import time
-import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class Rank:
     at: float  # when its end was seen (seconds since the epoch)
     value: Any = None
     error: str = ""  # an uncaught exception, as "Name: message" ("" when none)
-    traceback: str = ""  # the exception as printed to stderr, traceback first
+    traceback: str = ""  # the exception as sys.excepthook printed it to stderr
 
     @property
     def output(self) -> str:
@@ -177,9 +177,7 @@ def _rank(  # type: ignore[type-arg]
         except SystemExit as stopped:
             code = stopped.code if isinstance(stopped.code, int) else int(stopped.code is not None)
         except BaseException as error:  # noqa: BLE001 - a rank's error ends its process with status 1
-            text = (f"{type(error).__name__}: {error}", traceback.format_exc())
-            (folder / f"rank{rank}.error").write_bytes(pickle.dumps(text))
-            sys.excepthook(*sys.exc_info())  # as uncaught: printed, and recorded by a hook set
+            _uncaught(error, folder / f"rank{rank}")
     finally:
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
@@ -188,18 +186,44 @@ def _rank(  # type: ignore[type-arg]
 
 
 def _output_to_descriptors() -> None:
-    """Send what pytest took over in the test process to fds 1 and 2: ``sys.stdout`` and
-    ``sys.stderr`` (pytest's capture files), the logging handlers (pytest's, and the stream
-    handlers made while its files were ``sys.stderr``: Lightning's), and the warnings (pytest
-    records them in a list)."""
+    """Send what pytest took over in the test process to fds 1 and 2, as in a process of its
+    own: ``sys.stdout`` and ``sys.stderr`` (pytest's capture files), the stream handlers made
+    while those were pytest's (Lightning's), the warnings (pytest records them in a list); the
+    root logger's handlers (pytest's) are removed."""
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    logging.basicConfig(stream=sys.stderr, format="%(message)s", force=True)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
     for logger in logging.Logger.manager.loggerDict.values():
         for handler in getattr(logger, "handlers", ()):
             if type(handler) is logging.StreamHandler:  # not pytest's own (subclasses)
                 handler.setStream(sys.stderr)
-    logging.captureWarnings(True)
+    warnings.showwarning = _print_warning
+
+
+def _print_warning(  # the signature of warnings.showwarning
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def _uncaught(error: BaseException, path: Path) -> None:
+    """``error`` passed to ``sys.excepthook`` as an uncaught one is (printed to stderr, recorded
+    by a hook the scenario set); it and what the hook printed kept in ``path.error``."""
+    sys.stderr.flush()
+    start = os.lseek(2, 0, os.SEEK_CUR)
+    sys.excepthook(type(error), error, error.__traceback__)
+    sys.stderr.flush()
+    printed = path.with_suffix(".err").read_bytes()[start:].decode(errors="replace")
+    path.with_suffix(".error").write_bytes(
+        pickle.dumps((f"{type(error).__name__}: {error}", printed))
+    )
 
 
 def _wait(pids: list[int], deadline: float) -> list[tuple[int, float]]:

@@ -3,10 +3,11 @@ starts them, forked from the test process: what each rank printed, its exit stat
 the scenario returned.
 
 Each rank is forked with ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-``MASTER_PORT`` set, so Lightning sees processes created externally and starts none; its output
-(file descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr``) goes to ``rank{r}.out`` and
-``rank{r}.err`` in ``folder``, with logging's records and warnings (pytest's capture of them is
-undone). A rank's status is what a process running the scenario as its main program would exit
+``MASTER_PORT`` set, so Lightning sees processes created externally, starts none and forms the
+process group itself; a script's ``main(argv)`` runs as ``lambda _: main(argv)``. A rank's output
+(file descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr``, logging's stream handlers and the
+warnings: pytest's capture of them undone) goes to ``rank{r}.out`` and ``rank{r}.err`` in
+``folder``. A rank's status is what a process running the scenario as its main program would exit
 with: 0, the code of ``SystemExit`` (a preemption's 143), 1 for any other exception (passed to
 ``sys.excepthook`` as an uncaught one is: printed to the rank's stderr, and recorded by a hook
 the scenario set; its text is also kept apart, in ``Rank.error``), or ``-signal`` when a signal

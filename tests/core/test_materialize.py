@@ -26,8 +26,8 @@ from torch import nn
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.materialize import EmptyBuild, materialize
+from tests.runtime.launched import launch
 from tests.strategy import big_script
-from tests.strategy.launched import launched
 
 SCRIPT = Path(__file__).parents[1] / "strategy" / "big_script.py"
 
@@ -238,9 +238,10 @@ def test_empty_builds_train_exactly_like_the_whole_build(tmp_path: Path) -> None
     # memory-cap test below.
     builds = ("whole", "configure")  # fitted in turn on 2 ranks forked from this process
     argv = ["--builds", *builds, "--balance", "4", "4", "--steps", "3", "--save", "--tie"]
-    results = launched(2, big_script.main, [*argv, "--out", str(tmp_path)], tmp_path)
-    for rank, (status, value) in results.items():
-        assert status == "ok", f"rank {rank}: {value}"
+    argv = [*argv, "--out", str(tmp_path)]
+    ranks = launch(2, lambda _: big_script.main(argv), folder=tmp_path / "ranks", cwd=tmp_path)
+    for r, rank in enumerate(ranks):
+        assert rank.code == 0, f"rank {r}: {rank.error}\n{rank.stderr[-3000:]}"
     for build in builds:
         out = tmp_path / build
         assert [r["built_on_meta"] for r in reports(out, 2)] == [build != "whole"] * 2

@@ -13,9 +13,10 @@ after training). ``--tie`` ties the last layer's weight to the first's (a tie ac
 ``--case "ARGS" ...`` runs each of those runs in turn (their arguments, ``--out`` among them) in
 this process, after ``--cap-mb``, which its children inherit: ``alone`` in a child of its own,
 any other on ``--devices`` ranks forked from this process as a launcher's ranks
-(``tests.strategy.launched``), so that torch and Lightning are imported once for them all. Each
+(``tests.runtime.launched``), so that torch and Lightning are imported once for them all. Each
 run writes ``ended.json`` (``status``: the child's exit status, or 1 when a rank failed, and
-``errors``) into its ``--out``. The tests call ``main(argv)`` on forked ranks as well.
+``errors``) into its ``--out``, and the ranks' output is relayed to this process's. The tests
+call ``main(argv)`` on forked ranks as well.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def forked(args: argparse.Namespace) -> None:
     """The run ``args`` on processes forked from this one, its end in ``ended.json``."""
-    from tests.strategy.launched import launched
+    from tests.runtime.launched import launch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,8 +94,13 @@ def forked(args: argparse.Namespace) -> None:
             os._exit(status)
         status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     else:
-        results = launched(args.devices, lambda _: run(args), [], os.getcwd(), timeout=600)
-        errors = "".join(f"rank {r}: {v}" for r, (kind, v) in results.items() if kind != "ok")
+        ends = launch(args.devices, lambda _: run(args), folder=out / "ranks", timeout=600)
+        for end in ends:  # as a launcher relays its ranks' output
+            sys.stdout.write(end.stdout)
+            sys.stderr.write(end.stderr)
+        errors = "".join(
+            f"rank {r}: {end.error or end.code}" for r, end in enumerate(ends) if end.code != 0
+        )
         status = 1 if errors else 0
     (out / "ended.json").write_text(json.dumps({"status": status, "errors": errors}))
 

@@ -17,7 +17,7 @@ unless given) when the fit ends without an error.
 (cases of one stage count, under the ``divergence`` given), each in a folder ``NAME`` of ``--out``:
 every rank writes what it printed to stderr during that fit to ``NAME/stderr-rank{r}``
 (warnings shown afresh per scenario), and rank 0 writes ``NAME/finished``. The tests call
-``main(argv)`` on ranks forked from their own process (``tests.strategy.launched``).
+``main(argv)`` on ranks forked from their own process (``tests.runtime.launched``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import pytest
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan, PlanError
 from pl_pipedream.schedule import SegmentStream
+from tests.runtime.launched import Rank, launch
 from tests.strategy import failing_script
-from tests.strategy.launched import launched
 from tests.strategy.test_lightning_features import Net, loader, trainer
 
 SCRIPT = Path(__file__).with_name("failing_script.py")
@@ -65,26 +65,29 @@ def test_nan_loss_stops_every_rank_with_one_message(tmp_path: Path) -> None:
     assert report.count(message) == 1  # the report repeats the first one's error, last
 
 
+def forked(tmp_path: Path, *argv: str, timeout: float) -> list[Rank]:
+    """``failing_script``'s ``main(argv)`` on 2 ranks forked from this process as a launcher
+    starts them (``tests.runtime.launched``), working in ``tmp_path``."""
+    folder = tmp_path / "ranks"
+    main = failing_script.main
+    return launch(2, lambda _: main(list(argv)), folder=folder, timeout=timeout, cwd=tmp_path)
+
+
 @pytest.mark.slow
-def test_nan_loss_unwatched_trains_on_as_on_one_device(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """Ranks forked from this process (``launched``); capfd reads what they wrote to fd 2."""
-    results = launched(
-        2, failing_script.main, ["--fail", "nan", "--divergence", "off"], tmp_path, 180
-    )
-    assert [status for status, _ in results.values()] == ["ok", "ok"], results
-    assert "not finite" not in capfd.readouterr().err
+def test_nan_loss_unwatched_trains_on_as_on_one_device(tmp_path: Path) -> None:
+    ranks = forked(tmp_path, "--fail", "nan", "--divergence", "off", timeout=180)
+    assert [rank.code for rank in ranks] == [0, 0], [rank.stderr[-2000:] for rank in ranks]
+    assert "not finite" not in "".join(rank.stderr for rank in ranks)
 
 
 @pytest.mark.slow
 def test_a_dead_rank_is_named_by_the_others(tmp_path: Path) -> None:
     """Rank 1 exits in step 2 (``os._exit``): rank 0 stops with an error naming it."""
     start = time.perf_counter()
-    results = launched(2, failing_script.main, ["--fail", "die"], tmp_path, 150, killed=[1])
+    ranks = forked(tmp_path, "--fail", "die", timeout=150)
     seconds = time.perf_counter() - start
-    status, error = results[0]
-    assert status == "error" and 1 not in results, results
+    error = ranks[0].error
+    assert ranks[0].code == 1 and ranks[1].code == 3, [rank.stderr[-2000:] for rank in ranks]
     assert "rank 0 (stage 0) could not" in error
     assert "from rank 1" in error
     assert seconds < 150

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,10 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.memory_report import StageMemory, estimate, render
 from tests.core.test_memory_limit import make
 from tests.runtime import oracle
+from tests.runtime.launched import Rank, launch
 from tests.runtime.test_executor import OPTIMIZERS, loss_fn, make_batches, make_model
 from tests.schedule.test_memory import LAYOUTS, built_counts
 from tests.strategy import frames_script, memory_script, tied_script
-from tests.strategy.launched import launched
 
 MiB = 2**20
 
@@ -68,14 +69,24 @@ def test_the_estimate_follows_the_paper_rule_per_mode() -> None:
     assert "10.000" in table and "3.000" in table and "memory per stage" in table
 
 
-def launch(tmp_path: Path, *args: str) -> dict[int, tuple[str, object]]:
-    """``memory_script``'s ``main`` on 2 ranks forked from this process (``launched``)."""
-    return launched(2, memory_script.main, ["--out", str(tmp_path), *args], tmp_path)
+def forked(
+    world: int, main: Callable[[list[str]], object], argv: list[str], cwd: Path
+) -> list[Rank]:
+    """``main(argv)`` on ``world`` ranks forked from this process as a launcher starts them
+    (``tests.runtime.launched``), working in ``cwd``."""
+    return launch(world, lambda _: main(list(argv)), folder=cwd / "ranks", timeout=300, cwd=cwd)
 
 
-def succeeded(results: dict[int, tuple[str, object]]) -> None:
-    for rank, (status, value) in results.items():
-        assert status == "ok", f"rank {rank}: {value}"
+def fit(tmp_path: Path, *args: str) -> list[Rank]:
+    """``memory_script``'s ``main`` on 2 ranks forked from this process."""
+    return forked(2, memory_script.main, ["--out", str(tmp_path), *args], tmp_path)
+
+
+def succeeded(ranks: list[Rank]) -> str:
+    """What the ranks printed, once each ended without an error."""
+    for r, rank in enumerate(ranks):
+        assert rank.code == 0, f"rank {r}: {rank.error}\n{rank.stderr[-3000:]}"
+    return "".join(rank.output for rank in ranks)
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -84,11 +95,10 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_fit_with_recompute_equals_the_oracle_and_reports_less_activation_memory(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
 ) -> None:
     configs = ["async:0:0", "async:1:0", "flush:1:0", "async:0:1", "async:1:1"]
-    succeeded(launch(tmp_path, "--configs", *configs))
-    printed = capfd.readouterr()
+    printed = succeeded(fit(tmp_path, "--configs", *configs))
     plan, m = Plan.from_balance([3, 3]), 2
     for sync in ("async", "flush"):
         expected = oracle.train(
@@ -113,21 +123,20 @@ def test_a_fit_with_recompute_equals_the_oracle_and_reports_less_activation_memo
     # stage 0 keeps two minibatches in flight; with recompute only their inputs
     assert reports["async-1-0"][0].activations < reports["async-0-0"][0].activations
     assert reports["async-0-0"][0].stashed > 0  # async stashes a second version
-    assert "PipeDream memory per stage" in printed.out + printed.err
+    assert "PipeDream memory per stage" in printed
 
 
 @pytest.mark.slow
 def test_an_automatic_plan_that_cannot_fit_stops_at_setup_naming_the_memory(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
 ) -> None:
-    results = launch(tmp_path, "--memory", "64", "--devices", "2", "--configs", "async:0:0")
-    assert any(status == "error" for status, _ in results.values()), results
-    printed = capfd.readouterr()
-    text = "".join(str(value) for _, value in results.values()) + printed.out + printed.err
+    ranks = fit(tmp_path, "--memory", "64", "--devices", "2", "--configs", "async:0:0")
+    assert any(rank.code != 0 for rank in ranks), [rank.code for rank in ranks]
+    text = "".join(rank.error + rank.output for rank in ranks)
     assert "no pipeline fits the memory per device (memory: 64 bytes" in text, text[-3000:]
     need = float(text.split("the smallest that fits: ")[1].split(" bytes")[0])
     assert math.isfinite(need) and need > 64
-    succeeded(launch(tmp_path, "--memory", str(int(need) + 1), "--devices", "2"))
+    succeeded(fit(tmp_path, "--memory", str(int(need) + 1), "--devices", "2"))
     report = json.loads((tmp_path / "async-1-0" / "report.json").read_text())
     for stage in report["plan"]["stages"]:
         assert stage["activation_bytes"] > 0  # a profiled plan: the estimate is filled in
@@ -141,7 +150,7 @@ def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -
     configs = ["async:sgd", "flush:sgd"]
     for flag, folder in (((), "plain"), (("--recompute",), "recomputed")):
         argv = ["--balance", "1", "3", "--configs", *configs, "--out", str(tmp_path / folder)]
-        succeeded(launched(2, tied_script.main, [*argv, *flag], tmp_path))
+        succeeded(forked(2, tied_script.main, [*argv, *flag], tmp_path))
     for config in ("async-sgd", "flush-sgd"):
         plain = torch.load(tmp_path / "plain" / config / "weights.pt")
         recomputed = torch.load(tmp_path / "recomputed" / config / "weights.pt")
@@ -151,17 +160,14 @@ def test_recompute_with_tied_parameters_equals_the_run_without(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_the_reported_frames_are_those_the_channel_held(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_the_reported_frames_are_those_the_channel_held(tmp_path: Path) -> None:
     """Three ranks over gloo, 32 KiB activations: each rank's channel held, at its peak, the
     estimate's frames (the schedule's messages in flight per link, one receive posted per
     link) to within 5 % (measured: 3.2-4.0 %): a frame adds its 512-byte header and 512 bytes
     of room to the 32 KiB it carries, and a link's first message comes after a 512-byte
     notice of its size."""
     argv = ["--out", str(tmp_path), "--devices", "3", "--syncs", "async", "flush"]
-    succeeded(launched(3, frames_script.main, argv, tmp_path))
-    printed = capfd.readouterr()
+    printed = succeeded(forked(3, frames_script.main, argv, tmp_path))
     for sync in ("async", "flush"):
         rows = [StageMemory(**r) for r in json.loads((tmp_path / f"{sync}.json").read_text())]
         assert [r.rank for r in rows] == [0, 1, 2]
@@ -173,4 +179,4 @@ def test_the_reported_frames_are_those_the_channel_held(
             for measured, estimated in pairs:
                 assert estimated is not None and estimated > 0, (sync, row)
                 assert estimated <= measured <= 1.05 * estimated, (sync, row)
-    assert "frames" in printed.out + printed.err  # the printed table's column
+    assert "frames" in printed  # the printed table's column

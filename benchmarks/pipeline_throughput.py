@@ -123,7 +123,7 @@ from pl_pipedream.planner.plan import Plan  # noqa: E402
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus  # noqa: E402
 from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
 from pl_pipedream.runtime.memory import retain_freed_memory  # noqa: E402
-from pl_pipedream.schedule import build, simulate  # noqa: E402
+from pl_pipedream.schedule import SYNC_MODES, build, simulate  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 NUM_STAGES = 2
@@ -193,6 +193,8 @@ TORCH_AS_OURS = {"1F1B": "flush", "GPipe": "gpipe"}  # the schedule the simulato
 KINDS = (
     "FORWARD",
     "BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
     "STEP",
     "RECV_ACTIVATION",
     "RECV_GRAD",
@@ -652,7 +654,7 @@ def run_costs(results: list[Result], config: Config) -> list[dict[str, float]]:
         costs.append(
             {
                 "forward": spent["FORWARD"] / m,
-                "backward": spent["BACKWARD"] / m,
+                "backward": sum(spent[k] for k in KINDS if k.startswith("BACKWARD")) / m,
                 "step": spent["STEP"] / updates,
             }
         )
@@ -916,7 +918,18 @@ def print_overhead(args: argparse.Namespace, runs: dict[str, list[Result]]) -> N
 
 def print_profile(configs: list[Config], runs: dict[str, list[Result]]) -> None:
     print("\nour pipeline, ms per batch and rank in the steady window (median over repeats):")
-    short = ("fwd", "bwd", "step", "recv-act", "recv-grad", "send-act", "send-grad", "outside")
+    short = (
+        "fwd",
+        "bwd",
+        "bwd-in",
+        "bwd-wt",
+        "step",
+        "recv-act",
+        "recv-grad",
+        "send-act",
+        "send-grad",
+        "outside",
+    )
     print(f"  {'config':<24} rank " + " ".join(f"{s:>9}" for s in short))
     for config in configs:
         if config.owner != "ours":
@@ -941,7 +954,7 @@ def config_name(name: str) -> str:
     owners = ("single", "single-x2", "lightning-1", "ours", "torch")
     known = config is not None and config.owner in owners and config.microbatches >= 1
     if known and config.owner == "ours":
-        known = config.schedule in ("async", "vertical_sync", "2bw", "flush", "gpipe")
+        known = config.schedule in SYNC_MODES
     if known and config.owner == "torch":
         known = config.schedule in TORCH_AS_OURS and not config.unbound
     if not known:

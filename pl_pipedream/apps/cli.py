@@ -100,6 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes/s between stages in the simulation (default: the outermost level's)",
     )
+    simulate.add_argument(
+        "--weight-share",
+        type=float,
+        default=0.5,
+        help="part of a backward spent on weight gradients, for modes that split it (0..1)",
+    )
+    simulate.add_argument(
+        "--compare",
+        action="store_true",
+        help="also simulate every mode on the plan (a split mode such as zero_bubble is "
+        "always compared with the flushed modes)",
+    )
     simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
     simulate.add_argument("--no-table", action="store_true", help="omit the timeline table")
 
@@ -174,6 +186,7 @@ def _read_plan(path: str) -> Plan:
 
 def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pl_pipedream.schedule import build, render, simulate, validate
+    from pl_pipedream.schedule.compare import compare, render_comparison
 
     if args.plan:
         chosen = _read_plan(args.plan)
@@ -191,9 +204,17 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         microbatches *= math.ceil(fewest / microbatches)
     schedule = build(chosen, args.sync, args.batches, microbatches)
     validate(schedule)
-    result = simulate(schedule, bandwidth=bandwidth)
+    times = {"bandwidth": bandwidth, "weight_share": args.weight_share}
+    result = simulate(schedule, **times)
+    mode = SyncMode.parse(args.sync)
+    modes = list(SyncMode) if args.compare else [m for m in SyncMode if m.flushes]
+    rows = compare(chosen, modes, args.batches, microbatches, **times)
+    show = args.compare or mode.splits_backward
     if args.json:
-        print(json.dumps(result.to_dict()))
+        figures = result.to_dict()
+        if show:
+            figures["compare"] = [row.to_dict() for row in rows]
+        print(json.dumps(figures))
         return 0
     print(chosen.render())
     print()
@@ -201,6 +222,9 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         print(render(schedule))
         print()
     print(result.describe())
+    if show:
+        print()
+        print(render_comparison(rows))
     return 0
 
 

@@ -77,10 +77,11 @@ class Pipeline:
     function of the stage's parameters, or an optimizer over ``layers.parameters()`` with no
     state yet, which keeps only the stage's) on ``loss_fn(output, targets)``.
 
-    ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``gpipe``, ``2bw``,
-    ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``: slices per
-    batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or planned
-    automatically (``core.planning``) from ``example_input`` (one microbatch of the first
+    ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``zero_bubble`` (flush
+    with each backward split, its weight half in the bubbles: docs/zero-bubble.md), ``gpipe``,
+    ``2bw``, ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``:
+    slices per batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or
+    planned automatically (``core.planning``) from ``example_input`` (one microbatch of the first
     layer's input, profiled on rank 0) for ``topology`` (default: one level, the link between
     ranks 0 and 1 measured) within ``memory`` per rank (bytes or ``"8GiB"``); ``device``:
     this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);

@@ -46,6 +46,7 @@ from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
+from pl_pipedream.runtime.split_backward import Owed, SplitBackward
 from pl_pipedream.runtime.stage_updates import Needed, StageUpdates
 from pl_pipedream.runtime.staleness import delay_of, predict
 from pl_pipedream.runtime.stash import WeightStash
@@ -92,8 +93,9 @@ class _InFlight:
     replay: Replay | None = None  # recompute: the input to run the forward again from
 
 
-class StageExecutor:
-    """Runs the actions of one rank for one stage module."""
+class StageExecutor(SplitBackward):
+    """Runs the actions of one rank for one stage module (a split backward's two halves:
+    ``runtime.split_backward``)."""
 
     def __init__(
         self,
@@ -137,6 +139,7 @@ class StageExecutor:
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
         self._flight: dict[int, _InFlight] = {}
+        self._owed: dict[int, Owed] = {}  # weight halves to come (runtime.split_backward)
         self.updates = StageUpdates(  # the update side: sums, replica all-reduce, step
             module,
             self.stash,
@@ -220,7 +223,7 @@ class StageExecutor:
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
-        if self._flight or self._received or self._gradients or self.updates.pending:
+        if self._flight or self._owed or self._received or self._gradients or self.updates.pending:
             raise ExecutorError(
                 f"{self.describe} cannot restart its pipeline with work in flight (minibatches: "
                 f"{sorted(self._flight)}, gradients not yet applied: {self.updates.pending}); "
@@ -327,28 +330,8 @@ class StageExecutor:
     def _backward(self, action: Action) -> None:
         i = minibatch_of(action)
         flight = self._flight[i]
-        if flight.version != action.version:
-            raise ExecutorError(
-                f"{self.describe}: backward of minibatch {i} must use the forward's weights "
-                f"(forward version: {flight.version}, backward version: {action.version})"
-            )
+        roots, grads = self._seeds(action, flight)
         params = flight.params
-        if flight.replay is not None:  # recompute: the forward again, on the same weights
-            with self.precision.forward(), self.updates.capture(params):
-                again = self.activations.replay(i, flight.replay, self.module, params)
-            flight.outputs = flatten(again)[0]
-        if flight.loss is not None:
-            roots, grads = [flight.loss], [self.precision.seed(flight.loss, self.loss_scale)]
-        else:
-            message = self._gradients.pop(i)
-            self.losses.add(batch_of(action), message.losses)
-            pairs = [
-                (out, grad)
-                for out, grad in zip(flight.outputs, message.tensors, strict=True)
-                if out.requires_grad and grad.shape == out.shape
-            ]
-            roots = [p[0] for p in pairs]
-            grads = [p[1].to(p[0].device) for p in pairs]
         leaves = [p for p in params.values() if p.requires_grad]
         wanted = leaves + [t for t in flight.inputs if t.requires_grad]
         if roots and wanted:
@@ -361,14 +344,18 @@ class StageExecutor:
             [t for t in flight.inputs if t.requires_grad], found[len(leaves) :], strict=True
         ):
             tensor.grad = grad
-        if self.tied_versions is not None:  # minibatch i's tied gradient: an update of its own
-            self.tied_versions.contribute(i, self.updates.sums)
         flight.outputs = []
         flight.params = {}
         flight.loss = None
+        self._weights_done(i)
+
+    def _weights_done(self, i: int) -> None:
+        """Minibatch ``i``'s weight gradients are in the update's sums: free what it held."""
+        if self.tied_versions is not None:  # minibatch i's tied gradient: an update of its own
+            self.tied_versions.contribute(i, self.updates.sums)
         self.activations.release(i)
         if self.stage == 0:
-            self._flight.pop(i)
+            self._flight.pop(i, None)
         self.updates.release(self._needed())
 
     # ----- updates (runtime.stage_updates) ----------------------------------------------------
@@ -382,7 +369,7 @@ class StageExecutor:
     def _needed(self) -> Needed:
         """The weight versions a later action uses or a forward pass holds for its backward."""
         held = frozenset(f.version for f in self._flight.values() if f.params and not f.predicted)
-        return Needed(self._last_use, self.position, held)
+        return Needed(self._last_use, self.position, held | self._owed_versions())
 
     _handlers: dict[ActionKind, Callable[..., None]] = {
         ActionKind.RECV_ACTIVATION: _recv_activation,
@@ -391,6 +378,8 @@ class StageExecutor:
         ActionKind.SEND_GRAD: _send_grad,
         ActionKind.FORWARD: _forward,
         ActionKind.BACKWARD: _backward,
+        ActionKind.BACKWARD_INPUT: SplitBackward._backward_input,
+        ActionKind.BACKWARD_WEIGHT: SplitBackward._backward_weight,
         ActionKind.ALLREDUCE: _allreduce,
         ActionKind.STEP: _step,
     }

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pl_pipedream.runtime.channel import Link
 from pl_pipedream.runtime.tags import Tag
-from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.actions import COMPUTE, Action, ActionKind
 
 __all__ = [
     "RECEIVES",
@@ -28,7 +28,7 @@ __all__ = [
 
 # The receive actions and the tag of what each receives.
 RECEIVES = {ActionKind.RECV_ACTIVATION: Tag.ACTIVATION, ActionKind.RECV_GRAD: Tag.GRAD}
-_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+_COMPUTE = COMPUTE  # a split backward's halves use the forward's version too
 
 
 class ExecutorError(RuntimeError):

@@ -43,7 +43,7 @@ from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.update import Update
-from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.actions import WEIGHT_GRADS, Action
 from pl_pipedream.schedule.memory import frames_in_flight
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from pl_pipedream.schedule.stream import SegmentStream
@@ -201,7 +201,7 @@ class PipelineRunner:
         does not know whole, which the schedule rules out, is passed over)."""
         for rank in self._first_stage:
             for action in self._segment(rank, t):
-                if action.kind is ActionKind.BACKWARD and action.batch is not None:
+                if action.kind in WEIGHT_GRADS and action.batch is not None:
                     self._finished[action.batch] = self._finished.get(action.batch, 0) + 1
         done = [b for b, count in self._finished.items() if count == self.microbatches]
         self._take_loss(max(done, default=-1))

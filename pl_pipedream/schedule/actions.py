@@ -12,6 +12,8 @@ kind                    string       meaning
 ======================  ===========  ==================================================
 ``FORWARD``             ``sFivv``    stage s runs the forward pass of minibatch i (version v)
 ``BACKWARD``            ``sBivv``    stage s runs the backward pass of minibatch i (version v)
+``BACKWARD_INPUT``      ``sIivv``    the input-gradient half of that backward (split modes)
+``BACKWARD_WEIGHT``     ``sWivv``    its weight-gradient half, later, on the same weights
 ``SEND_ACTIVATION``     ``s>ai@r``   stage s sends minibatch i's output activation to rank r
 ``RECV_ACTIVATION``     ``s<ai@r``   stage s receives minibatch i's input activation from rank r
 ``SEND_GRAD``           ``s>gi@r``   stage s sends the gradient of its input to rank r
@@ -22,6 +24,11 @@ kind                    string       meaning
 
 So ``1F5v3`` is stage 1's forward of minibatch 5 with version 3 and ``1>a5@2`` sends that
 forward's output to rank 2.
+
+A mode that splits the backward (``SyncMode.splits_backward``) runs ``BACKWARD_INPUT`` where the
+others run ``BACKWARD``: it computes the gradient of the stage's input, which is sent upstream at
+once, and ``BACKWARD_WEIGHT`` computes the weight gradient later, into a bubble (zero-bubble
+pipeline parallelism, Qi et al., ICLR'24).
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class ActionKind(str, enum.Enum):
 
     FORWARD = "FORWARD"
     BACKWARD = "BACKWARD"
+    BACKWARD_INPUT = "BACKWARD_INPUT"
+    BACKWARD_WEIGHT = "BACKWARD_WEIGHT"
     SEND_ACTIVATION = "SEND_ACTIVATION"
     RECV_ACTIVATION = "RECV_ACTIVATION"
     SEND_GRAD = "SEND_GRAD"
@@ -62,7 +71,18 @@ class ActionKind(str, enum.Enum):
     STEP = "STEP"
 
 
-COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+# Every compute action; the ones that send a gradient upstream (the whole backward or its input
+# half); the ones that give a weight gradient to an update (the whole backward or its weight half).
+COMPUTE = frozenset(
+    {
+        ActionKind.FORWARD,
+        ActionKind.BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+    }
+)
+INPUT_GRADS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+WEIGHT_GRADS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
 SENDS = frozenset({ActionKind.SEND_ACTIVATION, ActionKind.SEND_GRAD})
 RECVS = frozenset({ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRAD})
 MESSAGES = SENDS | RECVS
@@ -70,11 +90,13 @@ UPDATES = frozenset({ActionKind.ALLREDUCE, ActionKind.STEP})
 # The kinds during which a rank works; the rest of its time is bubble, waiting for messages and
 # all-reduces included (the simulator's and the runtime's measured bubbles alike). A kind's name
 # is in it too: ActionKind is a str enum, so "FORWARD" in BUSY_KINDS holds.
-BUSY_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP})
+BUSY_KINDS = COMPUTE | {ActionKind.STEP}
 
 _SYMBOL = {
     ActionKind.FORWARD: "F",
     ActionKind.BACKWARD: "B",
+    ActionKind.BACKWARD_INPUT: "I",
+    ActionKind.BACKWARD_WEIGHT: "W",
     ActionKind.SEND_ACTIVATION: ">a",
     ActionKind.RECV_ACTIVATION: "<a",
     ActionKind.SEND_GRAD: ">g",

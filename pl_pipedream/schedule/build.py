@@ -3,7 +3,8 @@
 Minibatch ``i = t * m + j`` is microbatch ``j`` of Lightning batch ``t``. At every stage it runs on
 replica ``i mod r_s`` and its backward returns through the same replica (1F1B-RR, SOSP'19 section
 3.2); messages go between the exact replica ranks. Each forward is wrapped as receive activation,
-forward, send activation; each backward as receive gradient, backward, send gradient; an update as
+forward, send activation; each backward as receive gradient, backward, send gradient (in a mode
+that splits it, the input half is wrapped so and its weight half stands alone); an update as
 ``ALLREDUCE`` (replicated stages only) then ``STEP``, right after the last backward it needs.
 """
 
@@ -18,6 +19,8 @@ from pl_pipedream.schedule.actions import Action, ActionKind, Schedule
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["build"]
+
+_INPUT_GRAD = {"B": ActionKind.BACKWARD, "I": ActionKind.BACKWARD_INPUT}
 
 
 def build(
@@ -64,6 +67,9 @@ def replica_order(
             ours = [i for i in mine if i // microbatches == batch]
             if sync.forwards_first:
                 tokens += order.forwards_first(ours)
+            elif sync.splits_backward:
+                lag = rules.weight_lag(plan, sync, stage)
+                tokens += order.split_one_f_one_b(ours, this.warmup, lag)
             else:
                 tokens += order.one_f_one_b(ours, this.warmup)
     else:
@@ -99,11 +105,13 @@ def expand(
             if after is not None:
                 peer = rules.rank_of(after, index)
                 out.append(Action(ActionKind.SEND_ACTIVATION, peer=peer, **tagged))
+        elif kind == "W":
+            out.append(Action(ActionKind.BACKWARD_WEIGHT, version=version, **tagged))
         else:
             if after is not None:
                 peer = rules.rank_of(after, index)
                 out.append(Action(ActionKind.RECV_GRAD, peer=peer, **tagged))
-            out.append(Action(ActionKind.BACKWARD, version=version, **tagged))
+            out.append(Action(_INPUT_GRAD[kind], version=version, **tagged))
             if before is not None:
                 peer = rules.rank_of(before, index)
                 out.append(Action(ActionKind.SEND_GRAD, peer=peer, **tagged))

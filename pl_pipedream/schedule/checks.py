@@ -26,6 +26,11 @@ from pl_pipedream.schedule.actions import (
 from pl_pipedream.schedule.problem import Cell, Problem
 from pl_pipedream.schedule.progress import Progress
 from pl_pipedream.schedule.segments import segment_indices
+from pl_pipedream.schedule.split_checks import (
+    check_split_counts,
+    check_split_order,
+    check_split_versions,
+)
 from pl_pipedream.schedule.version_checks import check_versions
 
 __all__ = ["CHECKS", "Problem"]
@@ -120,8 +125,11 @@ def _check_placement(schedule: Schedule, action: Action) -> str | None:
 
 
 def check_pairs(schedule: Schedule) -> Problem | None:
-    """Each minibatch runs forward then backward once per stage, same rank, same version."""
+    """Each minibatch runs forward then backward once per stage, same rank, same version (in a
+    mode that splits the backward, the input half stands for it here; ``split_checks`` checks
+    the weight half)."""
     plan = schedule.plan
+    backward_kind = ActionKind.BACKWARD_INPUT if schedule.sync.splits_backward else _B
     seen: dict[tuple[ActionKind, int, int], list[Cell]] = defaultdict(list)
     for rank, pos, action in _actions(schedule):
         if action.kind in COMPUTE or action.kind in MESSAGES:
@@ -130,7 +138,7 @@ def check_pairs(schedule: Schedule) -> Problem | None:
         if not all(schedule.holds(rank) for rank in stage.ranks):
             continue
         for i in range(schedule.num_minibatches):
-            forwards, backwards = seen[(_F, stage.index, i)], seen[(_B, stage.index, i)]
+            forwards, backwards = seen[(_F, stage.index, i)], seen[(backward_kind, stage.index, i)]
             if len(forwards) != 1 or len(backwards) != 1:
                 return Problem(
                     f"every minibatch has one forward and one backward at every stage (stage "
@@ -269,4 +277,14 @@ def check_segments(schedule: Schedule) -> Problem | None:
     return None
 
 
-CHECKS = (check_shape, check_messages, check_pairs, check_versions, check_deadlock, check_segments)
+CHECKS = (
+    check_shape,
+    check_messages,
+    check_split_counts,
+    check_pairs,
+    check_split_order,
+    check_split_versions,
+    check_versions,
+    check_deadlock,
+    check_segments,
+)

@@ -3,7 +3,7 @@
 A replica holds weight version ``v`` from the ``STEP`` that produces it (version 0 from the start)
 while ``v`` is its newest version or some later forward or backward still needs it (weight
 stashing, SOSP'19 section 3.3). An activation is in flight from a minibatch's forward until its
-backward.
+backward (its weight half, in a split backward: that half still reads the graph).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pl_pipedream.schedule.actions import COMPUTE, Action, ActionKind
+from pl_pipedream.schedule.actions import COMPUTE, WEIGHT_GRADS, Action, ActionKind
 
 __all__ = ["in_flight_counts", "live_version_counts"]
 
@@ -49,7 +49,7 @@ def in_flight_counts(actions: Sequence[Action]) -> list[int]:
     for action in actions:
         if action.kind is ActionKind.FORWARD:
             running += 1
-        elif action.kind is ActionKind.BACKWARD:
+        elif action.kind in WEIGHT_GRADS:
             running -= 1
         counts.append(running)
     return counts

@@ -13,7 +13,8 @@ and the docs read. The counts are those of the built schedule once the pipeline 
   on the input stage's version (with replicas at most ``rules.stash_limit``, fewer where some
   versions are used by no minibatch of this replica).
 - minibatches in flight (forwarded, not yet backpropagated): ``w_s + 1`` in the modes that do not
-  flush; in ``flush`` at most the batch's share of a replica; in ``gpipe`` the whole share.
+  flush; in ``flush`` at most the batch's share of a replica; in ``gpipe`` the whole share; in
+  ``zero_bubble`` a minibatch holds them until its weight half, ``rules.weight_lag`` more.
 - messages in flight per link (``frames_in_flight``): sent and not yet received, the most the
   built schedule allows (``schedule.in_flight``); a rank's channel holds that many sent frames
   per link, and one receive frame per link it receives on (posted ahead).
@@ -87,7 +88,7 @@ def minibatches_in_flight(plan: Plan, sync: SyncMode, microbatches: int, stage: 
     if sync.forwards_first:
         return share
     if sync.flushes:
-        return min(share, this.warmup + 1)
+        return min(share, this.warmup + 1 + rules.weight_lag(plan, sync, stage))
     return this.warmup + 1
 
 

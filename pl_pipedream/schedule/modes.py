@@ -25,6 +25,7 @@ class SyncMode(str, enum.Enum):
     TWO_BW = "2bw"  # double-buffered weights, one update per batch (PipeDream-2BW)
     FLUSH = "flush"  # 1F1B, flushed after every batch (PipeDream-Flush)
     GPIPE = "gpipe"  # every forward, then every backward, flushed after every batch
+    ZERO_BUBBLE = "zero_bubble"  # flush with split backwards, W steps in the bubbles (ZB-H1)
 
     def __str__(self) -> str:
         return self.value
@@ -51,7 +52,14 @@ class SyncMode(str, enum.Enum):
     @property
     def flushes(self) -> bool:
         """The pipeline drains after every batch, so each batch starts on the newest weights."""
-        return self in (SyncMode.FLUSH, SyncMode.GPIPE)
+        return self in (SyncMode.FLUSH, SyncMode.GPIPE, SyncMode.ZERO_BUBBLE)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Each backward runs as an input-gradient step, sent upstream at once, and a later
+        weight-gradient step on the same weights (``ActionKind.BACKWARD_INPUT`` and
+        ``BACKWARD_WEIGHT``); otherwise as one ``BACKWARD``."""
+        return self is SyncMode.ZERO_BUBBLE
 
     @property
     def stale_weights(self) -> bool:
@@ -109,5 +117,6 @@ def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateS
     return UpdateSettings(
         update_size=1 if exact else microbatches,
         loss_scale=1.0 / microbatches if exact else 1.0,
-        sum_linear_gradients=microbatches > replicas,  # backward passes per update
+        # backward passes per update; a split backward's input half would add them already
+        sum_linear_gradients=microbatches > replicas and not mode.splits_backward,
     )

@@ -4,7 +4,8 @@ Busy time is the time spent in actions of ``BUSY_KINDS`` (forward, backward, opt
 rank's bubble is the part of a window it is not busy (waiting for messages and all-reduces counts
 as bubble). ``bubble_fraction`` is that share, for the simulator and the runtime's timeline alike.
 
-Steady state. Let ``C(t)`` be the time the input stage finishes the last backward of batch ``t``:
+Steady state. Let ``C(t)`` be the time the input stage finishes the last backward (or weight half)
+of batch ``t``:
 then every minibatch of batch ``t`` has left the pipeline. With ``T`` batches the steady window
 runs from ``C(t1)`` to ``C(t2)``, ``t1 = T // 4`` and ``t2 = T - 1 - T // 4``: it skips the first
 and last quarter of the batches, which hold the warm-up (pipeline fill) and the drain, and spans
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pl_pipedream.schedule.actions import BUSY_KINDS, ActionKind, Schedule
+from pl_pipedream.schedule.actions import BUSY_KINDS, WEIGHT_GRADS, Schedule
 from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -127,7 +128,7 @@ def steady_window(
     done = [0.0] * num_batches
     for rank in schedule.plan.stages[0].ranks:
         for action, (_, end) in zip(schedule.actions[rank], spans[rank], strict=True):
-            if action.kind is ActionKind.BACKWARD and action.batch is not None:
+            if action.kind in WEIGHT_GRADS and action.batch is not None:
                 done[action.batch] = max(done[action.batch], end)
     return done[first], done[last], (last - first) * m
 

@@ -11,7 +11,9 @@ replica's local minibatch ``n = i // r_s`` (1F1B-RR, SOSP'19 section 3.2).
   stage's version does, ``c(i) = r_0 max(0, i // r_0 - w_0)``, i.e. version ``c(i) // r_s``; the
   updates are those of ``async``.
 - ``2bw`` (PipeDream-2BW): batch ``t`` uses version ``max(0, t - 1)``; one update per batch.
-- ``flush`` and ``gpipe``: batch ``t`` uses version ``t``; one update per batch.
+- ``flush``, ``gpipe`` and ``zero_bubble``: batch ``t`` uses version ``t``; one update per batch.
+  ``zero_bubble`` runs each backward as an input half and, ``weight_lag`` minibatches later, a
+  weight half on the same weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "stash_limit",
     "update_delay",
     "update_of",
+    "weight_lag",
     "weight_version",
 ]
 
@@ -54,6 +57,15 @@ def weight_version(
     if sync is SyncMode.TWO_BW:
         return max(0, batch - 1)
     return batch
+
+
+def weight_lag(plan: Plan, sync: SyncMode, stage: int) -> int:
+    """How many weight halves a replica of ``stage`` holds back behind its input halves, so that
+    they fill the drain's bubble (ZB-H1): ``w_0 - w_s``, which keeps a stage's activations in
+    flight at the input stage's 1F1B peak, ``w_0 + 1``. Zero in a mode that does not split."""
+    if not sync.splits_backward:
+        return 0
+    return max(0, plan.stages[0].warmup - plan.stages[stage].warmup)
 
 
 def update_delay(plan: Plan, sync: SyncMode, stage: int) -> int:

@@ -3,12 +3,14 @@
 Each rank runs its list in order. A forward or backward takes its stage's time; a send costs the
 sender nothing and delivers after ``bytes / bandwidth`` on its directed link, one transfer after
 another; a receive waits for delivery; an ``ALLREDUCE`` starts when the last replica arrives and
-ends for all together; a ``STEP`` takes ``step_ms``. Activations from stage s to s + 1 and the
-gradients back have ``Stage.output_bytes`` of stage s.
+ends for all together; a ``STEP`` takes ``step_ms``. A split backward's weight half takes
+``weight_share`` of its stage's backward time and the input half the rest. Activations from stage
+s to s + 1 and the gradients back have ``Stage.output_bytes`` of stage s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,12 +33,17 @@ class Costs:
     transfer_ms: tuple[float, ...]
     allreduce_ms: tuple[float, ...]
     step_ms: float
+    weight_share: float = 0.5
 
     def of(self, action: Action) -> float:
         if action.kind is ActionKind.FORWARD:
             return self.forward_ms[action.stage]
         if action.kind is ActionKind.BACKWARD:
             return self.backward_ms[action.stage]
+        if action.kind is ActionKind.BACKWARD_INPUT:
+            return self.backward_ms[action.stage] * (1.0 - self.weight_share)
+        if action.kind is ActionKind.BACKWARD_WEIGHT:
+            return self.backward_ms[action.stage] * self.weight_share
         if action.kind is ActionKind.ALLREDUCE:
             return self.allreduce_ms[action.stage]
         if action.kind is ActionKind.STEP:
@@ -57,14 +64,23 @@ def simulate(
     bandwidth: float | None = None,
     allreduce_ms: float | Sequence[float] | None = None,
     step_ms: float = 0.0,
+    weight_share: float = 0.5,
 ) -> SimulationResult:
     """Simulate ``schedule``; per-stage times default to the plan's ``forward_ms``/``backward_ms``.
 
     ``bandwidth`` is in bytes/s (None: messages are free). ``allreduce_ms`` is one number, one per
     stage, or None for a ring all-reduce of the stage's ``parameter_bytes`` at ``bandwidth``.
+    ``weight_share`` is the part of a backward that computes weight gradients (0..1): a split
+    backward's weight half takes that share of the stage's backward time, the input half the rest.
     Raises ``ScheduleError`` if the schedule deadlocks.
     """
+    if not 0.0 <= weight_share <= 1.0:
+        raise ValueError(
+            f"weight_share is the part of a backward spent on weight gradients, from 0 to 1 "
+            f"(weight_share: {weight_share}); for example 0.5"
+        )
     costs = stage_costs(schedule, forward_ms, backward_ms, bandwidth, allreduce_ms, step_ms)
+    costs = dataclasses.replace(costs, weight_share=weight_share)
     return summarize(schedule, run(schedule, costs))
 
 

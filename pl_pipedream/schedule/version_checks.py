@@ -1,7 +1,8 @@
 """The version rules a schedule must keep: the mode's versions, updates in order, the stash.
 
 Every forward and backward uses the version ``rules.weight_version`` gives; updates come as
-1, 2, ... on each rank, each replicated one right after its ``ALLREDUCE``; a backward lands after
+1, 2, ... on each rank, each replicated one right after its ``ALLREDUCE``; a backward (the weight
+half of a split one) lands after
 the step before its update and before its update; a version is used only after the ``STEP`` that
 produces it; the drain applies every update; and a replica never holds more versions than the
 mode stashes (``rules.stash_limit``).
@@ -10,13 +11,11 @@ mode stashes (``rules.stash_limit``).
 from __future__ import annotations
 
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.actions import COMPUTE, Action, ActionKind, Schedule
+from pl_pipedream.schedule.actions import COMPUTE, WEIGHT_GRADS, Action, ActionKind, Schedule
 from pl_pipedream.schedule.footprint import live_version_counts
 from pl_pipedream.schedule.problem import Problem
 
 __all__ = ["check_versions"]
-
-_B = ActionKind.BACKWARD
 
 
 def check_versions(schedule: Schedule) -> Problem | None:
@@ -53,7 +52,7 @@ def _check_rank_versions(
                     here,
                 )
             update = rules.update_of(plan, sync, m, stage.index, i)  # type: ignore[arg-type]
-            if action.kind is _B and not steps == update - 1 >= reduced:
+            if action.kind in WEIGHT_GRADS and not steps == update - 1 >= reduced:
                 return Problem(
                     f"a backward lands between the step before its update and its update "
                     f"(action {action}: update {update}, steps applied {steps}); "

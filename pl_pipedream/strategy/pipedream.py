@@ -57,8 +57,8 @@ class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
-        sync: ``"async"`` (weight stashing), ``"vertical_sync"``, ``"2bw"``, ``"flush"`` or
-            ``"gpipe"`` (``schedule.modes.SyncMode``); the update rules are in DESIGN.md.
+        sync: ``"async"`` (weight stashing), ``"vertical_sync"``, ``"2bw"``, ``"flush"``,
+            ``"gpipe"`` or ``"zero_bubble"`` (``SyncMode``); the update rules are in DESIGN.md.
         microbatches: each Lightning batch is split along dim 0 into this many equal slices.
         balance: layers per stage of a straight pipeline (``len(balance)`` stages).
         plan: a ``Plan`` (replicated stages) over the pipeline indices "0", "1", ... With neither

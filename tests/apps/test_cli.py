@@ -90,6 +90,22 @@ def test_simulate_a_plan_file_with_each_mode(tmp_path, capsys) -> None:
         assert data["num_minibatches"] == (6 if sync == "2bw" else 2)
 
 
+def test_simulate_zero_bubble_compares_the_flushed_modes(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(Plan.from_balance([1, 1, 1]).to_json())
+    base = ["simulate", "--plan", str(path), "--microbatches", "4", "--batches", "2"]
+    assert main([*base, "--sync", "zero_bubble", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "\nzero_bubble " in out and "\nflush " in out and "\ngpipe " in out
+    assert "async " not in out.split("mode            ms/minibatch")[1]
+    assert main([*base, "--sync", "flush", "--json"]) == 0
+    assert "compare" not in json.loads(capsys.readouterr().out)
+    assert main([*base, "--sync", "flush", "--compare", "--json", "--weight-share", "0.3"]) == 0
+    rows = json.loads(capsys.readouterr().out)["compare"]
+    assert [row["sync"] for row in rows] == list(SYNC_MODES)
+    assert all(row["result"]["num_minibatches"] == 8 for row in rows if row["result"])
+
+
 def test_simulate_validates_every_rank(tmp_path, capsys, monkeypatch) -> None:
     """A schedule whose last rank lost a receive: the full validation names it, no figures."""
     import pl_pipedream.schedule as schedule_package

@@ -134,6 +134,23 @@ def test_flush_equals_one_device(balance: list[int]) -> None:
             assert torch.equal(value["restored"]["model"][name], tensor), (rank, name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
+def test_zero_bubble_equals_one_device(balance: list[int]) -> None:
+    """The split backward (input half sent at once, weight half later on the forward's
+    weights) trains exactly as one device does, as flush does."""
+    results = run(len(balance), _train, "zero_bubble", balance, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    assert merged.keys() == weights.keys()
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    _check_forward_only(results, weights)
+    for rank, (_, value) in results.items():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6), rank
+        assert value["state"]["steps"] == STEPS
+
+
 def _train_planned(rank: int, world: int) -> dict:
     inputs = make_batches()[0][0]
     example = inputs[: len(inputs) // M]  # one microbatch of the first layer's input
@@ -238,14 +255,29 @@ def tied_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator))] * 3
 
 
-def _train_layout(rank: int, world: int, kind: str) -> tuple[list[float], dict]:
+def _train_layout(
+    rank: int, world: int, kind: str, sync: str = "flush"
+) -> tuple[list[float], dict]:
     if kind == "replicated":
         plan = Plan.from_balance([3, 3], replicas=[2, 1])
-        pipeline = Pipeline(make_model(), nn.functional.mse_loss, sgd, microbatches=M, plan=plan)
+        pipeline = Pipeline(
+            make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M, plan=plan
+        )
+        batches = make_batches()
+    elif kind == "recompute":
+        pipeline = Pipeline(
+            make_model(),
+            nn.functional.mse_loss,
+            sgd,
+            sync=sync,
+            microbatches=M,
+            balance=[3, 3],
+            recompute=True,
+        )
         batches = make_batches()
     else:
         pipeline = Pipeline(
-            tied_model(), nn.functional.mse_loss, sgd, microbatches=M, balance=[2, 3]
+            tied_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M, balance=[2, 3]
         )
         batches = tied_batches()
     losses = [pipeline.train_step(batch).item() for batch in batches]
@@ -257,11 +289,23 @@ def _train_layout(rank: int, world: int, kind: str) -> tuple[list[float], dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["replicated", "tied"])
 def test_flush_with_a_replicated_stage_or_a_tie_equals_one_device(kind: str) -> None:
-    results = run(3 if kind == "replicated" else 2, _train_layout, kind, timeout=120.0)
-    if kind == "replicated":
-        losses, weights = one_device(make_batches())
-    else:
+    _check_layout(kind, "flush")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["replicated", "tied", "recompute"])
+def test_zero_bubble_with_a_replicated_stage_a_tie_or_recompute_equals_one_device(
+    kind: str,
+) -> None:
+    _check_layout(kind, "zero_bubble")
+
+
+def _check_layout(kind: str, sync: str) -> None:
+    results = run(3 if kind == "replicated" else 2, _train_layout, kind, sync, timeout=120.0)
+    if kind == "tied":
         losses, weights = one_device(tied_batches(), tied_model())
+    else:
+        losses, weights = one_device(make_batches())
     merged: dict[str, torch.Tensor] = {}
     for rank, (status, value) in results.items():
         assert status == "ok", value

@@ -33,6 +33,8 @@ def test_an_event_kind_counts_as_busy_as_its_action_kind_does() -> None:
     assert {kind.value for kind in ActionKind if kind.value in BUSY_KINDS} == {
         "FORWARD",
         "BACKWARD",
+        "BACKWARD_INPUT",
+        "BACKWARD_WEIGHT",
         "STEP",
     }
 

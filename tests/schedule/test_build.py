@@ -62,7 +62,7 @@ def oracle_version(plan: Plan, sync: str, m: int, stage: int, i: int) -> int:
     p, t = plan.num_stages, i // m
     if sync == "2bw":
         return max(0, t - 1)
-    if sync in ("flush", "gpipe"):
+    if sync in ("flush", "gpipe", "zero_bubble"):
         return t
     if plan.straight:
         return max(0, i - (p - 1 - stage)) if sync == "async" else max(0, i - (p - 1))
@@ -94,11 +94,11 @@ def test_versions_and_updates_follow_the_rules(plan: Plan) -> None:
                 if action.kind is K.STEP:
                     steps += 1
                     assert action.version == steps
-                elif action.kind in (K.FORWARD, K.BACKWARD):
+                elif action.kind in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
                     i, s = action.minibatch, action.stage
                     assert action.version == oracle_version(plan, sync, m, s, i), (sync, action)
                     assert action.version <= steps
-                    if action.kind is K.BACKWARD:  # its gradient goes into the next step
+                    if action.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):  # into the next step
                         assert oracle_update(plan, sync, m, s, i) == steps + 1
             stage = plan.stages[actions[0].stage]
             per_minibatch = sync in ("async", "vertical_sync")

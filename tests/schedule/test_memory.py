@@ -76,6 +76,7 @@ def test_a_straight_pipeline_per_mode() -> None:
         SyncMode.TWO_BW: [2, 2, 2],
         SyncMode.FLUSH: [1, 1, 1],
         SyncMode.GPIPE: [1, 1, 1],
+        SyncMode.ZERO_BUBBLE: [1, 1, 1],
     }
     flight = {
         mode: [minibatches_in_flight(plan, mode, 2, s) for s in range(3)] for mode in SyncMode
@@ -83,6 +84,7 @@ def test_a_straight_pipeline_per_mode() -> None:
     assert flight[SyncMode.VERTICAL_SYNC] == [3, 2, 1]
     assert flight[SyncMode.FLUSH] == [2, 2, 1]
     assert flight[SyncMode.GPIPE] == [2, 2, 2]
+    assert flight[SyncMode.ZERO_BUBBLE] == [2, 2, 2]  # held to the weight half: 1F1B's peak
 
 
 def test_the_bytes_are_weights_times_versions_plus_activations_in_flight() -> None:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
 
 def test_names_and_order() -> None:
-    assert SYNC_MODES == ("async", "vertical_sync", "2bw", "flush", "gpipe")
+    assert SYNC_MODES == ("async", "vertical_sync", "2bw", "flush", "gpipe", "zero_bubble")
     assert tuple(SyncMode) == tuple(SyncMode(name) for name in SYNC_MODES)
     assert SyncMode.ASYNC == "async"
     assert str(SyncMode.TWO_BW) == "2bw" and f"{SyncMode.FLUSH}" == "flush"
@@ -29,6 +29,7 @@ def test_names_and_order() -> None:
         (SyncMode.TWO_BW, False, False, False),
         (SyncMode.FLUSH, False, True, False),
         (SyncMode.GPIPE, False, True, True),
+        (SyncMode.ZERO_BUBBLE, False, True, False),
     ],
 )
 def test_properties(
@@ -64,9 +65,10 @@ def old_update_settings(sync: str, m: int, replicas: int) -> tuple[int, float, b
     """The formulas as they stood before ``update_settings``, restated by hand."""
     if sync in ("async", "vertical_sync"):
         return replicas, 1.0, False
+    summed = m > replicas and sync != "zero_bubble"  # its input half would add them already
     if m & (m - 1) == 0:  # a power of two: dividing the loss seed is exact
-        return 1, 1.0 / m, m > replicas
-    return m, 1.0, m > replicas
+        return 1, 1.0 / m, summed
+    return m, 1.0, summed
 
 
 @pytest.mark.parametrize("sync", SYNC_MODES)

@@ -35,3 +35,20 @@ def test_updates_follow_the_last_backward_they_need() -> None:
         ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("U", 1),
         ("F", 3), ("B", 2), ("B", 3), ("U", 2),
     ]  # fmt: skip
+
+
+def test_split_one_f_one_b_holds_back_lag_weight_halves() -> None:
+    assert order.split_one_f_one_b([0, 1, 2, 3], 1, 0) == [
+        ("F", 0), ("F", 1), ("I", 0), ("W", 0), ("F", 2), ("I", 1), ("W", 1),
+        ("F", 3), ("I", 2), ("W", 2), ("I", 3), ("W", 3),
+    ]  # fmt: skip
+    assert order.split_one_f_one_b([0, 1, 2], 0, 2) == [
+        ("F", 0), ("I", 0), ("F", 1), ("I", 1), ("F", 2), ("I", 2), ("W", 0), ("W", 1), ("W", 2),
+    ]  # fmt: skip
+    tokens = order.split_one_f_one_b([4, 5], 1, 1)
+    assert sorted(tokens) == sorted([(k, i) for k in "FIW" for i in (4, 5)])
+
+
+def test_updates_follow_the_last_weight_half() -> None:
+    tokens = order.split_one_f_one_b([0, 1], 0, 1)
+    assert order.with_updates(tokens, lambda i: 1)[-2:] == [("W", 1), ("U", 1)]

@@ -13,8 +13,8 @@ K = ActionKind
 
 
 def test_busy_kinds_are_compute_and_steps() -> None:
-    assert BUSY_KINDS == {K.FORWARD, K.BACKWARD, K.STEP}
-    assert {"FORWARD", "BACKWARD", "STEP"} <= BUSY_KINDS  # kind names match too
+    assert BUSY_KINDS == {K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.STEP}
+    assert {"FORWARD", "BACKWARD", "BACKWARD_WEIGHT", "STEP"} <= BUSY_KINDS  # kind names match too
     assert not {"SEND_ACTIVATION", "RECV_GRAD", "ALLREDUCE"} & BUSY_KINDS
 
 

@@ -76,7 +76,17 @@ def test_stash_limits() -> None:
         SyncMode.TWO_BW: [2, 2, 2, 2],
         SyncMode.FLUSH: [1, 1, 1, 1],
         SyncMode.GPIPE: [1, 1, 1, 1],
+        SyncMode.ZERO_BUBBLE: [1, 1, 1, 1],
     }
+
+
+def test_weight_lag_keeps_the_input_stages_peak() -> None:
+    """zero_bubble holds back w_0 - w_s weight halves; the other modes split nothing."""
+    plan = Plan.from_balance([1] * 4)
+    assert [rules.weight_lag(plan, SyncMode.ZERO_BUBBLE, s) for s in range(4)] == [0, 1, 2, 3]
+    for mode in SyncMode:
+        if mode is not SyncMode.ZERO_BUBBLE:
+            assert {rules.weight_lag(plan, mode, s) for s in range(4)} == {0}
 
 
 def test_updates_per_mode() -> None:

@@ -24,6 +24,48 @@ def test_flushed_bubble_is_p_minus_1_over_m_plus_p_minus_1(sync: str, p: int, m:
         assert bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
 
 
+# Closed forms of the idle time per rank and flushed batch, with F and B a stage's forward and
+# whole backward and W the weight-gradient share of B (I = B - W the input half): 1F1B idles
+# (p - 1)(F + B); ZB-H1 moves the W steps into the drain and idles (p - 1)(F + B - 2W) once
+# m >= p and W <= min(F, I) (Qi et al., ICLR'24, section 3), with the same peak activations.
+TIMES = [(1.0, 2.0, 0.5), (1.0, 2.0, 0.25), (1.0, 1.0, 0.5), (2.0, 3.0, 1.0 / 3.0), (1.5, 4.0, 0.3)]
+
+
+def idle(result) -> list[float]:  # type: ignore[no-untyped-def]
+    return [b * result.total_ms for b in result.bubble]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [4, 6, 8, 16])
+@pytest.mark.parametrize(("forward", "backward", "share"), TIMES)
+def test_the_bubbles_match_the_closed_forms(
+    p: int, m: int, forward: float, backward: float, share: float
+) -> None:
+    plan, weight = Plan.from_balance([1] * p), backward * share
+    assert weight <= min(forward, backward - weight)
+    times = {"forward_ms": [forward] * p, "backward_ms": [backward] * p, "weight_share": share}
+    for batches in (1, 3):
+        flush = simulate(build(plan, "flush", batches, m), **times)
+        zero = simulate(build(plan, "zero_bubble", batches, m), **times)
+        busy = batches * m * (forward + backward)
+        one_f_one_b = batches * (p - 1) * (forward + backward)
+        zb_h1 = batches * (p - 1) * (forward + backward - 2 * weight)
+        assert flush.total_ms == pytest.approx(busy + one_f_one_b, abs=1e-9)
+        assert zero.total_ms == pytest.approx(busy + zb_h1, abs=1e-9)
+        assert idle(flush) == pytest.approx([one_f_one_b] * p, abs=1e-9)
+        assert idle(zero) == pytest.approx([zb_h1] * p, abs=1e-9)
+        assert max(zero.peak_in_flight) == max(flush.peak_in_flight) == p
+
+
+def test_the_weight_share_splits_the_backward_and_is_checked() -> None:
+    plan = Plan.from_balance([1, 1])
+    whole = simulate(build(plan, "zero_bubble", 1, 4), forward_ms=[1.0] * 2, backward_ms=[2.0] * 2)
+    assert whole.total_ms == pytest.approx(4 * 3.0 + 1.0)  # default share 0.5: W = 1
+    for share in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"\(weight_share: {share}\); for example 0.5"):
+            simulate(build(plan, "zero_bubble", 1, 4), weight_share=share)
+
+
 @pytest.mark.parametrize("sync", ["async", "vertical_sync", "2bw"])
 def test_async_steady_state_has_no_bubble(sync: str) -> None:
     result = simulate(build(Plan.from_balance([1] * 4), sync, 40, 4), **balanced(4))

@@ -1,0 +1,94 @@
+"""A split backward on one stage, in one process: the input half gives the received tensors the
+gradient a whole backward gives them, at once; the weight half later adds the weight gradients a
+whole backward adds; a weight half without its input half is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
+from pl_pipedream.runtime.frames import Message
+from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.modes import SyncMode, update_settings
+
+K = ActionKind
+M = 2
+
+
+def make_stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 3, generator=generator) for _ in range(M)]
+    ys = [torch.randn(5, 2, generator=generator) for _ in range(M)]
+    return xs, ys
+
+
+def last_stage(module: nn.Module) -> StageExecutor:
+    """Stage 1 of 2 (it receives activations that require grad and computes the loss)."""
+    settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1)
+    return StageExecutor(module, 1, 1, 2, Channel(1, torch.device("cpu"), timeout=5.0), settings)
+
+
+def action(kind: ActionKind, i: int | None, version: int) -> Action:
+    batch = None if i is None else i // M
+    return Action(kind, rank=1, stage=1, replica=0, minibatch=i, batch=batch, version=version)
+
+
+def test_the_halves_give_what_a_whole_backward_gives() -> None:
+    xs, ys = data()
+    reference = make_stage()
+    expected_inputs = []
+    for x, y in zip(xs, ys, strict=True):
+        given = x.clone().requires_grad_()
+        (nn.functional.mse_loss(reference(given), y) / M).backward()
+        expected_inputs.append(given.grad)
+
+    module = make_stage()
+    executor = last_stage(module)
+    received = [x.clone().requires_grad_() for x in xs]
+    for i, tensor in enumerate(received):
+        executor._received[i] = Message([tensor])
+    applied: dict[str, torch.Tensor] = {}
+
+    def update(gradients: dict[str, torch.Tensor], storage: dict) -> int:
+        applied.update({k: v.clone() for k, v in gradients.items()})
+        return 0
+
+    feed = Feed(lambda i: None, lambda out, i: nn.functional.mse_loss(out, ys[i]))
+    first = [action(K.FORWARD, 0, 0), action(K.FORWARD, 1, 0), action(K.BACKWARD_INPUT, 0, 0)]
+    executor.execute(first, feed, update, flush=False)
+    assert torch.allclose(received[0].grad, expected_inputs[0], rtol=0, atol=1e-7)
+    assert received[1].grad is None and not applied
+    rest = [
+        action(K.BACKWARD_INPUT, 1, 0),
+        action(K.BACKWARD_WEIGHT, 0, 0),
+        action(K.BACKWARD_WEIGHT, 1, 0),
+        action(K.STEP, None, 1),
+    ]
+    executor.execute(rest, feed, update)
+    assert torch.allclose(received[1].grad, expected_inputs[1], rtol=0, atol=1e-7)
+    assert applied.keys() == dict(reference.named_parameters()).keys()
+    for name, param in reference.named_parameters():
+        assert torch.allclose(applied[name], param.grad, rtol=0, atol=1e-7), name
+    # nothing owed; the flights wait only for their SEND_GRAD (left out here), weights released
+    assert not executor._owed and all(not f.params for f in executor._flight.values())
+
+
+def test_a_weight_half_before_its_input_half_is_refused() -> None:
+    xs, ys = data()
+    executor = last_stage(make_stage())
+    executor._received[0] = Message([xs[0].clone().requires_grad_()])
+    feed = Feed(lambda i: None, lambda out, i: nn.functional.mse_loss(out, ys[i]))
+    with pytest.raises(
+        ExecutorError,
+        match=r"the weight half of minibatch 0 follows its input half on the forward's weights "
+        r"\(input half run: False",
+    ):
+        executor.execute([action(K.FORWARD, 0, 0), action(K.BACKWARD_WEIGHT, 0, 0)], feed)

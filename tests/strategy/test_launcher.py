@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,16 +51,12 @@ RUNS = {  # failing_script.py's arguments per run
     "killed replica": (*KILL_2_AT_2, "--devices", "3", *SLOW_START),
 }
 HANG = "hang"
-# runs whose check has a deadline of seconds (rank 0 ends, rank 1 fails 2 s later, 10 s allowed):
-# not beside the hang's training on a 2-core machine
-ALONE = ("after-fit",)
 
 
 class Runs:
-    """``failing_script.py`` run as a user runs it, once per ``RUNS`` entry. The hang's run
-    spends its last 20 s waiting for the hung rank: it starts before the killed-rank runs, and
-    once its ranks have joined they go on meanwhile (one at a time), so that its wait overlaps
-    them; the runs in ``ALONE`` run before it."""
+    """``failing_script.py`` run as a user runs it, once per ``RUNS`` entry, each alone: these
+    checks hold deadlines of seconds (a rank failing 2 s after rank 0 ended, a peer's death
+    noticed), which runs sharing 2 cores with another run's training missed."""
 
     def __init__(self, factory: pytest.TempPathFactory) -> None:
         self.factory = factory
@@ -82,11 +77,6 @@ class Runs:
                 start_new_session=True,  # one process group: ``close`` ends every rank
             )
         self.procs[name] = (proc, folder)
-        if name == HANG:  # its ranks start before any other run adds to the load
-            deadline = time.monotonic() + 240
-            while "processes joined" not in (folder / "stderr").read_text(errors="replace"):
-                assert proc.poll() is None and time.monotonic() < deadline, self.text(name)
-                time.sleep(0.2)
 
     def text(self, name: str) -> str:
         return (self.procs[name][1] / "stderr").read_text(errors="replace")[-3000:]
@@ -94,8 +84,6 @@ class Runs:
     def result(self, name: str) -> subprocess.CompletedProcess[str]:
         """The run ``name`` to its end (started now if it was not)."""
         if name not in self.results:
-            if name not in ALONE:
-                self.start(HANG)
             self.start(name)
             proc, folder = self.procs[name]
             proc.wait(timeout=240)

@@ -78,7 +78,13 @@ def one_device(precision: str) -> tuple[list[float], dict]:
 @pytest.mark.parametrize("world", [1, 2], ids=["one rank", "two ranks sharing the GPU"])
 @pytest.mark.parametrize(
     ("precision", "sync"),
-    [("32-true", "flush"), ("bf16-mixed", "flush"), ("16-mixed", "flush"), ("16-mixed", "gpipe")],
+    [
+        ("32-true", "flush"),
+        ("bf16-mixed", "flush"),
+        ("16-mixed", "flush"),
+        ("16-mixed", "gpipe"),
+        ("16-mixed", "zero_bubble"),
+    ],
 )
 def test_the_flushed_pipeline_equals_one_gpu(precision: str, sync: str, world: int) -> None:
     losses, weights = one_device(precision)  # first: CUDA is up here, so the ranks are spawned

@@ -40,11 +40,14 @@ def _seen(schedule: Schedule) -> dict[Key, list[Cell]]:
     return seen
 
 
-def _whole_stages(schedule: Schedule) -> Iterator[int]:
-    """The stages whose every replica's list is held (module ``scope``)."""
+def _minibatches(schedule: Schedule) -> Iterator[tuple[int, int, dict[ActionKind, list[Cell]]]]:
+    """Each minibatch of each stage whose every replica's list is held (module ``scope``), with
+    where each compute kind of it ran."""
+    seen = _seen(schedule)
     for stage in schedule.plan.stages:
         if all(schedule.holds(rank) for rank in stage.ranks):
-            yield stage.index
+            for i in range(schedule.num_minibatches):
+                yield stage.index, i, {kind: seen[(kind, stage.index, i)] for kind in (_F, _I, _W)}
 
 
 def check_split_counts(schedule: Schedule) -> Problem | None:
@@ -61,17 +64,15 @@ def check_split_counts(schedule: Schedule) -> Problem | None:
             )
     if not split:
         return None
-    seen = _seen(schedule)
-    for stage in _whole_stages(schedule):
-        for i in range(schedule.num_minibatches):
-            inputs, weights = seen[(_I, stage, i)], seen[(_W, stage, i)]
-            if len(inputs) != 1 or len(weights) != 1:
-                return Problem(
-                    f"a split backward runs one input half and one weight half per minibatch and "
-                    f"stage (stage {stage}, minibatch {i}: input halves {len(inputs)}, weight "
-                    f"halves {len(weights)}); give every minibatch both halves once",
-                    tuple(inputs + weights),
-                )
+    for stage, i, cells in _minibatches(schedule):
+        inputs, weights = cells[_I], cells[_W]
+        if len(inputs) != 1 or len(weights) != 1:
+            return Problem(
+                f"a split backward runs one input half and one weight half per minibatch and "
+                f"stage (stage {stage}, minibatch {i}: input halves {len(inputs)}, weight "
+                f"halves {len(weights)}); give every minibatch both halves once",
+                tuple(inputs + weights),
+            )
     return None
 
 
@@ -79,20 +80,18 @@ def check_split_order(schedule: Schedule) -> Problem | None:
     """The weight half of a minibatch runs after its input half, on the same rank."""
     if not schedule.sync.splits_backward:
         return None
-    seen = _seen(schedule)
-    for stage in _whole_stages(schedule):
-        for i in range(schedule.num_minibatches):
-            inputs, weights = seen[(_I, stage, i)], seen[(_W, stage, i)]
-            if len(inputs) != 1 or len(weights) != 1:
-                continue  # check_split_counts names it
-            (i_rank, i_pos), (w_rank, w_pos) = inputs[0], weights[0]
-            if i_rank != w_rank or w_pos < i_pos:
-                return Problem(
-                    f"a weight half runs after its input half on the same rank (stage {stage}, "
-                    f"minibatch {i}: input half at rank {i_rank} position {i_pos}, weight half "
-                    f"at rank {w_rank} position {w_pos}); move the weight half later",
-                    (inputs[0], weights[0]),
-                )
+    for stage, i, cells in _minibatches(schedule):
+        inputs, weights = cells[_I], cells[_W]
+        if len(inputs) != 1 or len(weights) != 1:
+            continue  # check_split_counts names it
+        (i_rank, i_pos), (w_rank, w_pos) = inputs[0], weights[0]
+        if i_rank != w_rank or w_pos < i_pos:
+            return Problem(
+                f"a weight half runs after its input half on the same rank (stage {stage}, "
+                f"minibatch {i}: input half at rank {i_rank} position {i_pos}, weight half "
+                f"at rank {w_rank} position {w_pos}); move the weight half later",
+                (inputs[0], weights[0]),
+            )
     return None
 
 
@@ -100,19 +99,17 @@ def check_split_versions(schedule: Schedule) -> Problem | None:
     """The weight half of a minibatch uses the weight version of its forward."""
     if not schedule.sync.splits_backward:
         return None
-    seen = _seen(schedule)
-    for stage in _whole_stages(schedule):
-        for i in range(schedule.num_minibatches):
-            forwards, weights = seen[(_F, stage, i)], seen[(_W, stage, i)]
-            if len(forwards) != 1 or len(weights) != 1:
-                continue  # check_split_counts and check_pairs name it
-            forward = schedule.actions[forwards[0][0]][forwards[0][1]]
-            weight = schedule.actions[weights[0][0]][weights[0][1]]
-            if weight.version != forward.version:
-                return Problem(
-                    f"a weight half uses the weights of its forward (stage {stage}, minibatch "
-                    f"{i}: forward {forward}, weight half {weight}); stash the forward's version "
-                    "until the weight half",
-                    (forwards[0], weights[0]),
-                )
+    for stage, i, cells in _minibatches(schedule):
+        forwards, weights = cells[_F], cells[_W]
+        if len(forwards) != 1 or len(weights) != 1:
+            continue  # check_split_counts and check_pairs name it
+        forward = schedule.actions[forwards[0][0]][forwards[0][1]]
+        weight = schedule.actions[weights[0][0]][weights[0][1]]
+        if weight.version != forward.version:
+            return Problem(
+                f"a weight half uses the weights of its forward (stage {stage}, minibatch "
+                f"{i}: forward {forward}, weight half {weight}); stash the forward's version "
+                "until the weight half",
+                (forwards[0], weights[0]),
+            )
     return None

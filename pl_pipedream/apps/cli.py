@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     plan_parser = commands.add_parser("plan", help="partition a profiled model over a topology")
     _add_planning_arguments(plan_parser, required=True)
+    plan_parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per batch: only plans whose replica counts divide it (1F1B-RR)",
+    )
     plan_parser.add_argument("--json", action="store_true", help="print one JSON object")
     plan_parser.add_argument("--output", help="also write the plan as JSON to this file")
 
@@ -144,6 +150,7 @@ def _planned(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         memory=args.memory,
         transfers=not args.ignore_transfers,
         cuts=args.cuts,
+        microbatches=args.microbatches,  # a plan the batch's microbatches can serve
     )
 
 

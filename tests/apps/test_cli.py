@@ -32,6 +32,21 @@ def test_plan_json_has_the_documented_fields(profiles_dir, capsys) -> None:
     assert all(isinstance(node, str) for stage in data["stages"] for node in stage["nodes"])
 
 
+def test_plan_with_microbatches_admits_only_replica_counts_that_divide_them(
+    profiles_dir, capsys
+) -> None:
+    """VGG-16 on 4 workers plans 3-1; one microbatch per batch admits no replicated stage."""
+    base = ["plan", "--profile", str(profiles_dir / "vgg16.txt"), "--workers", "4"]
+    base += ["--bandwidth", "1e9", "--json"]
+    assert main(base) == 0
+    assert [s["replicas"] for s in json.loads(capsys.readouterr().out)["stages"]] == [3, 1]
+    assert main([*base, "--microbatches", "1"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["replicas"] for s in stages] == [1, 1, 1, 1]
+    assert main([*base, "--microbatches", "0"]) == 2
+    assert "microbatches must be a positive integer (microbatches: 0)" in capsys.readouterr().err
+
+
 def test_plan_table_names_the_configuration(profiles_dir, capsys) -> None:
     assert (
         main(

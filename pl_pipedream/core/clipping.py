@@ -32,10 +32,7 @@ def clip_global_norm(
 ) -> float:
     """Scale ``grads`` in place so that the norm over every rank's ``counted`` gradients is at
     most ``max_norm``; returns that norm (every rank must call it)."""
-    square = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in counted:
-        square += grad.detach().double().pow(2).sum()
-    square /= replicas
+    square = _squares(counted, device) / replicas
     dist.all_reduce(square)
     norm = float(square.sqrt())
     _scale(grads, max_norm, norm)
@@ -45,12 +42,17 @@ def clip_global_norm(
 def clip_stage_norm(grads: list[Tensor], max_norm: float) -> float:
     """Scale ``grads`` in place so that their own norm is at most ``max_norm``; returns it."""
     device = grads[0].device if grads else torch.device("cpu")
+    norm = float(_squares(grads, device).sqrt())
+    _scale(grads, max_norm, norm)
+    return norm
+
+
+def _squares(grads: list[Tensor], device: torch.device) -> Tensor:
+    """The sum of the gradients' squared entries, in float64 on ``device``."""
     square = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         square += grad.detach().double().pow(2).sum()
-    norm = float(square.sqrt())
-    _scale(grads, max_norm, norm)
-    return norm
+    return square
 
 
 def _scale(grads: list[Tensor], max_norm: float, norm: float) -> None:

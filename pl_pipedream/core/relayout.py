@@ -289,13 +289,13 @@ def _regroup(
         for group, names in zip(optimizer.param_groups, groups, strict=True):
             kept: dict[int, nn.Parameter] = {}
             for name in names:
-                param = params.get(name)
-                if param is not None and not param.is_meta:
-                    kept.setdefault(id(param), param)
+                found = params.get(name)
+                if found is not None and not found.is_meta:
+                    kept.setdefault(id(found), found)
             group["params"] = list(kept.values())
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for param in [p for p in optimizer.state if id(p) not in held]:
-            del optimizer.state[param]
+        for gone in [p for p in optimizer.state if id(p) not in held]:
+            del optimizer.state[gone]
         for name, entry in state.items():
             param = params[name]
             on_cpu = set(received["cpu"].get(name, ()))

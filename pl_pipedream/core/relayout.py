@@ -138,6 +138,9 @@ def moves(plan: Plan, new_plan: Plan, layer_names: Sequence[Sequence[str]]) -> M
     return dict(sorted(transfers.items()))
 
 
+NOTICE = 10.0  # seconds a notice that a rank was lost waits to leave
+
+
 class _Exchange:
     """The messages of one move on one rank: the tensors, then the closing round."""
 
@@ -211,6 +214,13 @@ class _Exchange:
                     self.channel.send(message, peer, Tag.RELAYOUT, "which rank was lost")
                 except PeerError:
                     pass  # that peer is gone too: it cannot be told
+        timeout, self.channel.timeout = self.channel.timeout, min(self.channel.timeout, NOTICE)
+        try:
+            self.channel.flush()  # the notices leave before this rank raises (and may exit)
+        except PeerError:
+            pass  # a peer that stopped waiting for this rank is told nothing more
+        finally:
+            self.channel.timeout = timeout
 
     def _lost_text(self, lost: int, detail: str) -> str:
         return (

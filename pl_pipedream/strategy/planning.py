@@ -32,6 +32,7 @@ __all__ = [
     "SetupPlanner",
     "announce",
     "choose_plan",
+    "elastic",
     "first_sample",
     "plan_automatically",
     "sample_input",
@@ -166,6 +167,19 @@ def announce(trainer: Any, plan: Plan, seconds: float) -> None:
     (folder / "pipedream_plan.json").write_text(plan.to_json())
 
 
+def elastic(resumed: Plan, world_size: int) -> Plan | None:
+    """The resumed checkpoint's plan when it has a worker per process; else None, said on
+    rank 0: a run restarted on another number of processes plans afresh for its own."""
+    if resumed.num_workers == world_size:
+        return resumed
+    rank_zero_info(
+        f"PipeDreamStrategy: the checkpoint's plan ({resumed.shape} on {resumed.num_workers} "
+        f"workers) is for another number of processes ({world_size}): planning afresh for "
+        f"{world_size}"
+    )
+    return None
+
+
 @dataclass
 class SetupPlanner:
     """What a strategy knows at setup about where the plan comes from (``choose_plan``'s
@@ -189,6 +203,8 @@ class SetupPlanner:
         ``forward`` is checked against ``layers`` on it, then the plan chosen (every rank)."""
         sample = None
         planned = any(s is not None for s in (self.given, self.balance, self.previous))
+        if not planned and self.resumed is not None:
+            self.resumed = elastic(self.resumed, self.world_size)
         if dist.get_rank() == 0 and (
             forward_is_checked(module, layers) or not (planned or self.resumed is not None)
         ):

@@ -35,7 +35,9 @@ __all__ = [
     "elastic",
     "first_sample",
     "plan_automatically",
+    "plan_folder",
     "sample_input",
+    "write_plan",
 ]
 
 
@@ -161,8 +163,18 @@ def announce(trainer: Any, plan: Plan, seconds: float) -> None:
         return
     note = f"\n{plan.meta['note']}" if plan.meta.get("note") else ""
     rank_zero_info(f"PipeDream plan ({seconds:.1f} s to profile and plan):\n{plan.render()}{note}")
-    # trainer.log_dir broadcasts from rank 0: only rank 0 is here, so ask the logger itself.
-    folder = Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+    write_plan(trainer, plan)
+
+
+def plan_folder(trainer: Any) -> Path:
+    """Where ``pipedream_plan.json`` goes: the logger's directory, else the root directory."""
+    # trainer.log_dir broadcasts from rank 0: only rank 0 may be here, so ask the logger itself.
+    return Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+
+
+def write_plan(trainer: Any, plan: Plan) -> None:
+    """Write ``plan`` to ``pipedream_plan.json`` beside the logs (call on rank 0)."""
+    folder = plan_folder(trainer)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pipedream_plan.json").write_text(plan.to_json())
 

@@ -2,69 +2,207 @@
 
 ``PipeDreamStrategy(replan="auto")`` checks every ``replan_every`` optimizer steps whether a
 plan for the measured stage times beats the plan in use by more than ``replan_threshold``
-after paying for the move (``core.replanner``). When it does, every rank, before the same
-training step: drains the pipeline (the async modes keep minibatches in flight between steps),
-moves the layers and their optimizer state point to point (``core.relayout``: the optimizer
-objects are kept, so Lightning and the LR schedulers go on with them), rebuilds what setup built
-over the plan (the stage's updates, the ``PipelineRunner``, the evaluation pipe) and the
-Lightning patches that captured them, rewrites ``pipedream_plan.json`` and logs the move.
+after paying for the move (``core.replanner``, collective). When it does, every rank, before
+the same training step: drains the pipeline (the async modes keep minibatches in flight between
+steps), moves the layers and their optimizer state point to point (``core.relayout``: the
+optimizer objects are kept, so Lightning and the LR schedulers go on with them), rebuilds what
+setup built over the plan (``setup.build_pipeline``: the stage's updates, the
+``PipelineRunner``, the evaluation pipe) and the Lightning patches that captured them, rewrites
+``pipedream_plan.json`` and logs the move (rank 0's log and the Trainer's loggers).
 
-The boundary is the first step after an optimizer step (``trainer.global_step`` changed since
-the last boundary), so a move never splits a window of ``accumulate_grad_batches``.
-``request(plan)`` asks for a given plan at the next boundary: every rank must ask for the same
-plan in the same step (a callback's ``on_train_batch_end`` does).
+The boundary is the first training step after an optimizer step (``trainer.global_step``
+changed since the last boundary), so a move never splits a window of
+``accumulate_grad_batches``. ``request(plan)`` asks for a given plan at the next boundary, with
+no check: every rank must ask for the same plan in the same step (a callback's
+``on_train_batch_end`` does).
 """
 
 from __future__ import annotations
 
-import numbers
+import time
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from pl_pipedream.core.relayout import relayout
+from pl_pipedream.core.replanner import HISTORY_NAME, Replanner, check_replan_options
+from pl_pipedream.core.stage import find_ties, pipeline_layers
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.replan import Decision
+from pl_pipedream.runtime.ties import check_ties
+from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.strategy.planning import plan_folder, write_plan
+from pl_pipedream.strategy.setup import build_pipeline, patch_lightning
 
-__all__ = ["REPLAN_MODES", "Replanning", "check_replan"]
-
-REPLAN_MODES = ("off", "auto")
-
-
-def check_replan(mode: Any, every: Any, threshold: Any) -> None:
-    """Refuse options ``Replanning`` cannot honour, naming the option, its value and the fix."""
-    if mode not in REPLAN_MODES:
-        yaml = (
-            " (YAML reads an unquoted off as false: write replan: 'off')"
-            if isinstance(mode, bool)
-            else ""
-        )
-        raise ValueError(
-            f'replan must be "off" or "auto" (replan: {mode!r}); for example '
-            f'PipeDreamStrategy(replan="auto"){yaml}'
-        )
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-        raise ValueError(
-            f"replan_every must be a positive number of optimizer steps (replan_every: "
-            f"{every!r}); for example PipeDreamStrategy(replan_every=50)"
-        )
-    number = isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
-    if not number or not threshold >= 0:
-        raise ValueError(
-            f"replan_threshold must be a fraction of at least 0 (replan_threshold: "
-            f"{threshold!r}); for example PipeDreamStrategy(replan_threshold=0.05)"
-        )
+__all__ = ["Replanning", "move"]
 
 
 class Replanning:
-    """One strategy's re-planning: its options, a requested plan, and the boundary it is at."""
+    """One strategy's re-planning: its options, its ``Replanner`` during a fit, a requested
+    plan, the boundary it is at, and the timeline of the pipelines it replaced."""
 
     def __init__(self, mode: str = "off", every: int = 50, threshold: float = 0.05) -> None:
-        check_replan(mode, every, threshold)
+        check_replan_options(mode, every, threshold, "PipeDreamStrategy")
         self.mode, self.every, self.threshold = mode, int(every), float(threshold)
         self.requested: Plan | None = None
+        self.replanner: Replanner | None = None
         self.moves = 0  # moves made in this fit
+        self.earlier: list[TimelineEvent] = []  # the replaced pipelines' actions, this fit
+        self._boundary = 0  # trainer.global_step at the last boundary
+        self._checked = 0  # actions of the runner's timeline already given to a check
 
     @property
     def on(self) -> bool:
+        """Whether checks run (and so the timeline is recorded)."""
         return self.mode != "off"
 
     def request(self, plan: Plan) -> None:
         """Move to ``plan`` at the next step boundary (every rank asks in the same step)."""
         self.requested = plan
+
+    def start(self, strategy: Any, trainer: Any) -> None:
+        """At the setup of a fit, once the pipeline is built: a fresh ``Replanner`` watching
+        this rank's layers (``mode="auto"``)."""
+        self.finish()
+        self.moves, self.earlier, self._checked = 0, [], 0
+        self._boundary = trainer.global_step
+        if not self.on:
+            return
+        history = plan_folder(trainer) / HISTORY_NAME
+        self.replanner = Replanner(
+            self.mode,
+            self.every,
+            self.threshold,
+            topology=strategy.topology,
+            memory=strategy.memory,
+            profile=None,
+            history=history,
+            microbatches=strategy.microbatches,
+        )
+        self._watch(strategy)
+
+    def at_step(self, strategy: Any, trainer: Any) -> None:
+        """Before each training step, on every rank: at a boundary, a requested plan or a due
+        check's better plan is moved to."""
+        step = trainer.global_step
+        if step == self._boundary:
+            return
+        self._boundary = step
+        new, decision = self.requested, None
+        self.requested = None
+        if new is None and self.replanner is not None and self.replanner.due(step):
+            decision = self._check(strategy, step)
+            new = decision.plan if decision is not None and decision.move else None
+        if new is None or new == strategy.plan:
+            return
+        refusal = refused(strategy, new)
+        if refusal is not None:
+            rank_zero_warn(f"PipeDreamStrategy: not re-planning at step {step}: {refusal}")
+            return
+        old = strategy.plan
+        self.earlier += strategy.runner.executor.timeline
+        seconds = move(strategy, trainer, new)
+        self._checked, self.moves = 0, self.moves + 1
+        if self.replanner is not None:
+            self.replanner.moved(seconds)
+            self._watch(strategy)
+        announce_move(trainer, step, old, new, decision, seconds)
+
+    def timeline(self, runner: Any) -> list[TimelineEvent]:
+        """Every action of this fit: the replaced pipelines' and ``runner``'s."""
+        return self.earlier + (runner.executor.timeline if runner is not None else [])
+
+    def finish(self) -> None:
+        """At the end of a fit (or its teardown): the history written, the hooks removed."""
+        if self.replanner is not None:
+            replanner, self.replanner = self.replanner, None
+            replanner.close()
+
+    def _check(self, strategy: Any, step: int) -> Decision | None:
+        assert self.replanner is not None
+        events = strategy.runner.executor.timeline
+        since, self._checked = events[self._checked :], len(events)
+        decision = self.replanner.check(step, strategy.plan, since, strategy.global_rank)
+        for warning in decision.warnings if decision is not None else ():
+            rank_zero_warn(f"PipeDreamStrategy: {warning}")
+        return decision
+
+    def _watch(self, strategy: Any) -> None:
+        assert self.replanner is not None and strategy.local_stage is not None
+        self.replanner.watch(dict(strategy.local_stage.module.named_children()))
+
+
+def refused(strategy: Any, plan: Plan) -> str | None:
+    """Why the pipeline cannot train under ``plan``, or None: a worker per process, replica
+    counts that divide the microbatches, and tied parameters' rule (``runtime.ties``)."""
+    if plan.num_workers != strategy.world_size:
+        return f"the plan has {plan.num_workers} workers for {strategy.world_size} processes"
+    odd = [s.replicas for s in plan.stages if strategy.microbatches % s.replicas]
+    if odd:
+        return (
+            f"replica counts {odd} do not divide the microbatches ({strategy.microbatches}) of "
+            "a batch, which replicas share round robin"
+        )
+    module = strategy.lightning_module
+    ties = find_ties(module, pipeline_layers(module), plan)
+    try:
+        check_ties(strategy.sync, [t.describe() for t in ties], [s.replicas for s in plan.stages])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def move(strategy: Any, trainer: Any, plan: Plan) -> float:
+    """Every rank: drain, move the layers and optimizer state to ``plan`` (``core.relayout``),
+    rebuild the pipeline and the patches over it; returns the seconds it took on this rank."""
+    start = time.perf_counter()
+    strategy.drain()
+    module = strategy.lightning_module
+    old = strategy.runner
+    moved = relayout(
+        module,
+        pipeline_layers(module),
+        strategy.local_stage,
+        strategy.plan,
+        plan,
+        strategy.global_rank,
+        [getattr(o, "_optimizer", o) for o in strategy.optimizers],
+        strategy.resume.groups,
+        strategy.root_device,
+        strategy.timeout,
+    )
+    strategy.plan, strategy.local_stage = plan, moved.local
+    strategy.resume.check_plan(plan, moved.local.stage.index)
+    strategy.resume.name_parameters(module)
+    old.close()
+    build_pipeline(strategy, trainer)
+    carry_over(old, strategy.runner)
+    patch_lightning(strategy, trainer)
+    return time.perf_counter() - start
+
+
+def carry_over(old: Any, new: Any) -> None:
+    """What a drained runner counts for the whole fit: batches fed (the divergence check finds
+    a loss's batch by it), the newest loss and its batch, a warm-up's updates applied."""
+    new.batches, new.loss, new.loss_batch = old.batches, old.loss, old.loss_batch
+    if hasattr(old.update, "count") and hasattr(new.update, "count"):
+        new.update.count = old.update.count  # runtime.staleness.WarmedUpdate
+
+
+def announce_move(
+    trainer: Any, step: int, old: Plan, new: Plan, decision: Decision | None, seconds: float
+) -> None:
+    """Rank 0: the move in the log, in the Trainer's loggers and in ``pipedream_plan.json``."""
+    if trainer.global_rank != 0:
+        return
+    why = decision.render() if decision is not None else "requested"
+    rank_zero_info(
+        f"PipeDream re-planned at step {step}: {old.shape} -> {new.shape} ({why}); moved in "
+        f"{seconds:.3f} s (rank 0)\nold plan:\n{old.render()}\nnew plan:\n{new.render()}"
+    )
+    metrics = {"pipedream/replan_seconds": seconds, "pipedream/stages": float(new.num_stages)}
+    if decision is not None:
+        metrics["pipedream/replan_gain"] = decision.gain
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+    write_plan(trainer, new)

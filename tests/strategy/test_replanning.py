@@ -1,12 +1,36 @@
-"""Re-planning inside a fit: its options, checked when the strategy is built."""
+"""Re-planning inside a fit: its options, checked when the strategy is built; moves asked for
+at given steps (``Replanning.request``) in flush equal one device, and what they save resumes;
+``replan="auto"`` moves off a slow plan by itself."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.strategy.replanning import Replanning
+from tests.runtime import oracle
+from tests.runtime.test_executor import loss_fn, make_batches, make_model
+from tests.strategy.test_lightning_features import Net, loader, trainer
+from tests.strategy.test_resume import (
+    FLUSH,
+    Scheduled,
+    assert_equal_weights,
+    assert_same_training_state,
+    fit,
+    one_device,
+    strategy,
+)
 
 
 def test_replan_is_off_by_default_and_stores_its_options() -> None:
@@ -25,33 +49,22 @@ def test_replan_is_off_by_default_and_stores_its_options() -> None:
     [
         (
             {"replan": "sometimes"},
-            'replan must be "off" or "auto" (replan: \'sometimes\'); for example '
-            'PipeDreamStrategy(replan="auto")',
+            "replan must be one of off, auto (replan: 'sometimes'); for example "
+            'PipeDreamStrategy(..., replan="auto")',
         ),
-        (
-            {"replan": False},
-            'replan must be "off" or "auto" (replan: False); for example '
-            'PipeDreamStrategy(replan="auto") (YAML reads an unquoted off as false: write '
-            "replan: 'off')",
-        ),
+        ({"replan": False}, "replan must be one of off, auto (replan: False)"),
         (
             {"replan_every": 0},
-            "replan_every must be a positive number of optimizer steps (replan_every: 0); for "
-            "example PipeDreamStrategy(replan_every=50)",
+            "replan_every must be a positive number of steps (replan_every: 0); for example "
+            "PipeDreamStrategy(..., replan_every=50)",
         ),
-        (
-            {"replan_every": 2.5},
-            "replan_every must be a positive number of optimizer steps (replan_every: 2.5)",
-        ),
+        ({"replan_every": 2.5}, "(replan_every: 2.5)"),
         (
             {"replan_threshold": -0.1},
-            "replan_threshold must be a fraction of at least 0 (replan_threshold: -0.1); for "
-            "example PipeDreamStrategy(replan_threshold=0.05)",
+            "replan_threshold must be a fraction >= 0 (replan_threshold: -0.1); for example "
+            "PipeDreamStrategy(..., replan_threshold=0.05)",
         ),
-        (
-            {"replan_threshold": float("nan")},
-            "replan_threshold must be a fraction of at least 0 (replan_threshold: nan)",
-        ),
+        ({"replan_threshold": float("nan")}, "(replan_threshold: nan)"),
     ],
 )
 def test_a_bad_replan_option_is_refused_naming_it_and_the_fix(options: dict, message: str) -> None:
@@ -65,3 +78,204 @@ def test_a_requested_plan_waits_for_the_next_boundary() -> None:
     assert replanning.requested is None
     replanning.request(Plan.from_balance([1, 2]))
     assert replanning.requested == Plan.from_balance([1, 2])
+
+
+def test_off_makes_no_replanner_and_its_boundary_touches_nothing() -> None:
+    """``replan="off"``: no check, no timeline kept for one, nothing read at the boundary (the
+    stand-in strategy has no pipeline: touching it would raise)."""
+    replanning = Replanning("off")
+    fitting = SimpleNamespace(global_step=0)
+    replanning.start(SimpleNamespace(), fitting)
+    assert replanning.replanner is None and not replanning.on
+    for step in range(1, 500):
+        fitting.global_step = step
+        replanning.at_step(SimpleNamespace(), fitting)
+    assert replanning.moves == 0 and replanning.earlier == []
+
+
+class MoveAt(Callback):
+    """Ask every rank's strategy for ``plans[step]`` at the end of that optimizer step."""
+
+    def __init__(self, plans: dict[int, Plan]) -> None:
+        self.plans = plans
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        plan = self.plans.get(trainer.global_step)
+        if plan is not None:
+            trainer.strategy.replanning.request(plan)
+
+
+def fit_moving(
+    folder: Path,
+    epochs: int,
+    balance: list[int],
+    plans: dict[int, Plan],
+    ckpt_path: Path | None = None,
+    sync: str = "flush",
+    **options: Any,
+) -> Scheduled:
+    """``Scheduled`` (Adam, a step LR) fitted for ``epochs`` of 5 steps on ``len(balance)``
+    processes, moving to ``plans[k]`` after step k; ``folder/last.ckpt`` saved every epoch."""
+    model = Scheduled(optimizer="adam")
+    strategy = PipeDreamStrategy(
+        sync=sync, balance=balance, microbatches=2, start_method="fork", timeout=60, **options
+    )
+    saver = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)
+    logger = CSVLogger(folder, name="logs", version=0)
+    run = trainer(
+        devices=len(balance),
+        strategy=strategy,
+        max_epochs=epochs,
+        callbacks=[saver, MoveAt(plans)],
+        logger=logger,
+    )
+    run.fit(model, loader(2), ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One device, 2 epochs (10 steps): ``last.ckpt``."""
+    folder = tmp_path_factory.mktemp("alone")
+    fit(folder, 2, 1)
+    return folder / "last.ckpt"
+
+
+def saved_plan(checkpoint: Path) -> Plan:
+    return Plan.from_dict(json.loads((checkpoint / "pipeline.json").read_text())["plan"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("balance", "plans"),
+    [
+        ([3, 3], {3: Plan.from_balance([1, 5]), 7: Plan.from_balance([4, 2])}),
+        (
+            [2, 2, 2],
+            {2: Plan.from_balance([3, 3], replicas=[2, 1]), 6: Plan.from_balance([1, 1, 4])},
+        ),
+    ],
+    ids=["2 processes", "3 processes, through a replicated stage"],
+)
+def test_flush_moving_twice_in_a_fit_equals_one_device(
+    alone: Path, tmp_path: Path, balance: list[int], plans: dict[int, Plan]
+) -> None:
+    moved = fit_moving(tmp_path, 2, balance, plans)
+    assert_equal_weights(moved.state_dict(), one_device(alone)["state_dict"], FLUSH)
+    assert_same_training_state(tmp_path / "last.ckpt", alone, FLUSH)
+    last = plans[max(plans)]
+    assert saved_plan(tmp_path / "last.ckpt") == last
+    assert (
+        Plan.from_json((tmp_path / "logs" / "version_0" / "pipedream_plan.json").read_text())
+        == last
+    )
+    metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
+    assert "pipedream/replan_seconds" in metrics.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_after_a_move_resumes_under_its_plan_and_on_another_number_of_processes(
+    alone: Path, tmp_path: Path
+) -> None:
+    """Moved at step 2 to [1, 5] and saved at step 5, then fitted to step 10 on 2 processes
+    (the saved plan) and on 3 (planned afresh for 3: balance left out)."""
+    fit_moving(tmp_path / "first", 1, [3, 3], {2: Plan.from_balance([1, 5])})
+    first = tmp_path / "first" / "last.ckpt"
+    assert saved_plan(first) == Plan.from_balance([1, 5])
+    resumed = fit(tmp_path / "two", 2, 2, first, strategy=strategy("flush", plan=saved_plan(first)))
+    assert_equal_weights(resumed.state_dict(), one_device(alone)["state_dict"], FLUSH)
+    assert_same_training_state(tmp_path / "two" / "last.ckpt", alone, FLUSH)
+    three = PipeDreamStrategy(sync="flush", microbatches=2, start_method="fork", timeout=60)
+    resumed = fit(tmp_path / "three", 2, 3, first, strategy=three, default_root_dir=tmp_path)
+    assert saved_plan(tmp_path / "three" / "last.ckpt").num_workers == 3
+    assert_equal_weights(resumed.state_dict(), one_device(alone)["state_dict"], FLUSH)
+    assert_same_training_state(tmp_path / "three" / "last.ckpt", alone, FLUSH)
+
+
+class PlainSGD(Net):
+    """SGD without momentum: the oracle's second run starts from the first one's weights alone."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["async", "2bw"])
+def test_an_async_move_equals_the_oracle_that_drains_and_switches_plans_at_that_step(
+    tmp_path: Path, sync: str
+) -> None:
+    """Minibatches are in flight between steps: the move drains them first. Moved after step 2
+    from [3, 3] to [2, 4]: the oracle of [3, 3] over batches 0-1, drained, then of [2, 4]."""
+    model = PlainSGD()
+    layout = PipeDreamStrategy(
+        sync=sync, balance=[3, 3], microbatches=2, start_method="fork", timeout=60
+    )
+    move = MoveAt({2: Plan.from_balance([2, 4])})
+    run = trainer(devices=2, strategy=layout, callbacks=[move], default_root_dir=tmp_path)
+    run.fit(model, loader(2))
+    batches = make_batches(2)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    before = oracle.train(
+        make_model(), Plan.from_balance([3, 3]), sync, batches[:2], 2, loss_fn, sgd
+    )
+    start = make_model()
+    start.load_state_dict(before)
+    after = oracle.train(start, Plan.from_balance([2, 4]), sync, batches[2:], 2, loss_fn, sgd)
+    assert_equal_weights(model.state_dict(), {f"net.{k}": v for k, v in after.items()}, 1e-6)
+    # the move made a difference: the plan kept throughout is another run
+    kept = oracle.train(make_model(), Plan.from_balance([3, 3]), sync, batches, 2, loss_fn, sgd)
+    differ = max((kept[k] - after[k]).abs().max().item() for k in kept)
+    assert differ > 1e-4
+
+
+class Sleepy(torch.nn.Module):
+    """A layer that also sleeps 3 ms per forward: a cost the clock sees, the maths do not."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.003)
+        return self.layer(x)
+
+
+class SleepyNet(Scheduled):
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.net = torch.nn.Sequential(*(Sleepy(layer) for layer in make_model()))
+
+
+@pytest.mark.slow
+def test_auto_moves_off_a_lopsided_plan_by_itself_and_still_equals_one_device(
+    tmp_path: Path,
+) -> None:
+    """Six layers of equal cost on [1, 5]: the first check (step 2, threshold 0) finds an
+    even plan faster, moves, and writes the move to the plan history."""
+    reference = SleepyNet()
+    trainer(devices=1, max_epochs=2).fit(reference, loader(2))
+    model = SleepyNet()
+    auto = PipeDreamStrategy(
+        sync="flush",
+        balance=[1, 5],
+        microbatches=2,
+        start_method="fork",
+        timeout=60,
+        replan="auto",
+        replan_every=2,
+        replan_threshold=0.0,
+    )
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    run = trainer(devices=2, strategy=auto, max_epochs=2, callbacks=[saver], logger=logger)
+    run.fit(model, loader(2))
+    assert_equal_weights(model.state_dict(), reference.state_dict(), FLUSH)
+    history = tmp_path / "logs" / "version_0" / "pipedream_plan_history.jsonl"
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert lines[0]["step"] == 2
+    assert Plan.from_dict(lines[0]["old_plan"]) == Plan.from_balance([1, 5])
+    assert lines[0]["seconds"] > 0
+    first = Plan.from_dict(lines[0]["new_plan"])
+    assert len(first.stages[0].nodes) > 1
+    assert saved_plan(tmp_path / "last.ckpt") == Plan.from_dict(lines[-1]["new_plan"])
+    assert "pipedream/replan_gain" in (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()

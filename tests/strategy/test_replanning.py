@@ -105,6 +105,12 @@ class MoveAt(Callback):
             trainer.strategy.replanning.request(plan)
 
 
+class Validated(Scheduled):
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("val_loss", loss_fn(self(x), y))
+
+
 def fit_moving(
     folder: Path,
     epochs: int,
@@ -113,10 +119,11 @@ def fit_moving(
     ckpt_path: Path | None = None,
     sync: str = "flush",
     **options: Any,
-) -> Scheduled:
+) -> tuple[Validated, Any]:
     """``Scheduled`` (Adam, a step LR) fitted for ``epochs`` of 5 steps on ``len(balance)``
-    processes, moving to ``plans[k]`` after step k; ``folder/last.ckpt`` saved every epoch."""
-    model = Scheduled(optimizer="adam")
+    processes, moving to ``plans[k]`` after step k, validated each epoch; ``folder/last.ckpt``
+    saved every epoch. Returns the model and the Trainer."""
+    model = Validated(optimizer="adam")
     strategy = PipeDreamStrategy(
         sync=sync, balance=balance, microbatches=2, start_method="fork", timeout=60, **options
     )
@@ -129,8 +136,8 @@ def fit_moving(
         callbacks=[saver, MoveAt(plans)],
         logger=logger,
     )
-    run.fit(model, loader(2), ckpt_path=ckpt_path)
-    return model
+    run.fit(model, loader(2), loader(2), ckpt_path=ckpt_path)
+    return model, run
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +159,31 @@ def saved_plan(checkpoint: Path) -> Plan:
         ([3, 3], {3: Plan.from_balance([1, 5]), 7: Plan.from_balance([4, 2])}),
         (
             [2, 2, 2],
-            {2: Plan.from_balance([3, 3], replicas=[2, 1]), 6: Plan.from_balance([1, 1, 4])},
+            {
+                2: Plan.from_balance([3, 3], replicas=[2, 1]),
+                6: Plan.from_balance([3, 3], replicas=[1, 2]),  # the metrics now from rank 1
+            },
         ),
     ],
-    ids=["2 processes", "3 processes, through a replicated stage"],
+    ids=["2 processes", "3 processes, through replicated stages"],
 )
 def test_flush_moving_twice_in_a_fit_equals_one_device(
     alone: Path, tmp_path: Path, balance: list[int], plans: dict[int, Plan]
 ) -> None:
-    moved = fit_moving(tmp_path, 2, balance, plans)
+    """And the validation after the last move reports the last stage's loss on every rank; the
+    timeline holds every action of the fit, before the moves too (2 forwards per stage and step)."""
+    trace = tmp_path / "timeline.json"
+    moved, run = fit_moving(tmp_path, 2, balance, plans, timeline=trace)
     assert_equal_weights(moved.state_dict(), one_device(alone)["state_dict"], FLUSH)
+    with torch.no_grad():
+        losses = [loss_fn(moved(x), y).item() for x, y in loader(2)]
+    assert float(run.callback_metrics["val_loss"]) == pytest.approx(sum(losses) / 5, abs=1e-6)
+    events = json.loads(trace.read_text())["traceEvents"]
+    forwards = [e for e in events if e.get("cat") == "FORWARD"]
+    in_use = [plans.get(max((k for k in plans if k <= t), default=-1)) for t in range(10)]
+    initial = Plan.from_balance(balance)
+    stages = [initial.num_stages if k is None else k.num_stages for k in in_use]
+    assert len(forwards) == 2 * sum(stages)
     assert_same_training_state(tmp_path / "last.ckpt", alone, FLUSH)
     last = plans[max(plans)]
     assert saved_plan(tmp_path / "last.ckpt") == last
@@ -179,7 +201,7 @@ def test_a_checkpoint_saved_after_a_move_resumes_under_its_plan_and_on_another_n
 ) -> None:
     """Moved at step 2 to [1, 5] and saved at step 5, then fitted to step 10 on 2 processes
     (the saved plan) and on 3 (planned afresh for 3: balance left out)."""
-    fit_moving(tmp_path / "first", 1, [3, 3], {2: Plan.from_balance([1, 5])})
+    fit_moving(tmp_path / "first", 1, [3, 3], {2: Plan.from_balance([1, 5])})[0]
     first = tmp_path / "first" / "last.ckpt"
     assert saved_plan(first) == Plan.from_balance([1, 5])
     resumed = fit(tmp_path / "two", 2, 2, first, strategy=strategy("flush", plan=saved_plan(first)))

@@ -172,8 +172,7 @@ def move(strategy: Any, trainer: Any, plan: Plan) -> float:
         strategy.timeout,
     )
     strategy.plan, strategy.local_stage = plan, moved.local
-    strategy.resume.check_plan(plan, moved.local.stage.index)
-    strategy.resume.name_parameters(module)
+    strategy.resume.name_parameters(module)  # the parameters created for the layers that came
     old.close()
     build_pipeline(strategy, trainer)
     carry_over(old, strategy.runner)

@@ -51,11 +51,13 @@ from pl_pipedream.engine.arguments import (
     check_arguments,
     check_automatic,
     check_built_optimizer,
+    check_replan,
     choose_plan,
     pipeline_of,
 )
 from pl_pipedream.engine.group import default_device, join_launched_group
 from pl_pipedream.engine.precision import choose_precision
+from pl_pipedream.engine.replanning import check_plan, make_replanner, watch_stage
 from pl_pipedream.engine.updates import OptimizerUpdate, clipping
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -95,7 +97,10 @@ class Pipeline:
     stage in ``flush`` and ``gpipe``, as one device; over the stage in the other modes);
     ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
     stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
-    ``layers`` were built on ``meta``, from which each rank creates only its stage."""
+    ``layers`` were built on ``meta``, from which each rank creates only its stage;
+    ``replan``: ``"auto"`` checks the plan every ``replan_every`` steps against the measured
+    stage times and moves to a plan faster by more than ``replan_threshold`` (``engine.
+    replanning``; each move a line of ``replan_history``, a JSON-lines file), ``"off"``."""
 
     def __init__(
         self,
@@ -120,9 +125,14 @@ class Pipeline:
         memory: float | str | None = None,
         pretrained: str | os.PathLike | Pretrained | None = None,
         empty_build: EmptyBuild | None = None,
+        replan: str = "off",
+        replan_every: int = 50,
+        replan_threshold: float = 0.05,
+        replan_history: str | os.PathLike | None = None,
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
+        replanning = check_replan(replan, replan_every, replan_threshold)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
         self.losses = LossWatch(divergence, DIVERGENCE_RULE)
@@ -133,7 +143,8 @@ class Pipeline:
         join_launched_group(self.timeout)
         self.rank = dist.get_rank()
         explicit = balance is not None or plan is not None
-        check_automatic(explicit, example_input, topology, memory, dist.get_world_size())
+        world = dist.get_world_size()
+        check_automatic(explicit, example_input, topology, memory, world, replanning)
         self.device = torch.device(device) if device is not None else default_device()
         chosen = choose_precision(precision, self.sync, self.device)
         self.precision, self.scaler = chosen.stage, chosen.scaler
@@ -144,7 +155,6 @@ class Pipeline:
             sizes = (self.device, microbatches, limit, recompute, self.sync)
             return plan_at_setup(self.layers, sample, topology, *sizes)[0]
 
-        world = dist.get_world_size()
         self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         self._create_stage(Pretrained.parse(pretrained), empty_build or EmptyBuild())
@@ -166,6 +176,16 @@ class Pipeline:
         self.updates = OptimizerUpdate(
             self.local.module, self.optimizer, self.scaler, norm, elsewhere
         )
+        self.replanner = make_replanner(
+            replan,
+            replan_every,
+            replan_threshold,
+            replan_history,
+            topology,
+            memory,
+            self.device,
+            microbatches,
+        )
         self.runner: PipelineRunner | None = PipelineRunner.create(
             self.plan,
             self.sync,
@@ -179,7 +199,9 @@ class Pipeline:
             weight_prediction=weight_prediction,
             recompute=recompute,
             precision=self.precision,
+            record_timeline=self.replanner.on,
         )
+        watch_stage(self)
         channel = self.runner.executor.channel
         self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
         self.steps = 0  # batches trained
@@ -226,7 +248,10 @@ class Pipeline:
         self.steps += 1
         if runner.loss is not None:
             self._judge(runner.loss, runner.loss_batch)
-        return torch.tensor(math.nan if runner.loss is None else runner.loss)
+        loss = torch.tensor(math.nan if runner.loss is None else runner.loss)
+        if self.replanner.due(self.steps):
+            check_plan(self)  # may move to a new plan (a new runner)
+        return loss
 
     def _judge(self, loss: float, batch: int | None) -> None:
         """The divergence check: every rank logs the same loss, so every rank acts alike."""
@@ -340,6 +365,7 @@ class Pipeline:
         (the user's default group stays); a second call does nothing."""
         runner, self.runner = self.runner, None
         self.preemption.finish(failed=False)
+        self.replanner.close()
         if runner is not None:
             runner.close()
 
@@ -350,6 +376,7 @@ class Pipeline:
         runner, self.runner = self.runner, None
         failed = error is not None and not isinstance(error, Preempted)
         self.preemption.finish(failed)
+        self.replanner.close()
         if runner is not None:
             runner.close(failed=failed)
 

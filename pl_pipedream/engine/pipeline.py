@@ -33,7 +33,6 @@ from torch.optim import Optimizer
 from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
-from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild, materialize
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
@@ -45,7 +44,8 @@ from pl_pipedream.core.placement import (
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.pretrained import Pretrained, load_stage
-from pl_pipedream.core.stage import LocalStage, cut_stage
+from pl_pipedream.core.relayout import Moved, relayout
+from pl_pipedream.core.stage import LocalStage, cut_stage, find_ties
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
     check_arguments,
@@ -57,14 +57,20 @@ from pl_pipedream.engine.arguments import (
 )
 from pl_pipedream.engine.group import default_device, join_launched_group
 from pl_pipedream.engine.precision import choose_precision
-from pl_pipedream.engine.replanning import check_plan, make_replanner, watch_stage
-from pl_pipedream.engine.updates import OptimizerUpdate, clipping
+from pl_pipedream.engine.replanning import after_step, make_replanner, watch_stage
+from pl_pipedream.engine.running import (
+    Running,
+    Settings,
+    carry_over,
+    check_plan_ties,
+    group_names_of,
+    to_move,
+)
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
@@ -133,8 +139,10 @@ class Pipeline:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
         replanning = check_replan(replan, replan_every, replan_threshold)
+        self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
+            self._group_names = [group_names_of(self.layers, optimizer)]  # before the cut
         self.losses = LossWatch(divergence, DIVERGENCE_RULE)
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.loss_fn = loss_fn
@@ -160,22 +168,15 @@ class Pipeline:
         self._create_stage(Pretrained.parse(pretrained), empty_build or EmptyBuild())
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)
         move_to_device(self.layers, self.device)
-        stage = self.local.stage
-        self.describe = ranks.describe(self.rank, stage.index)
-        replicas = [s.replicas for s in self.plan.stages]
-        check_ties(self.sync, [t.describe() for t in self.local.ties], replicas, "Pipeline")
+        self.describe = ranks.describe(self.rank, self.local.stage.index)
         params = list(self.local.module.parameters())
         self.optimizer: Optimizer | None
+        self._factory = None if isinstance(optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer):
             keep_local_parameters(self.layers, [optimizer])  # groups and settings kept
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
-        norm = clipping(clip_grad_norm, self.sync, self.local, self.plan, self.device)
-        elsewhere = self.local.ties_counted_elsewhere()
-        self.updates = OptimizerUpdate(
-            self.local.module, self.optimizer, self.scaler, norm, elsewhere
-        )
         self.replanner = make_replanner(
             replan,
             replan_every,
@@ -186,24 +187,14 @@ class Pipeline:
             self.device,
             microbatches,
         )
-        self.runner: PipelineRunner | None = PipelineRunner.create(
-            self.plan,
-            self.sync,
-            microbatches,
-            self.local.module,
-            self.rank,
-            self.updates,
-            self.device,
-            self.timeout,
-            ties=self.local.ties,
-            weight_prediction=weight_prediction,
-            recompute=recompute,
-            precision=self.precision,
-            record_timeline=self.replanner.on,
-        )
+        self._settings = Settings(
+            self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,
+            self.scaler, clip_grad_norm, weight_prediction, recompute, self.replanner.on,
+        )  # fmt: skip
+        running = Running.start(self.local, self.plan, self.optimizer, self._settings)
+        self.runner: PipelineRunner | None = running.runner
+        self.updates, self._forward = running.updates, running.forward
         watch_stage(self)
-        channel = self.runner.executor.channel
-        self._forward = ForwardPipe(self.plan, self.local, channel, self.rank)
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
 
@@ -249,8 +240,8 @@ class Pipeline:
         if runner.loss is not None:
             self._judge(runner.loss, runner.loss_batch)
         loss = torch.tensor(math.nan if runner.loss is None else runner.loss)
-        if self.replanner.due(self.steps):
-            check_plan(self)  # may move to a new plan (a new runner)
+        if self.replanner.on:
+            after_step(self)  # may move to a new plan (a new runner)
         return loss
 
     def _judge(self, loss: float, batch: int | None) -> None:
@@ -308,6 +299,30 @@ class Pipeline:
         """Finish every minibatch in flight and apply its update (the asynchronous modes keep
         minibatches in flight between steps); every rank must call it at the same step."""
         self._running().drain()
+
+    def replan(self, new_plan: Plan) -> Moved:
+        """Every rank at the same step: drain, move the stages' layers and their optimizer
+        state to ``new_plan`` (``core.relayout``: point to point, no file), and go on training
+        on it with the same optimizer and ``steps``; returns what the move did on this rank."""
+        runner = self._running()
+        check_plan_ties(find_ties(self.layers, self.layers, new_plan), new_plan, self.sync)
+        runner.drain()
+        names = (self._group_names, self.layers, self.plan)  # the names: recorded, or gathered
+        optimizer, self._group_names = to_move(self.optimizer, self._factory, *names, self.device)
+        self.runner = None  # closed: a failed move leaves no pipeline to train with
+        runner.close()
+        moved = relayout(
+            self.layers, self.layers, self.local, self.plan, new_plan, self.rank, [optimizer],
+            self._group_names, self.device, self.timeout,
+        )  # fmt: skip
+        self.plan, self.local = new_plan, moved.local
+        self.describe = ranks.describe(self.rank, self.stage)
+        holds = any(group["params"] for group in optimizer.param_groups)
+        self.optimizer = optimizer if holds or self._factory is None else None
+        running = Running.start(self.local, self.plan, self.optimizer, self._settings)
+        carry_over(runner, running.runner)
+        self.updates, self.runner, self._forward = running.updates, running.runner, running.forward
+        return moved
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, after a drain, copied: its stage's tensors under the names

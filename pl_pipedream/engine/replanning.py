@@ -25,7 +25,7 @@ from pl_pipedream.core.replanner import Replanner
 from pl_pipedream.planner.replan import Decision
 from pl_pipedream.planner.topology import Topology
 
-__all__ = ["check_plan", "make_replanner", "watch_stage"]
+__all__ = ["after_step", "check_plan", "make_replanner", "watch_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,17 @@ def watch_stage(pipeline: Any) -> None:  # an engine.pipeline.Pipeline
     pipeline.replanner.watch(dict(pipeline.local.module.named_children()))
 
 
+def after_step(pipeline: Any) -> None:  # an engine.pipeline.Pipeline
+    """Every rank after each step when re-planning is on: start measuring after a step of
+    warm-up, or check when due."""
+    replanner = pipeline.replanner
+    if replanner.starts(pipeline.steps):
+        pipeline._running().executor.take_timeline()
+        replanner.reset()
+    elif replanner.due(pipeline.steps):
+        check_plan(pipeline)
+
+
 def check_plan(pipeline: Any) -> Decision | None:  # an engine.pipeline.Pipeline
     """Every rank after a step that is a check: decide, warn, and move when the plan pays."""
     runner = pipeline._running()
@@ -74,7 +85,7 @@ def check_plan(pipeline: Any) -> Decision | None:  # an engine.pipeline.Pipeline
         start = time.perf_counter()
         pipeline.replan(decision.plan)
         seconds = time.perf_counter() - start
-        pipeline.replanner.moved(seconds)
+        pipeline.replanner.moved(pipeline.steps, seconds)
         watch_stage(pipeline)
         pipeline._running().executor.take_timeline()  # the move's own actions are not training
         if pipeline.rank == 0:

@@ -22,6 +22,7 @@ class Tag(enum.IntEnum):
     PREDICTIONS = 4  # predict: the last stage's outputs, to every rank
     TIED = 16  # the first tie's versions; tie k uses TIED + k (``tie_tag``)
     SAVE = 0x5AFE  # a checkpoint's shards, on the default process group
+    RELAYOUT = 0x5AFF  # layers and optimizer state moving to a new plan (core.relayout)
 
 
 def tie_tag(index: int) -> int:

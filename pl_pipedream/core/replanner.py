@@ -16,6 +16,10 @@ rank taken as speed 1 then; later checks read a rank or a layer slower than that
 The first check can already move, when the plan given is slower than the measured costs call
 for. A rank slow from the start is read as costly layers.
 
+The first step, and the first step after a move, are not measured (first calls, new process
+groups and message sizes cost more): at the step ``starts`` names, the front end drops the
+timeline so far and calls ``reset``; the next check is due at a multiple of ``every`` after it.
+
 ``mode="off"`` costs nothing: ``due`` is False and the timeline is not recorded (the front end
 passes ``on`` as ``record_timeline``). Each move is one JSON line in ``history``
 (``pipedream_plan_history.jsonl``, beside ``pipedream_plan.json``): step, old and new plan,
@@ -109,6 +113,7 @@ class Replanner:
         self._clock: LayerClock | None = None
         self._sizes: dict[str, tuple[float, float]] = {}  # layer: (parameter, output) bytes
         self._handles: list[RemovableHandle] = []
+        self._from = 1  # measured: the steps after this one
 
     @property
     def on(self) -> bool:
@@ -116,8 +121,19 @@ class Replanner:
         return self.mode == "auto"
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` (batches trained) is a check: every ``every`` steps, when on."""
-        return self.mode == "auto" and step > 0 and step % self.every == 0
+        """Whether ``step`` (batches trained) is a check: every ``every`` steps once some are
+        measured, when on."""
+        return self.mode == "auto" and step > self._from and step % self.every == 0
+
+    def starts(self, step: int) -> bool:
+        """Whether measuring starts after ``step``: the front end then drops the timeline so
+        far and calls ``reset`` (the first step, and the first one after a move)."""
+        return self.mode == "auto" and step == self._from
+
+    def reset(self) -> None:
+        """Forget the layer times so far."""
+        if self._clock is not None:
+            self._clock.reset()
 
     def watch(self, layers: Mapping[str, nn.Module]) -> None:
         """Time the forwards of this rank's layers (named as the plan's nodes) from now on, and
@@ -220,8 +236,10 @@ class Replanner:
         }
         return decision, line, profile
 
-    def moved(self, seconds: float) -> None:
-        """The seconds the last move took: completes its history line and writes it."""
+    def moved(self, step: int, seconds: float) -> None:
+        """The move after ``step`` took ``seconds``: its history line is completed and written,
+        and the step after it is not measured."""
+        self._from = step + 1
         if self._pending is not None:
             self._pending["seconds"] = float(seconds)
         self._flush()

@@ -68,6 +68,10 @@ def test_off_is_never_due_and_times_nothing() -> None:
 def test_auto_is_due_every_so_many_steps_and_watches_its_layers() -> None:
     replanner = Replanner("auto", 3, topology=None, memory=None, profile=None, history=None)
     assert [s for s in range(10) if replanner.due(s)] == [3, 6, 9]
+    assert [s for s in range(10) if replanner.starts(s)] == [1]  # the first step: warm-up
+    replanner.moved(6, 0.1)  # the step after a move is not measured either
+    assert [s for s in range(20) if replanner.due(s)] == [9, 12, 15, 18]
+    assert [s for s in range(20) if replanner.starts(s)] == [7]
     layer = nn.Linear(2, 3)
     replanner.watch({"0": layer})
     layer(torch.zeros(5, 2))
@@ -82,7 +86,7 @@ def test_one_rank_keeps_its_plan() -> None:
         "auto", 1, topology=Topology.flat(1, 1e9), memory=None, profile=None, history=None
     )
     with one_rank_group():
-        decision = replanner.check(1, plan, timeline(0, 4.0, 8.0), 0)
+        decision = replanner.check(2, plan, timeline(0, 4.0, 8.0), 0)
     assert decision is not None and not decision.move and decision.plan == plan
 
 
@@ -98,7 +102,7 @@ def _two_ranks(rank: int, world: int, history: str, memory: float | None, size: 
     first = replanner.check(2, plan, timeline(rank, 2.0, 4.0), rank)
     slow = 3.0 if rank == 1 else 1.0
     second = replanner.check(4, plan, timeline(rank, 2.0 * slow, 4.0 * slow), rank)
-    replanner.moved(0.25)
+    replanner.moved(4, 0.25)
     replanner.close()
     return [first, second]
 

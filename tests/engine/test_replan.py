@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pl_pipedream import Pipeline
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.frames import PeerError
 from tests.engine.test_pipeline import M, one_device
@@ -164,6 +165,8 @@ def test_an_async_switch_equals_the_oracle_draining_and_switching_at_the_same_st
 def _save_after_switch(rank: int, world: int, path: str) -> list[float]:
     with pipeline(Plan.from_balance([3, 3]), "flush", True) as p:
         losses = [p.train_step(batch).item() for batch in batches()[:2]]
+        with pytest.raises(PipelineSetupError, match="over the same ranks"):
+            p.replan(Plan.from_balance([2, 2, 2]))  # refused before anything stops
         p.replan(Plan.from_balance([1, 5]))
         losses.append(p.train_step(batches()[2]).item())
         p.save(path)

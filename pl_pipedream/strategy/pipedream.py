@@ -155,9 +155,9 @@ class PipeDreamStrategy(ParallelStrategy):
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory = parse_memory(memory)
-        check_memory_layout(self.memory, balance, plan)
-        self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
         self.replanning = Replanning(replan, replan_every, replan_threshold)
+        check_memory_layout(self.memory, balance, plan, self.replanning.on)
+        self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     @property
     @override

@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from pl_pipedream.core.memory_limit import gather_memory
 from pl_pipedream.core.relayout import relayout
 from pl_pipedream.core.replanner import HISTORY_NAME, Replanner, check_replan_options
 from pl_pipedream.core.stage import find_ties, pipeline_layers
@@ -47,9 +48,8 @@ class Replanning:
         self.requested: Plan | None = None
         self.replanner: Replanner | None = None
         self.moves = 0  # moves made in this fit
-        self.earlier: list[TimelineEvent] = []  # the replaced pipelines' actions, this fit
+        self.earlier: list[TimelineEvent] = []  # actions taken from the runners, for timeline=
         self._boundary = 0  # trainer.global_step at the last boundary
-        self._checked = 0  # actions of the runner's timeline already given to a check
 
     @property
     def on(self) -> bool:
@@ -61,10 +61,11 @@ class Replanning:
         self.requested = plan
 
     def start(self, strategy: Any, trainer: Any) -> None:
-        """At the setup of a fit, once the pipeline is built: a fresh ``Replanner`` watching
-        this rank's layers (``mode="auto"``)."""
+        """At the setup of a fit, once the pipeline is built (every rank): a fresh
+        ``Replanner`` watching this rank's layers (``mode="auto"``), bound by the topology and
+        the memory per worker (``memory=``, else a GPU's free memory: one collective)."""
         self.finish()
-        self.moves, self.earlier, self._checked = 0, [], 0
+        self.moves, self.earlier = 0, []
         self._boundary = trainer.global_step
         if not self.on:
             return
@@ -74,7 +75,7 @@ class Replanning:
             self.every,
             self.threshold,
             topology=strategy.topology,
-            memory=strategy.memory,
+            memory=gather_memory(strategy.root_device, strategy.memory),
             profile=None,
             history=history,
             microbatches=strategy.microbatches,
@@ -90,7 +91,11 @@ class Replanning:
         self._boundary = step
         new, decision = self.requested, None
         self.requested = None
-        if new is None and self.replanner is not None and self.replanner.due(step):
+        replanner = self.replanner
+        if replanner is not None and replanner.starts(step):  # the steps before: warm-up
+            self._take(strategy)
+            replanner.reset()
+        elif new is None and replanner is not None and replanner.due(step):
             decision = self._check(strategy, step)
             new = decision.plan if decision is not None and decision.move else None
         if new is None or new == strategy.plan:
@@ -100,16 +105,17 @@ class Replanning:
             rank_zero_warn(f"PipeDreamStrategy: not re-planning at step {step}: {refusal}")
             return
         old = strategy.plan
-        self.earlier += strategy.runner.executor.timeline
+        self._take(strategy)
         seconds = move(strategy, trainer, new)
-        self._checked, self.moves = 0, self.moves + 1
-        if self.replanner is not None:
-            self.replanner.moved(seconds)
+        self.moves += 1
+        if replanner is not None:
+            replanner.moved(step, seconds)  # the next step is warm-up again
             self._watch(strategy)
         announce_move(trainer, step, old, new, decision, seconds)
 
     def timeline(self, runner: Any) -> list[TimelineEvent]:
-        """Every action of this fit: the replaced pipelines' and ``runner``'s."""
+        """Every action of this fit (with ``timeline=``): those taken from the runners, the
+        replaced ones' included, and ``runner``'s since."""
         return self.earlier + (runner.executor.timeline if runner is not None else [])
 
     def finish(self) -> None:
@@ -118,10 +124,17 @@ class Replanning:
             replanner, self.replanner = self.replanner, None
             replanner.close()
 
+    def _take(self, strategy: Any) -> list[TimelineEvent]:
+        """The runner's actions since the last take (its timeline starts again empty), kept
+        for the trace when ``timeline=`` asks for one."""
+        events = strategy.runner.executor.take_timeline()
+        if strategy.timeline is not None:
+            self.earlier += events
+        return events
+
     def _check(self, strategy: Any, step: int) -> Decision | None:
         assert self.replanner is not None
-        events = strategy.runner.executor.timeline
-        since, self._checked = events[self._checked :], len(events)
+        since = self._take(strategy)
         decision = self.replanner.check(step, strategy.plan, since, strategy.global_rank)
         for warning in decision.warnings if decision is not None else ():
             rank_zero_warn(f"PipeDreamStrategy: {warning}")

@@ -35,7 +35,7 @@ from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.strategy.planning import plan_folder, write_plan
 from pl_pipedream.strategy.setup import build_pipeline, patch_lightning
 
-__all__ = ["Replanning", "move"]
+__all__ = ["Replanning", "move", "refused"]
 
 
 class Replanning:

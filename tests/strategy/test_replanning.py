@@ -18,7 +18,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.strategy.replanning import Replanning
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy.replanning import Replanning, refused
 from tests.runtime import oracle
 from tests.runtime.test_executor import loss_fn, make_batches, make_model
 from tests.strategy.test_lightning_features import Net, loader, trainer
@@ -31,6 +32,7 @@ from tests.strategy.test_resume import (
     one_device,
     strategy,
 )
+from tests.strategy.tied_script import tied_model
 
 
 def test_replan_is_off_by_default_and_stores_its_options() -> None:
@@ -91,6 +93,28 @@ def test_off_makes_no_replanner_and_its_boundary_touches_nothing() -> None:
         fitting.global_step = step
         replanning.at_step(SimpleNamespace(), fitting)
     assert replanning.moves == 0 and replanning.earlier == []
+
+
+def stand_in(module: Any, world_size: int, sync: str = "flush") -> SimpleNamespace:
+    return SimpleNamespace(
+        lightning_module=module, world_size=world_size, microbatches=2, sync=SyncMode.parse(sync)
+    )
+
+
+def test_a_plan_the_pipeline_cannot_train_under_is_refused_with_the_reason() -> None:
+    net = Net()
+    assert refused(stand_in(net, 2), Plan.from_balance([1, 5])) is None
+    assert refused(stand_in(net, 2), Plan.from_balance([2, 2, 2])) == (
+        "the plan has 3 workers for 2 processes"
+    )
+    assert refused(stand_in(net, 4), Plan.from_balance([3, 3], replicas=[3, 1])) == (
+        "replica counts [3] do not divide the microbatches (2) of a batch, which replicas share "
+        "round robin"
+    )
+    tied, layout = tied_model(), Plan.from_balance([1, 3], replicas=[2, 1])
+    assert refused(stand_in(tied, 3, "flush"), layout) is None
+    reason = refused(stand_in(tied, 3, "async"), layout)
+    assert reason is not None and "only without replicated stages (replicas: [2, 1]" in reason
 
 
 class MoveAt(Callback):

@@ -35,7 +35,7 @@ from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.strategy.planning import plan_folder, write_plan
 from pl_pipedream.strategy.setup import build_pipeline, patch_lightning
 
-__all__ = ["Replanning", "move", "refused"]
+__all__ = ["Replanning", "move", "refused", "straight_only"]
 
 
 class Replanning:
@@ -79,6 +79,7 @@ class Replanning:
             profile=None,
             history=history,
             microbatches=strategy.microbatches,
+            straight=straight_only(strategy),
         )
         self._watch(strategy)
 
@@ -143,6 +144,16 @@ class Replanning:
     def _watch(self, strategy: Any) -> None:
         assert self.replanner is not None and strategy.local_stage is not None
         self.replanner.watch(dict(strategy.local_stage.module.named_children()))
+
+
+def straight_only(strategy: Any) -> bool:
+    """Whether only straight plans can train: tied parameters (layers sharing one, wherever
+    they are cut) in the per-minibatch modes (``runtime.ties.check_ties``)."""
+    if not strategy.sync.updates_per_minibatch:
+        return False
+    module = strategy.lightning_module
+    layers = pipeline_layers(module)
+    return bool(find_ties(module, layers, Plan.from_balance([1] * len(layers))))
 
 
 def refused(strategy: Any, plan: Plan) -> str | None:

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.replanning import Replanning, refused
+from pl_pipedream.strategy.replanning import Replanning, refused, straight_only
 from tests.runtime import oracle
 from tests.runtime.test_executor import loss_fn, make_batches, make_model
 from tests.strategy.test_lightning_features import Net, loader, trainer
@@ -115,6 +115,12 @@ def test_a_plan_the_pipeline_cannot_train_under_is_refused_with_the_reason() -> 
     assert refused(stand_in(tied, 3, "flush"), layout) is None
     reason = refused(stand_in(tied, 3, "async"), layout)
     assert reason is not None and "only without replicated stages (replicas: [2, 1]" in reason
+
+
+def test_tied_parameters_in_the_per_minibatch_modes_re_plan_straight_only() -> None:
+    assert straight_only(stand_in(tied_model(), 2, "async"))
+    assert not straight_only(stand_in(tied_model(), 2, "flush"))
+    assert not straight_only(stand_in(Net(), 2, "async"))
 
 
 class MoveAt(Callback):

@@ -2,15 +2,19 @@
 ``"off"`` and against the best static plan in hindsight, on gloo ranks of this machine.
 
 Each run starts ``--ranks`` processes (one thread each) that train a chain of ``--layers`` blocks
-(Linear(``--width``)-Tanh) with ``pl_pipedream.Pipeline`` in ``flush`` mode, ``--microbatches``
-microbatches of ``--batch`` rows in all, from an equal split, for ``--steps`` steps. Scenarios:
+with ``pl_pipedream.Pipeline`` in ``flush`` mode, ``--microbatches`` microbatches of ``--batch``
+rows in all, from an equal split, for ``--steps`` steps. A block is Linear(``--width``)-Tanh
+whose work is, with ``--work sleep`` (the default), a sleep of ``--cost-ms`` in its forward and
+twice that in its backward: the machine's cores are shared with other jobs, and sleeps keep the
+figures repeatable while the engine, the measurement, the decision and the moves are the real
+ones; ``--work matmul`` repeats the Linear instead. Scenarios:
 
 * ``slow-rank``: from the middle of the run the last rank is ``--slow`` times slower. A global
-  forward hook sleeps after each pipeline layer the rank runs for ``(slow - 1) * 3`` times the
-  layer's forward time (its forward and its backward, about twice the forward), so the sleep
-  follows the layers the rank holds after a move, as a slower or shared device would.
+  forward hook sleeps after each pipeline layer the rank runs ``slow - 1`` times the layer's
+  forward time, and a hook on its output as much again for twice that in the backward, so the
+  slowdown follows the layers the rank holds after a move, as a slower or shared device would.
 * ``costly-layer``: the second-to-last layer's cost grows linearly from 1x to ``--grow`` x over
-  the run (it repeats its matmul, in the forward and the backward), wherever it runs.
+  the run, wherever it runs.
 
 ``off`` trains on the equal split throughout; ``auto`` re-plans every ``--every`` steps
 (threshold 0.05); ``static`` runs each plan that ``auto`` used from the start with ``"off"``
@@ -44,23 +48,43 @@ from pl_pipedream.planner.plan import Plan
 SCENARIOS = ("slow-rank", "costly-layer")
 
 
-class Block(nn.Module):
-    """Linear-Tanh whose matmul runs ``repeat`` times (the extra ones add zero)."""
+class Work(torch.autograd.Function):
+    """Identity that sleeps ``seconds`` in the forward and twice that in the backward."""
 
-    def __init__(self, width: int) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Block(nn.Module):
+    """Linear-Tanh doing ``repeat`` units of work: sleeps of ``cost`` seconds (``cost`` > 0), or
+    the Linear run ``repeat`` times (the extra runs add zero)."""
+
+    def __init__(self, width: int, cost: float) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
-        self.repeat = 1
+        self.cost, self.repeat = cost, 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        for _ in range(self.repeat - 1):
-            y = y + 0.0 * self.linear(x)
+        if self.cost > 0:
+            y = Work.apply(y, self.cost * self.repeat)
+        else:
+            for _ in range(self.repeat - 1):
+                y = y + 0.0 * self.linear(x)
         return torch.tanh(y)
 
 
 class SlowDown:
-    """Global forward hooks: after each of ``layers``, sleep ``extra`` times its forward time."""
+    """Global hooks: after each forward of one of ``layers``, sleep ``extra`` times its time,
+    and in its backward ``extra`` times twice that."""
 
     def __init__(self, layers: Sequence[nn.Module], extra: float) -> None:
         self.ids, self.extra, self.started = {id(m) for m in layers}, extra, 0.0
@@ -75,7 +99,10 @@ class SlowDown:
 
     def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in self.ids:
-            time.sleep(self.extra * (time.perf_counter() - self.started))
+            seconds = self.extra * (time.perf_counter() - self.started)
+            time.sleep(seconds)
+            if output.requires_grad:
+                output.register_hook(lambda grad: time.sleep(2 * seconds))
 
 
 def _train(rank: int, world: int, port: int, options: dict[str, Any], queue: Any) -> None:
@@ -94,7 +121,8 @@ def _train(rank: int, world: int, port: int, options: dict[str, Any], queue: Any
 
 def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
-    layers = nn.Sequential(*[Block(o["width"]) for _ in range(o["layers"])])
+    cost = o["cost_ms"] / 1e3 if o["work"] == "sleep" else 0.0
+    layers = nn.Sequential(*[Block(o["width"], cost) for _ in range(o["layers"])])
     costly = layers[o["layers"] - 2]
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(o["batch"], o["width"], generator=generator)
@@ -103,7 +131,7 @@ def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
         layers,
         nn.functional.mse_loss,
         lambda params: torch.optim.SGD(params, lr=0.01),
-        sync="flush",
+        sync=o["sync"],
         microbatches=o["microbatches"],
         plan=Plan.from_dict(o["plan"]),
         replan=o["mode"],
@@ -118,8 +146,9 @@ def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
         if o["scenario"] == "costly-layer":
             costly.repeat = 1 + round((o["grow"] - 1) * step / max(steps - 1, 1))
         elif step == steps // 2 and rank == world - 1:
-            slow = SlowDown(list(layers), (o["slow"] - 1) * 3)
+            slow = SlowDown(list(layers), o["slow"] - 1)
         pipeline.train_step(batch)
+    pipeline.drain()  # the asynchronous modes keep minibatches in flight
     seconds = time.perf_counter() - start
     records = pipeline.replanner.records
     pipeline.close()
@@ -168,7 +197,8 @@ def scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     per_stage = [args.layers // args.ranks] * args.ranks
     per_stage[-1] += args.layers - sum(per_stage)
     first = Plan.from_balance(per_stage).to_dict()
-    base = {k: getattr(args, k) for k in ("width", "layers", "batch", "microbatches", "steps")}
+    names = ("width", "layers", "batch", "microbatches", "steps", "work", "cost_ms", "sync")
+    base = {k: getattr(args, k) for k in names}
     base |= {"every": args.every, "slow": args.slow, "grow": args.grow, "scenario": name}
     off = launch({**base, "mode": "off", "plan": first}, args.ranks)
     auto = launch({**base, "mode": "auto", "plan": first}, args.ranks)
@@ -193,14 +223,17 @@ def scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--slow", type=float, default=3.0)
     parser.add_argument("--grow", type=float, default=6.0)
+    parser.add_argument("--sync", default="flush")
+    parser.add_argument("--work", choices=("sleep", "matmul"), default="sleep")
+    parser.add_argument("--cost-ms", type=float, default=3.0, help="a block's forward sleep")
     parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long check of the harness")
     parser.add_argument("--json", help="also write the results to this file")

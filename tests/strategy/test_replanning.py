@@ -5,6 +5,7 @@ at given steps (``Replanning.request``) in flush equal one device, and what they
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,10 +18,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.checkpoint import to_lightning
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.strategy import replanning
 from pl_pipedream.strategy.replanning import Replanning, refused, straight_only
 from tests.runtime import oracle
+from tests.runtime.launched import launch
 from tests.runtime.test_executor import loss_fn, make_batches, make_model
 from tests.strategy.test_lightning_features import Net, loader, trainer
 from tests.strategy.test_resume import (
@@ -331,3 +335,34 @@ def test_auto_moves_off_a_lopsided_plan_by_itself_and_still_equals_one_device(
     assert len(first.stages[0].nodes) > 1
     assert saved_plan(tmp_path / "last.ckpt") == Plan.from_dict(lines[-1]["new_plan"])
     assert "pipedream/replan_gain" in (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
+
+
+def lose_rank_1_in_a_move(folder: Path) -> None:
+    """2 ranks, flush [3, 3], ``last.ckpt`` saved every step; after step 2 every rank moves to
+    [1, 5], and rank 1 exits (status 3) as its move begins."""
+
+    class Lose(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            if trainer.global_step == 2:
+                trainer.strategy.replanning.request(Plan.from_balance([1, 5]))
+                if trainer.global_rank == 1:
+                    replanning.relayout = lambda *args, **kwargs: os._exit(3)
+
+    saver = ModelCheckpoint(
+        dirpath=folder / "ckpts", save_last=True, save_top_k=0, every_n_train_steps=1
+    )
+    layout = PipeDreamStrategy(sync="flush", balance=[3, 3], microbatches=2, timeout=15)
+    run = trainer(devices=2, strategy=layout, callbacks=[saver, Lose()], default_root_dir=folder)
+    run.fit(Scheduled(optimizer="adam"), loader(2))
+
+
+@pytest.mark.slow
+def test_a_rank_lost_in_a_move_is_named_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+    ranks = launch(
+        2, lambda _: lose_rank_1_in_a_move(tmp_path), folder=tmp_path / "ranks", timeout=120
+    )
+    assert [rank.code for rank in ranks] == [1, 3], [rank.stderr[-2000:] for rank in ranks]
+    assert "rank 1 was lost during the move" in ranks[0].error, ranks[0].error
+    saved = to_lightning(tmp_path / "ckpts" / "last.ckpt")
+    assert saved["global_step"] == 2
+    assert sorted(saved["state_dict"]) == sorted(Scheduled(optimizer="adam").state_dict())

@@ -57,13 +57,18 @@ def prepare_pipeline(
     clip_grad_norm: float | None = None,
     pretrained: str | os.PathLike | Pretrained | None = None,
     empty_build: EmptyBuild | None = None,
+    replan: str = "off",
+    replan_every: int = 50,
+    replan_threshold: float = 0.05,
+    replan_history: str | os.PathLike | None = None,
 ) -> Pipeline:
     """This process's part of a pipeline over ``model``'s layers (an ``nn.Sequential`` or a
     list of modules, the same on every process, not passed to ``accelerator.prepare``),
     trained by ``optimizer`` (built over ``model.parameters()`` before any step, or a function
     of a stage's parameters) on ``loss_fn(output, targets)``. The other arguments are
     ``Pipeline``'s (docs/engine.md: a layout as ``balance``/``plan`` or planned from
-    ``example_input``; ``pretrained``/``empty_build`` for a model larger than one process);
+    ``example_input``; ``pretrained``/``empty_build`` for a model larger than one process;
+    ``replan``: ``"auto"`` re-plans from measured stage times, docs/replan.md);
     the device and the precision are the Accelerator's."""
     check_accelerator(accelerator)
     precision = engine_precision(accelerator)
@@ -88,6 +93,10 @@ def prepare_pipeline(
         clip_grad_norm=clip_grad_norm,
         pretrained=pretrained,
         empty_build=empty_build,
+        replan=replan,
+        replan_every=replan_every,
+        replan_threshold=replan_threshold,
+        replan_history=replan_history,
     )
     carry_scaler(accelerator, pipeline.scaler)
     guards.install(accelerator, pipeline, optimizer if isinstance(optimizer, Optimizer) else None)

@@ -33,17 +33,21 @@ def check_arguments(microbatches: Any, start_method: str, divergence: str, timeo
         )
 
 
-def check_memory_layout(memory: float | None, balance: Any, plan: Any) -> None:
+def check_memory_layout(
+    memory: float | None, balance: Any, plan: Any, replanning: bool = False
+) -> None:
     """``memory=`` is the limit automatic planning fits; a layout given by hand (``balance=``,
     ``plan=``) has no profiled sizes to hold against it, so the two together would leave the
-    limit unchecked without a word: refused."""
-    if memory is None or (balance is None and plan is None):
+    limit unchecked without a word: refused, unless the strategy re-plans (``replan="auto"``:
+    the limit bounds the plans it moves to)."""
+    if memory is None or (balance is None and plan is None) or replanning:
         return
     given = f"balance: {list(balance)}" if balance is not None else "plan: given"
     raise ValueError(
         f"memory= is the limit automatic planning fits and is not checked against a layout given "
         f"by hand (memory: {memory:.0f} bytes, {given}); leave out balance=/plan= so that the "
-        "planner chooses a layout that fits, or leave out memory="
+        'planner chooses a layout that fits, or leave out memory= (with replan="auto" it also '
+        "bounds the plans moved to)"
     )
 
 

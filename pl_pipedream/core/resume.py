@@ -211,8 +211,13 @@ class Resume:
     def record(self, module: nn.Module, optimizers: Sequence[Any]) -> None:
         """The names of every optimizer's parameters, group by group, before the optimizers
         are cut down to the stage's parameters."""
-        self.names = {id(param): name for name, param in module.named_parameters()}
+        self.name_parameters(module)
         self.groups = [self._local(optimizer) for optimizer in optimizers]
+
+    def name_parameters(self, module: nn.Module) -> None:
+        """Name ``module``'s parameters as they are now (again after a re-plan created the
+        parameters of the layers that came to this rank: ``core.relayout``)."""
+        self.names = {id(param): name for name, param in module.named_parameters()}
 
     def state_of(self, optimizers: Sequence[Any], optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s state keyed by name: what this rank's shard holds."""

@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
+from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -17,6 +18,7 @@ __all__ = [
     "check_arguments",
     "check_automatic",
     "check_built_optimizer",
+    "check_replan",
     "choose_plan",
     "pipeline_of",
 ]
@@ -146,22 +148,38 @@ def choose_plan(
     return plan
 
 
+def check_replan(mode: Any, every: Any, threshold: Any) -> bool:
+    """Raise for a bad ``replan``, ``replan_every`` or ``replan_threshold``; whether the
+    pipeline re-plans (``engine.replanning``)."""
+    check_replan_options(mode, every, threshold, "Pipeline")
+    return bool(mode == "auto")
+
+
 def check_automatic(
-    explicit: bool, example_input: Any, topology: Any, memory: Any, world_size: int
+    explicit: bool,
+    example_input: Any,
+    topology: Any,
+    memory: Any,
+    world_size: int,
+    replanning: bool = False,
 ) -> None:
-    """``example_input``, ``topology`` and ``memory`` serve automatic planning only: with a
-    ``balance`` or ``plan`` they would be ignored, so they are refused; a topology must have
-    one worker per process."""
+    """``example_input``, ``topology`` and ``memory`` serve automatic planning: with a
+    ``balance`` or ``plan`` they would be ignored, so they are refused, except ``topology`` and
+    ``memory`` when the pipeline re-plans (they bound its plans too); a topology must have one
+    worker per process."""
     given = [
         name
         for name, value in (("example_input", example_input), ("topology", topology))
         if value is not None
     ] + (["memory"] if memory is not None else [])
+    if replanning:
+        given = [name for name in given if name == "example_input"]
     if explicit and given:
+        also = "" if replanning else ' (topology= and memory= also bound replan="auto")'
         raise ValueError(
             f"{', '.join(given)} only serve automatic planning, which a given balance= or plan= "
             f"replaces ({given[0]}: given); drop {'them' if len(given) > 1 else 'it'}, or drop "
-            "balance=/plan= to plan from example_input="
+            f"balance=/plan= to plan from example_input={also}"
         )
     if not explicit and example_input is None and (topology is not None or memory is not None):
         raise ValueError(

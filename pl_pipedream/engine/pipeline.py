@@ -51,11 +51,13 @@ from pl_pipedream.engine.arguments import (
     check_arguments,
     check_automatic,
     check_built_optimizer,
+    check_replan,
     choose_plan,
     pipeline_of,
 )
 from pl_pipedream.engine.group import default_device, join_launched_group
 from pl_pipedream.engine.precision import choose_precision
+from pl_pipedream.engine.replanning import after_step, make_replanner, watch_stage
 from pl_pipedream.engine.running import (
     Running,
     Settings,
@@ -101,7 +103,10 @@ class Pipeline:
     stage in ``flush`` and ``gpipe``, as one device; over the stage in the other modes);
     ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
     stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
-    ``layers`` were built on ``meta``, from which each rank creates only its stage."""
+    ``layers`` were built on ``meta``, from which each rank creates only its stage;
+    ``replan``: ``"auto"`` checks the plan every ``replan_every`` steps against the measured
+    stage times and moves to a plan faster by more than ``replan_threshold`` (``engine.
+    replanning``; each move a line of ``replan_history``, a JSON-lines file), ``"off"``."""
 
     def __init__(
         self,
@@ -126,9 +131,14 @@ class Pipeline:
         memory: float | str | None = None,
         pretrained: str | os.PathLike | Pretrained | None = None,
         empty_build: EmptyBuild | None = None,
+        replan: str = "off",
+        replan_every: int = 50,
+        replan_threshold: float = 0.05,
+        replan_history: str | os.PathLike | None = None,
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
+        replanning = check_replan(replan, replan_every, replan_threshold)
         self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
@@ -141,7 +151,8 @@ class Pipeline:
         join_launched_group(self.timeout)
         self.rank = dist.get_rank()
         explicit = balance is not None or plan is not None
-        check_automatic(explicit, example_input, topology, memory, dist.get_world_size())
+        world = dist.get_world_size()
+        check_automatic(explicit, example_input, topology, memory, world, replanning)
         self.device = torch.device(device) if device is not None else default_device()
         chosen = choose_precision(precision, self.sync, self.device)
         self.precision, self.scaler = chosen.stage, chosen.scaler
@@ -152,7 +163,6 @@ class Pipeline:
             sizes = (self.device, microbatches, limit, recompute, self.sync)
             return plan_at_setup(self.layers, sample, topology, *sizes)[0]
 
-        world = dist.get_world_size()
         self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         self._create_stage(Pretrained.parse(pretrained), empty_build or EmptyBuild())
@@ -167,13 +177,24 @@ class Pipeline:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
+        self.replanner = make_replanner(
+            replan,
+            replan_every,
+            replan_threshold,
+            replan_history,
+            topology,
+            memory,
+            self.device,
+            microbatches,
+        )
         self._settings = Settings(
             self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,
-            self.scaler, clip_grad_norm, weight_prediction, recompute,
+            self.scaler, clip_grad_norm, weight_prediction, recompute, self.replanner.on,
         )  # fmt: skip
         running = Running.start(self.local, self.plan, self.optimizer, self._settings)
         self.runner: PipelineRunner | None = running.runner
         self.updates, self._forward = running.updates, running.forward
+        watch_stage(self)
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
 
@@ -218,7 +239,10 @@ class Pipeline:
         self.steps += 1
         if runner.loss is not None:
             self._judge(runner.loss, runner.loss_batch)
-        return torch.tensor(math.nan if runner.loss is None else runner.loss)
+        loss = torch.tensor(math.nan if runner.loss is None else runner.loss)
+        if self.replanner.on:
+            after_step(self)  # may move to a new plan (a new runner)
+        return loss
 
     def _judge(self, loss: float, batch: int | None) -> None:
         """The divergence check: every rank logs the same loss, so every rank acts alike."""
@@ -357,6 +381,7 @@ class Pipeline:
         (the user's default group stays); a second call does nothing."""
         runner, self.runner = self.runner, None
         self.preemption.finish(failed=False)
+        self.replanner.close()
         if runner is not None:
             runner.close()
 
@@ -367,6 +392,7 @@ class Pipeline:
         runner, self.runner = self.runner, None
         failed = error is not None and not isinstance(error, Preempted)
         self.preemption.finish(failed)
+        self.replanner.close()
         if runner is not None:
             runner.close(failed=failed)
 

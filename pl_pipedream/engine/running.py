@@ -43,6 +43,7 @@ class Settings:
     clip_grad_norm: float | None
     weight_prediction: bool
     recompute: bool
+    record_timeline: bool = False  # what a re-plan check reads (engine.replanning)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Running:
             weight_prediction=s.weight_prediction,
             recompute=s.recompute,
             precision=s.precision,
+            record_timeline=s.record_timeline,
         )
         forward = ForwardPipe(plan, local, runner.executor.channel, s.rank)
         return cls(updates, runner, forward)

@@ -38,6 +38,7 @@ from typing_extensions import override
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import process_group_backend
 from pl_pipedream.core.pretrained import Pretrained
+from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.engine import Pipeline
 from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
@@ -56,7 +57,8 @@ class PipeDreamFabricStrategy(DDPStrategy):
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
         sync, microbatches, balance, plan, example_input, topology, memory, clip_grad_norm,
-            pretrained, timeout, recompute, weight_prediction, divergence, preempt_signals: as
+            pretrained, timeout, recompute, weight_prediction, divergence, preempt_signals,
+            replan, replan_every, replan_threshold, replan_history: as
             ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
             one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
@@ -81,6 +83,10 @@ class PipeDreamFabricStrategy(DDPStrategy):
         weight_prediction: bool = False,
         divergence: str = "error",
         preempt_signals: Sequence[str | int] = (),
+        replan: str = "off",
+        replan_every: int = 50,
+        replan_threshold: float = 0.05,
+        replan_history: str | os.PathLike | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[Any] | None = None,
@@ -99,6 +105,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             timeout=timedelta(seconds=timeout),
             start_method=start_method,
         )
+        check_replan_options(replan, replan_every, replan_threshold, "PipeDreamFabricStrategy")
         self._backward_sync_control = NoAccumulation()  # type: ignore[assignment]
         self.loss_fn = loss_fn
         self.engine_arguments: dict[str, Any] = {
@@ -116,6 +123,10 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "weight_prediction": weight_prediction,
             "divergence": divergence,
             "preempt_signals": preempt_signals,
+            "replan": replan,
+            "replan_every": replan_every,
+            "replan_threshold": replan_threshold,
+            "replan_history": replan_history,
         }
         self._module: PipelineModule | None = None
         self._build = EmptyBuild()  # what fabric.init_module(empty_init=True) recorded

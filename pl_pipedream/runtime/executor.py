@@ -221,6 +221,13 @@ class StageExecutor(SplitBackward):
         running one keeps only the action and two clock readings."""
         return [TimelineEvent(self.rank, str(a), a.kind.value, s, e) for a, s, e in self._timeline]
 
+    def take_timeline(self) -> list[TimelineEvent]:
+        """The timeline so far, which then starts again empty: a reader that needs only the
+        actions since its last read (the re-plan check) keeps it short."""
+        events = self.timeline
+        self._timeline = []
+        return events
+
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""
         if self._flight or self._owed or self._received or self._gradients or self.updates.pending:

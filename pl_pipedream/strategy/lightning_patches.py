@@ -112,7 +112,8 @@ def patch_for_pipeline(
     compute locally, evaluation metrics come from rank ``metrics_source`` (after
     ``before_sharing``), clipping by norm uses ``clip`` (the flushed modes' global norm; None
     keeps Lightning's), each rank checks its own SIGTERM flag and runs ``at_step`` before each
-    training step, and DataLoaders keep their own samplers."""
+    training step, and DataLoaders keep their own samplers. A re-plan applies them again, over
+    its new pipeline."""
     keep_user_samplers(trainer)
     summary_forward(module, summary)
     stop_metric_sync(module)
@@ -170,9 +171,11 @@ def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], Non
     evaluation, every rank adopts the metrics rank ``source`` logged (``before()``, then one
     broadcast; every rank runs the evaluation loop). The connector's properties
     ``callback_metrics``, ``progress_bar_metrics`` and ``logged_metrics`` are read on the source;
-    the other ranks update the stores behind them (``_callback_metrics``, ...)."""
+    the other ranks update the stores behind them (``_callback_metrics``, ...). Patching again
+    (a re-plan's new pipeline, another fit) replaces the wrapper instead of wrapping it."""
     connector = trainer._logger_connector
     epoch_metrics = _require(connector, "update_eval_epoch_metrics", "_LoggerConnector")
+    epoch_metrics = getattr(epoch_metrics, "unwrapped", epoch_metrics)
     names = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
     for name in names:
         _require(connector, name, "_LoggerConnector")
@@ -199,6 +202,7 @@ def share_evaluation_metrics(trainer: Any, source: int, before: Callable[[], Non
                 getattr(connector, f"_{name}").update(values)
         return outputs
 
+    update_eval_epoch_metrics.unwrapped = epoch_metrics  # type: ignore[attr-defined]
     connector.update_eval_epoch_metrics = update_eval_epoch_metrics
 
 

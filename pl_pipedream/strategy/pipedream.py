@@ -5,9 +5,8 @@ runs its segment of the schedule for that batch (``PipelineRunner``); ranks are 
 the activations and gradients they exchange, and every rank logs the same ``train_loss``.
 
 The class holds Lightning's hooks in the order Lightning calls them, each delegating to the
-module that does the job: ``setup`` (with pretrained weights), ``step``, ``updates``,
-``evaluation``, ``checkpoint`` and ``resume``, ``collectives``; ``lightning_patches`` holds every
-Lightning internal touched.
+module that does the job: ``setup``, ``step`` (and ``replanning``), ``updates``, ``evaluation``,
+``checkpoint`` and ``resume``, ``collectives``; ``lightning_patches`` holds every internal touched.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
+from pl_pipedream.strategy.replanning import Replanning
 from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
 from pl_pipedream.strategy.step import TrainingSteps, backward
 from pl_pipedream.strategy.updates import StageUpdates
@@ -73,19 +73,18 @@ class PipeDreamStrategy(ParallelStrategy):
             weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
             linearly over this many updates per update of its delay (0: no warm-up).
-        divergence: what a diverging training loss does, judged on every rank at the same step
-            (``core.divergence``, docs/divergence.md): ``"error"`` (default) stops on a
-            non-finite loss (``TrainingDiverged``; ``BadData`` when the batch held a NaN or inf)
-            and warns once on a loss that gave back its progress; ``"strict"`` stops on both;
-            ``"warn"`` warns on either; ``"off"`` watches nothing, as one device.
-        divergence_rise, divergence_patience, divergence_window: when a loss gave back its
-            progress (docs/divergence.md).
+        divergence: what a diverging training loss does, judged on every rank at one step:
+            ``"error"`` (default), ``"strict"``, ``"warn"`` or ``"off"`` (docs/divergence.md);
+            divergence_rise, divergence_patience, divergence_window: when a loss gave back its
+            progress.
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
             (``core.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
         memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit (GPU: free memory).
         pretrained: weights to start from, a path or a ``Pretrained``; each rank reads only its
             stage's tensors at setup, unless ``fit(ckpt_path=...)`` resumes (docs/pretrained.md).
+        replan: ``"auto"`` re-plans from the measured stage times every ``replan_every``
+            optimizer steps, moving at a drain when faster by ``replan_threshold`` (``replanning``).
     """
 
     strategy_name = "pipedream"
@@ -112,6 +111,9 @@ class PipeDreamStrategy(ParallelStrategy):
         recompute: bool = False,
         memory: int | float | str | None = None,
         pretrained: str | os.PathLike | Pretrained | None = None,
+        replan: str = "off",
+        replan_every: int = 50,
+        replan_threshold: float = 0.05,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -127,15 +129,12 @@ class PipeDreamStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         check_arguments(microbatches, start_method, divergence, timeout)
-        self.sync = SyncMode.parse(sync)
+        self.sync, self.microbatches = SyncMode.parse(sync), microbatches
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
-        self.microbatches = microbatches
         self.balance = list(balance) if balance is not None else None
         self.plan = self._given_plan = plan  # the plan in use: set at setup unless given
-        self.topology = topology
-        self.setup_seconds = 0.0
-        self.timeout = float(timeout)
+        self.topology, self.setup_seconds, self.timeout = topology, 0.0, float(timeout)
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
         self._start_method, self.divergence = start_method, divergence
@@ -156,7 +155,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory = parse_memory(memory)
-        check_memory_layout(self.memory, balance, plan)
+        self.replanning = Replanning(replan, replan_every, replan_threshold)
+        check_memory_layout(self.memory, balance, plan, self.replanning.on)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     @property

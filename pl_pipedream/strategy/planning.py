@@ -32,9 +32,12 @@ __all__ = [
     "SetupPlanner",
     "announce",
     "choose_plan",
+    "elastic",
     "first_sample",
     "plan_automatically",
+    "plan_folder",
     "sample_input",
+    "write_plan",
 ]
 
 
@@ -160,10 +163,33 @@ def announce(trainer: Any, plan: Plan, seconds: float) -> None:
         return
     note = f"\n{plan.meta['note']}" if plan.meta.get("note") else ""
     rank_zero_info(f"PipeDream plan ({seconds:.1f} s to profile and plan):\n{plan.render()}{note}")
-    # trainer.log_dir broadcasts from rank 0: only rank 0 is here, so ask the logger itself.
-    folder = Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+    write_plan(trainer, plan)
+
+
+def plan_folder(trainer: Any) -> Path:
+    """Where ``pipedream_plan.json`` goes: the logger's directory, else the root directory."""
+    # trainer.log_dir broadcasts from rank 0: only rank 0 may be here, so ask the logger itself.
+    return Path(getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir)
+
+
+def write_plan(trainer: Any, plan: Plan) -> None:
+    """Write ``plan`` to ``pipedream_plan.json`` beside the logs (call on rank 0)."""
+    folder = plan_folder(trainer)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pipedream_plan.json").write_text(plan.to_json())
+
+
+def elastic(resumed: Plan, world_size: int) -> Plan | None:
+    """The resumed checkpoint's plan when it has a worker per process; else None, said on
+    rank 0: a run restarted on another number of processes plans afresh for its own."""
+    if resumed.num_workers == world_size:
+        return resumed
+    rank_zero_info(
+        f"PipeDreamStrategy: the checkpoint's plan ({resumed.shape} on {resumed.num_workers} "
+        f"workers) is for another number of processes ({world_size}): planning afresh for "
+        f"{world_size}"
+    )
+    return None
 
 
 @dataclass
@@ -189,6 +215,8 @@ class SetupPlanner:
         ``forward`` is checked against ``layers`` on it, then the plan chosen (every rank)."""
         sample = None
         planned = any(s is not None for s in (self.given, self.balance, self.previous))
+        if not planned and self.resumed is not None:
+            self.resumed = elastic(self.resumed, self.world_size)
         if dist.get_rank() == 0 and (
             forward_is_checked(module, layers) or not (planned or self.resumed is not None)
         ):

@@ -57,6 +57,7 @@ __all__ = [
     "attached_trainer",
     "build_pipeline",
     "end_fit",
+    "patch_lightning",
     "set_up",
     "set_up_environment",
     "stage_weights",
@@ -117,21 +118,34 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.steps.start_fit()
         strategy.resume.record(module, strategy.optimizers)  # configure_optimizers' names
         keep_local_parameters(module, strategy.optimizers)
+        strategy.replanning.start(strategy, trainer)
     strategy.setup_precision_plugin()
+    patch_lightning(strategy, trainer)
+
+
+def patch_lightning(strategy: Any, trainer: pl.Trainer) -> None:
+    """The Lightning internals the pipeline needs (``lightning_patches``), over the strategy's
+    pipeline in use: at setup, and again after a re-plan built another (``replanning``)."""
+    module = strategy.lightning_module
     assert strategy.evaluation is not None and strategy.runner is not None
     updates = strategy.updates
     clip = updates.clip_global_norm if isinstance(updates, TrainerUpdates) else None
+
+    def at_step() -> None:  # before each training step: a preemption's stop, a re-plan's move
+        strategy.preemption.at_step(
+            strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
+        )
+        strategy.replanning.at_step(strategy, trainer)
+
     lightning_patches.patch_for_pipeline(
         trainer,
         module,
-        shape_forward(layers),
+        shape_forward(pipeline_layers(module)),
         strategy.precision_plugin,
         clip,
         strategy.evaluation.metrics_source,
         strategy.runner.executor.channel.flush,
-        lambda: strategy.preemption.at_step(
-            strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
-        ),
+        at_step,
     )
 
 
@@ -187,7 +201,7 @@ def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
         apply,
         strategy.root_device,
         strategy.timeout,
-        record_timeline=strategy.timeline is not None,
+        record_timeline=strategy.timeline is not None or strategy.replanning.on,
         ties=strategy.local_stage.ties,
         weight_prediction=strategy.weight_prediction,
         recompute=strategy.recompute,
@@ -232,6 +246,7 @@ def tear_down(strategy: Any) -> None:
     trainer = attached_trainer(strategy.lightning_module)
     failed = trainer is not None and trainer.interrupted
     strategy.preemption.finish(failed)
+    strategy.replanning.finish()
     if strategy.runner is not None:
         runner, strategy.runner = strategy.runner, None
         runner.close(failed=failed)
@@ -256,9 +271,11 @@ def end_fit(strategy: Any) -> None:
     """At the end of training, on drained weights: the memory report (printed by rank 0) and,
     with ``timeline=``, the Chrome trace with the measured bubble per rank."""
     strategy.memory_report = memory_report.of_fit(strategy)
+    strategy.replanning.finish()
     timeline, runner = strategy.timeline, strategy.runner
     if timeline is not None and runner is not None:
-        strategy.bubbles = gather_trace(runner.executor.timeline, timeline) or {}
+        events = strategy.replanning.timeline(runner)  # the replaced pipelines' too
+        strategy.bubbles = gather_trace(events, timeline) or {}
         if strategy.bubbles:
             summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in strategy.bubbles.items())
             rank_zero_info(f"PipeDream timeline written to {timeline}; bubble {summary}")

@@ -218,3 +218,33 @@ def test_gradient_accumulation_is_refused_naming_microbatches() -> None:
         r"Accelerator\(gradient_accumulation_steps=1\) .* microbatches=4 \* m\)",
     ):
         check_accelerator(fake(steps=4))
+
+
+def _replanning(rank: int, world: int) -> dict:
+    accelerator = accelerator_on(rank, world)
+    model = make_model()
+    pipeline = prepare_pipeline(
+        accelerator,
+        model,
+        sgd(model.parameters()),
+        nn.functional.mse_loss,
+        microbatches=M,
+        balance=[3, 3],
+        replan="auto",
+        replan_every=2,
+        replan_threshold=100.0,  # checks, never moves
+    )
+    for batch in make_batches():
+        pipeline.train_step(batch)
+    replanner = pipeline.replanner
+    recording = pipeline._running().executor.record_timeline
+    pipeline.close()
+    return {"mode": replanner.mode, "every": replanner.every, "recording": recording}
+
+
+@pytest.mark.slow
+def test_the_replan_options_reach_the_engine() -> None:
+    results = run(2, _replanning, timeout=120.0)
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        assert value == {"mode": "auto", "every": 2, "recording": True}

@@ -368,6 +368,16 @@ def test_every_sync_mode_builds_the_strategy(sync: str) -> None:
     assert (strategy.sync, strategy.microbatches) == (sync, 4)
 
 
+def test_the_replan_options_reach_the_strategy_and_default_to_off() -> None:
+    assert instantiate(composed().strategy).replanning.mode == "off"
+    cfg = composed(
+        "strategy.replan=auto", "strategy.replan_every=5", "strategy.replan_threshold=0.1"
+    )
+    replanning = instantiate(cfg.strategy).replanning
+    assert (replanning.mode, replanning.every, replanning.threshold) == ("auto", 5, 0.1)
+    assert instantiate(composed("strategy.replan=off").strategy).replanning.mode == "off"
+
+
 @pytest.mark.parametrize("cluster", ["cluster_a", "cluster_b", "cluster_c"])
 def test_every_cluster_gives_a_topology_the_processes_fit_on(cluster: str) -> None:
     cfg = composed(f"cluster={cluster}")

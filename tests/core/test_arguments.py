@@ -42,3 +42,9 @@ def test_memory_with_a_layout_given_by_hand_is_refused() -> None:
         PipeDreamStrategy(memory="1KiB", balance=[3, 3])
     with pytest.raises(ValueError, match=r"\(memory: 2048 bytes, plan: given\)"):
         PipeDreamStrategy(memory=2048, plan=Plan.from_balance([1, 1]))
+
+
+def test_memory_with_a_layout_given_by_hand_bounds_re_planning() -> None:
+    """With ``replan="auto"`` the limit bounds the plans moved to: accepted beside balance=."""
+    check_memory_layout(1024.0, [3, 3], None, replanning=True)
+    assert PipeDreamStrategy(memory="1KiB", balance=[3, 3], replan="auto").memory == 1024

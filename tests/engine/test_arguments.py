@@ -10,6 +10,7 @@ from pl_pipedream.engine.arguments import (
     check_arguments,
     check_automatic,
     check_built_optimizer,
+    check_replan,
     choose_plan,
     pipeline_of,
 )
@@ -191,3 +192,18 @@ def test_without_a_layout_the_plan_is_made_automatically() -> None:
 def test_bad_layouts(balance: object, plan: object, world: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         choose_plan(balance, plan, 3, world)  # type: ignore[arg-type]
+
+
+def test_replan_options_are_checked_and_say_whether_it_replans() -> None:
+    assert check_replan("auto", 50, 0.05) and not check_replan("off", 1, 0)
+    with pytest.raises(ValueError, match=r"^replan must be one of off, auto \(replan: 'yes'\)"):
+        check_replan("yes", 50, 0.05)
+
+
+def test_topology_and_memory_bound_replanning_beside_a_given_layout() -> None:
+    topology = Topology.flat(2, 1e9)
+    check_automatic(True, None, topology, "1GiB", 2, replanning=True)
+    with pytest.raises(ValueError, match=r"^example_input only serve automatic planning"):
+        check_automatic(True, torch.zeros(1), topology, None, 2, replanning=True)
+    with pytest.raises(ValueError, match=r'also bound replan="auto"'):
+        check_automatic(True, None, None, "1GiB", 2)

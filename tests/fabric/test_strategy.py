@@ -439,3 +439,12 @@ def test_the_example_runs_with_fabric_launching_its_ranks(tmp_path: Path) -> Non
     final = [line for line in done.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and float(final[0].split()[-1]) < 2.0, done.stdout
     assert pl_pipedream.consolidate_checkpoint(tmp_path / "lightning_logs" / "fabric_pipeline.ckpt")
+
+
+def test_the_replan_options_reach_the_engine_and_bad_ones_are_refused_at_once() -> None:
+    strategy = PipeDreamFabricStrategy(MSE, balance=[3, 3], replan="auto", replan_every=7)
+    assert strategy.engine_arguments["replan"] == "auto"
+    assert strategy.engine_arguments["replan_every"] == 7
+    assert strategy.engine_arguments["replan_threshold"] == 0.05
+    with pytest.raises(ValueError, match=r"^replan must be one of off, auto \(replan: 'on'\)"):
+        PipeDreamFabricStrategy(MSE, balance=[3, 3], replan="on")

@@ -237,6 +237,8 @@ def _evaluate_on_two_ranks(rank: int, world: int) -> dict:
 
     run_trainer = trainer()
     calls = []
+    # an earlier pipeline's patch (a re-plan's old one): replaced, not wrapped
+    patches.share_evaluation_metrics(run_trainer, 0, lambda: calls.append("old pipeline"))
     patches.share_evaluation_metrics(run_trainer, 1, lambda: calls.append("before"))
     data = DataLoader(TensorDataset(torch.zeros(4, 4)), batch_size=2)
     out["returned"] = run_trainer.validate(model, data, verbose=False)
@@ -263,6 +265,7 @@ def test_every_rank_adopts_the_source_ranks_evaluation_metrics(two_ranks) -> Non
         assert value["callback"] == value["progress bar"] == value["logged"] == {"val_rank": 1.0}
     # before() and the broadcast run as often on every rank (at each evaluation epoch's end)
     assert two_ranks[0]["before"] == two_ranks[1]["before"] != []
+    assert set(two_ranks[0]["before"]) == {"before"}  # the patch of the pipeline in use only
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.planning import plan_profile
 from pl_pipedream.planner.plan import Plan
@@ -18,6 +19,7 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.strategy.planning import (
     announce,
     choose_plan,
+    elastic,
     plan_automatically,
     sample_input,
 )
@@ -187,3 +189,57 @@ def test_the_printed_plan_says_it_is_slower_than_data_parallelism(
         announce(trainer(tmp_path), chosen, 0.5)
     assert "slower than DP       predicted slower than data parallelism (0.90x)" in caplog.text
     assert "PipeDreamStrategy(microbatches=4)" in caplog.text
+
+
+def test_a_resumed_plan_for_another_number_of_processes_is_dropped_with_a_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("INFO"):
+        assert elastic(RESUMED, 2) is RESUMED
+        assert caplog.text == ""
+        assert elastic(Plan.from_balance([2, 2, 2]), 2) is None
+    assert (
+        "PipeDreamStrategy: the checkpoint's plan (1-1-1 on 3 workers) is for another number of "
+        "processes (2): planning afresh for 2"
+    ) in caplog.text
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_3_processes_resumes_on_2_with_a_fresh_plan(tmp_path: Path) -> None:
+    """Elastic restart: saved at step 5 by a 3-stage flush run, resumed on 2 processes with no
+    balance given, it plans for 2 (and writes that plan) and ends where one device does."""
+    from tests.strategy.test_resume import FLUSH, assert_equal_weights, fit, strategy
+
+    alone = fit(tmp_path / "alone", 2, 1)
+    fit(tmp_path / "three", 1, 3, strategy=strategy("flush", [2, 2, 2]))
+    fresh = PipeDreamStrategy(sync="flush", microbatches=2, start_method="fork", timeout=60)
+    last = tmp_path / "three" / "last.ckpt"
+    resumed = fit(tmp_path / "two", 2, 2, last, strategy=fresh, default_root_dir=tmp_path)
+    saved = json.loads((tmp_path / "two" / "last.ckpt" / "pipeline.json").read_text())
+    assert Plan.from_dict(saved["plan"]).num_workers == 2
+    written = Plan.from_json((tmp_path / "pipedream_plan.json").read_text())
+    assert written.num_workers == 2
+    assert_equal_weights(resumed.state_dict(), alone.state_dict(), FLUSH)
+
+
+@pytest.mark.slow
+def test_a_balance_for_another_number_of_processes_than_the_resumed_run_names_the_fix(
+    tmp_path: Path,
+) -> None:
+    from tests.strategy.test_resume import fit, strategy
+
+    fit(tmp_path / "three", 1, 3, strategy=strategy("flush", [2, 2, 2]))
+    with pytest.raises(Exception) as error:
+        fit(
+            tmp_path / "two",
+            2,
+            2,
+            tmp_path / "three" / "last.ckpt",
+            strategy=strategy("flush", [2, 2, 2]),
+        )
+    assert (
+        "the plan needs one process per worker (plan workers: 3, devices: 2, the checkpoint's "
+        "plan: 1-1-1 on 3 workers); use Trainer(devices=3) or a plan for 2 workers; a "
+        "checkpoint resumes under any plan: leave out balance= and plan= to plan for 2 "
+        "automatically"
+    ) in str(error.value)

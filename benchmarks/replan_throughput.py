@@ -1,0 +1,266 @@
+"""Re-planning a running pipeline with drifting costs: samples/s of ``replan="auto"`` against
+``"off"`` and against the best static plan in hindsight, on gloo ranks of this machine.
+
+Each run starts ``--ranks`` processes (one thread each) that train a chain of ``--layers`` blocks
+with ``pl_pipedream.Pipeline`` in ``flush`` mode, ``--microbatches`` microbatches of ``--batch``
+rows in all, from an equal split, for ``--steps`` steps. A block is Linear(``--width``)-Tanh
+whose work is, with ``--work sleep`` (the default), a sleep of ``--cost-ms`` in its forward and
+twice that in its backward: the machine's cores are shared with other jobs, and sleeps keep the
+figures repeatable while the engine, the measurement, the decision and the moves are the real
+ones; ``--work matmul`` repeats the Linear instead. Scenarios:
+
+* ``slow-rank``: from the middle of the run the last rank is ``--slow`` times slower. A global
+  forward hook sleeps after each pipeline layer the rank runs ``slow - 1`` times the layer's
+  forward time, and a hook on its output as much again for twice that in the backward, so the
+  slowdown follows the layers the rank holds after a move, as a slower or shared device would.
+* ``costly-layer``: the second-to-last layer's cost grows linearly from 1x to ``--grow`` x over
+  the run, wherever it runs.
+
+``off`` trains on the equal split throughout; ``auto`` re-plans every ``--every`` steps
+(threshold 0.05); ``static`` runs each plan that ``auto`` used from the start with ``"off"``
+and keeps the fastest. Throughput is rank 0's samples over the wall time of the training loop
+(moves included). Targets: ``auto`` >= 1.3x ``off`` for the slowed rank, and ``auto`` within 10%
+of the best static plan.
+
+Command: ``python benchmarks/replan_throughput.py`` (about 90 s on two cores); ``--tiny`` for
+a quick check of the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from pl_pipedream import Pipeline
+from pl_pipedream.planner.plan import Plan
+
+SCENARIOS = ("slow-rank", "costly-layer")
+
+
+class Work(torch.autograd.Function):
+    """Identity that sleeps ``seconds`` in the forward and twice that in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Block(nn.Module):
+    """Linear-Tanh doing ``repeat`` units of work: sleeps of ``cost`` seconds (``cost`` > 0), or
+    the Linear run ``repeat`` times (the extra runs add zero)."""
+
+    def __init__(self, width: int, cost: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.cost, self.repeat = cost, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.cost > 0:
+            y = Work.apply(y, self.cost * self.repeat)
+        else:
+            for _ in range(self.repeat - 1):
+                y = y + 0.0 * self.linear(x)
+        return torch.tanh(y)
+
+
+class SlowDown:
+    """Global hooks: after each forward of one of ``layers``, sleep ``extra`` times its time,
+    and in its backward ``extra`` times twice that."""
+
+    def __init__(self, layers: Sequence[nn.Module], extra: float) -> None:
+        self.ids, self.extra, self.started = {id(m) for m in layers}, extra, 0.0
+        self.handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._start),
+            nn.modules.module.register_module_forward_hook(self._stop),
+        ]
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.ids:
+            self.started = time.perf_counter()
+
+    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in self.ids:
+            seconds = self.extra * (time.perf_counter() - self.started)
+            time.sleep(seconds)
+            if output.requires_grad:
+                output.register_hook(lambda grad: time.sleep(2 * seconds))
+
+
+def _train(rank: int, world: int, port: int, options: dict[str, Any], queue: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        queue.put((rank, _run(rank, world, options)))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, {"error": f"{type(error).__name__}: {error}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    cost = o["cost_ms"] / 1e3 if o["work"] == "sleep" else 0.0
+    layers = nn.Sequential(*[Block(o["width"], cost) for _ in range(o["layers"])])
+    costly = layers[o["layers"] - 2]
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(o["batch"], o["width"], generator=generator)
+    batch = (x, torch.randn(o["batch"], o["width"], generator=generator))
+    pipeline = Pipeline(
+        layers,
+        nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.01),
+        sync=o["sync"],
+        microbatches=o["microbatches"],
+        plan=Plan.from_dict(o["plan"]),
+        replan=o["mode"],
+        replan_every=o["every"],
+        replan_threshold=0.05,
+        timeout=120.0,
+    )
+    steps, slow = o["steps"], None
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        if o["scenario"] == "costly-layer":
+            costly.repeat = 1 + round((o["grow"] - 1) * step / max(steps - 1, 1))
+        elif step == steps // 2 and rank == world - 1:
+            slow = SlowDown(list(layers), o["slow"] - 1)
+        pipeline.train_step(batch)
+    pipeline.drain()  # the asynchronous modes keep minibatches in flight
+    seconds = time.perf_counter() - start
+    records = pipeline.replanner.records
+    pipeline.close()
+    if slow is not None:
+        for handle in slow.handles:
+            handle.remove()
+    return {
+        "samples_per_s": steps * o["batch"] / seconds,
+        "plans": [r["new_plan"] for r in records],
+        "moves": [(r["step"], r["seconds"]) for r in records],
+        "final": pipeline.plan.to_dict(),
+    }
+
+
+def launch(options: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """Rank 0's result of one run on ``ranks`` fresh processes."""
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        context.Process(target=_train, args=(r, ranks, port, options, queue), daemon=True)
+        for r in range(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=600) for _ in range(ranks))
+    for proc in procs:
+        proc.join(timeout=10)
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    if errors:
+        raise RuntimeError(f"a run failed: {errors}")
+    return results[0]
+
+
+def layout(plan: dict[str, Any]) -> str:
+    return "|".join(
+        f"{s['nodes'][0]}-{s['nodes'][-1]}" + (f"x{s['replicas']}" if s["replicas"] > 1 else "")
+        for s in plan["stages"]
+    )
+
+
+def scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """off, auto and the best static plan in hindsight for one scenario."""
+    per_stage = [args.layers // args.ranks] * args.ranks
+    per_stage[-1] += args.layers - sum(per_stage)
+    first = Plan.from_balance(per_stage).to_dict()
+    names = ("width", "layers", "batch", "microbatches", "steps", "work", "cost_ms", "sync")
+    base = {k: getattr(args, k) for k in names}
+    base |= {"every": args.every, "slow": args.slow, "grow": args.grow, "scenario": name}
+    off = launch({**base, "mode": "off", "plan": first}, args.ranks)
+    auto = launch({**base, "mode": "auto", "plan": first}, args.ranks)
+    static = {layout(first): off["samples_per_s"]}
+    for plan in auto["plans"]:
+        if layout(plan) not in static:
+            run = launch({**base, "mode": "off", "plan": plan}, args.ranks)
+            static[layout(plan)] = run["samples_per_s"]
+    best = max(static, key=static.__getitem__)
+    return {
+        "scenario": name,
+        "off": off["samples_per_s"],
+        "auto": auto["samples_per_s"],
+        "static": static[best],
+        "static_plan": best,
+        "statics": static,
+        "moves": auto["moves"],
+        "plans": [layout(first)] + [layout(p) for p in auto["plans"]],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--slow", type=float, default=3.0)
+    parser.add_argument("--grow", type=float, default=6.0)
+    parser.add_argument("--sync", default="flush")
+    parser.add_argument("--work", choices=("sleep", "matmul"), default="sleep")
+    parser.add_argument("--cost-ms", type=float, default=3.0, help="a block's forward sleep")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both")
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long check of the harness")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.layers, args.width, args.batch, args.steps, args.every = 4, 16, 8, 12, 3
+    names = SCENARIOS if args.scenario == "both" else (args.scenario,)
+    results = [scenario(name, args) for name in names]
+    print("scenario      off    auto  static (plan)        auto/off  auto/static  moves  plans")
+    for r in results:
+        print(
+            f"{r['scenario']:<12} {r['off']:6.0f} {r['auto']:6.0f} {r['static']:6.0f} "
+            f"({r['static_plan']:<12}) {r['auto'] / r['off']:8.2f} {r['auto'] / r['static']:11.2f}"
+            f"  {len(r['moves']):5d}  {' -> '.join(r['plans'])}"
+        )
+    for r in results:
+        gain, near = r["auto"] / r["off"], r["auto"] / r["static"]
+        if r["scenario"] == "slow-rank":
+            print(f"slow-rank: auto/off {gain:.2f} >= 1.3: {'met' if gain >= 1.3 else 'missed'}")
+        print(
+            f"{r['scenario']}: auto/static {near:.2f} >= 0.9: {'met' if near >= 0.9 else 'missed'}"
+        )
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

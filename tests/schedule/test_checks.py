@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, Schedule, build
+from pl_pipedream.schedule import CONTIGUOUS_MODES, Schedule, build
 from pl_pipedream.schedule.checks import (
     CHECKS,
     check_deadlock,
@@ -20,7 +20,7 @@ from pl_pipedream.schedule.checks import (
 
 def built(plan: Plan) -> list[Schedule]:
     m = 2 * plan.num_stages
-    return [build(plan, sync, 4, m) for sync in SYNC_MODES] + [build(plan, "async", 6, m // 2)]
+    return [build(plan, sync, 4, m) for sync in CONTIGUOUS_MODES] + [build(plan, "async", 6, m // 2)]
 
 
 def test_every_check_accepts_built_schedules(plan: Plan) -> None:

@@ -11,6 +11,8 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SyncMode, build, simulate
 from pl_pipedream.schedule.compare import compare, render_comparison
 
+CONTIGUOUS = [mode for mode in SyncMode if mode.trains]
+
 
 def timed(p: int) -> Plan:
     plan = Plan.from_balance([1] * p)
@@ -20,8 +22,8 @@ def timed(p: int) -> Plan:
 
 def test_each_row_is_the_modes_own_simulation() -> None:
     plan = timed(4)
-    rows = compare(plan, list(SyncMode), 4, 8, weight_share=0.5)
-    assert [row.sync for row in rows] == list(SyncMode)
+    rows = compare(plan, CONTIGUOUS, 4, 8, weight_share=0.5)
+    assert [row.sync for row in rows] == CONTIGUOUS
     for row in rows:
         assert row.result == simulate(build(plan, row.sync, 4, 8), weight_share=0.5)
     by_mode = {row.sync: row.result for row in rows}

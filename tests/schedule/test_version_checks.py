@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, Schedule, build
+from pl_pipedream.schedule import CONTIGUOUS_MODES, Schedule, build
 from pl_pipedream.schedule.version_checks import check_versions
 
 
@@ -20,7 +20,7 @@ def with_rank(schedule: Schedule, rank: int, actions: tuple) -> Schedule:  # typ
 
 
 def test_accepts_every_mode(plan: Plan) -> None:
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         assert check_versions(build(plan, sync, 3, 2 * plan.num_stages)) is None
 
 

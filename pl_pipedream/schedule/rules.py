@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED
+from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, stage_ranks
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
@@ -153,8 +153,12 @@ def check_arguments(
 
 def _check_placement(plan: Plan, mode: SyncMode) -> None:
     """A mode runs the stage-to-rank mapping it is built for (``SyncMode.placement``)."""
-    if plan.placement == mode.placement:
+    if mode.placement == CONTIGUOUS and plan.placement == CONTIGUOUS:
         return
+    ranks = tuple(stage.ranks[0] for stage in plan.stages)
+    if mode.placement != CONTIGUOUS and plan.placement != CONTIGUOUS:
+        if ranks == stage_ranks(mode.placement, plan.num_workers, plan.chunks_per_rank):
+            return  # on one rank the interleaved and the V placement coincide
     if mode.placement == CONTIGUOUS:
         fix = f"use sync='{SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV}'"
     else:

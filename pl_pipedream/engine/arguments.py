@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_trains
 
 __all__ = [
     "check_arguments",
@@ -73,13 +73,14 @@ def check_arguments(
             f'{divergence!r}); for example Pipeline(..., divergence="warn")'
         )
     try:
-        return SyncMode.parse(sync)
+        mode = SyncMode.parse(sync)
     except ValueError:
         choices = ", ".join(m.value for m in SyncMode)
         raise ValueError(
             f"sync must be one of {choices} (sync: {sync!r}); for example "
             f"Pipeline(..., sync='{SyncMode.FLUSH}')"
         ) from None
+    return check_trains(mode, "Pipeline(..., sync='{sync}')")
 
 
 def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:

@@ -117,11 +117,11 @@ SYNC_MODES = tuple(mode.value for mode in SyncMode)
 CONTIGUOUS_MODES = tuple(mode.value for mode in SyncMode if mode.placement == CONTIGUOUS)
 
 
-def check_trains(mode: SyncMode, call: str) -> None:
-    """Raise ``ValueError`` at setup for a mode the runtime does not run, naming what works:
-    ``call`` is the front end's call with the mode's name in ``{sync}``."""
+def check_trains(mode: SyncMode, call: str) -> SyncMode:
+    """``mode``, or a ``ValueError`` at setup for a mode the runtime does not run, naming what
+    works: ``call`` is the front end's call with the mode's name in ``{sync}``."""
     if mode.trains:
-        return
+        return mode
     working = ", ".join(m.value for m in SyncMode if m.trains)
     raise ValueError(
         f"sync='{mode}' runs several stages per rank, which the schedule builds and simulates "

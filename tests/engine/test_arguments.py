@@ -86,6 +86,15 @@ def test_good_arguments_give_the_mode() -> None:
             r"^sync must be one of async, .*\(sync: 'sync'\); for example "
             r"Pipeline\(\.\.\., sync='flush'\)",
         ),
+        (
+            (nn.functional.mse_loss, sgd, "interleaved", 4, 30, "error"),
+            r"^sync='interleaved' runs several stages per rank, .* \(sync: 'interleaved'\); "
+            r"train with one of .* e\.g\. Pipeline\(\.\.\., sync='zero_bubble'\), and weigh",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "zbv", 4, 30, "error"),
+            r"^sync='zbv' runs several stages per rank, .*pl-pipedream simulate --plan plan\.json",
+        ),
     ],
 )
 def test_bad_arguments(arguments: tuple, message: str) -> None:

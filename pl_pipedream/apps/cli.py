@@ -193,8 +193,7 @@ def _read_plan(path: str) -> Plan:
 
 
 def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pl_pipedream.schedule import build, render, simulate, validate
-    from pl_pipedream.schedule import rules
+    from pl_pipedream.schedule import build, render, rules, simulate, validate
     from pl_pipedream.schedule.compare import compare, plan_for, render_comparison
 
     if args.plan:

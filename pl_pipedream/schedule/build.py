@@ -23,6 +23,7 @@ from pl_pipedream.schedule.wrap import wrap
 
 __all__ = ["build"]
 
+
 def build(
     plan: Plan,
     sync: SyncMode | str,

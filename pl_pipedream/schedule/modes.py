@@ -19,7 +19,12 @@ from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, V_SHAPE
 
 __all__ = [
     "CONTIGUOUS_MODES",
-    "SYNC_MODES", "SyncMode", "UpdateSettings", "check_trains", "update_settings"]
+    "SYNC_MODES",
+    "SyncMode",
+    "UpdateSettings",
+    "check_trains",
+    "update_settings",
+]
 
 
 class SyncMode(str, enum.Enum):

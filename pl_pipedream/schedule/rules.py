@@ -160,7 +160,8 @@ def _check_placement(plan: Plan, mode: SyncMode) -> None:
         if ranks == stage_ranks(mode.placement, plan.num_workers, plan.chunks_per_rank):
             return  # on one rank the interleaved and the V placement coincide
     if mode.placement == CONTIGUOUS:
-        fix = f"use sync='{SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV}'"
+        chunked = SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV
+        fix = f"use sync='{chunked}'"
     else:
         fix = (
             f"build the plan with Plan.from_balance(..., placement='{mode.placement}'), or recut "

@@ -47,7 +47,11 @@ def wrap(
         out.append(Action(ActionKind.BACKWARD_WEIGHT, version=version, **tagged))
         return
     if kind == "F":
-        receive, compute, send = ActionKind.RECV_ACTIVATION, ActionKind.FORWARD, ActionKind.SEND_ACTIVATION
+        receive, compute, send = (
+            ActionKind.RECV_ACTIVATION,
+            ActionKind.FORWARD,
+            ActionKind.SEND_ACTIVATION,
+        )
         source, target = before, after
     else:
         receive, compute, send = ActionKind.RECV_GRAD, _INPUT_GRAD[kind], ActionKind.SEND_GRAD

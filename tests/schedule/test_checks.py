@@ -20,7 +20,8 @@ from pl_pipedream.schedule.checks import (
 
 def built(plan: Plan) -> list[Schedule]:
     m = 2 * plan.num_stages
-    return [build(plan, sync, 4, m) for sync in CONTIGUOUS_MODES] + [build(plan, "async", 6, m // 2)]
+    modes = CONTIGUOUS_MODES
+    return [build(plan, sync, 4, m) for sync in modes] + [build(plan, "async", 6, m // 2)]
 
 
 def test_every_check_accepts_built_schedules(plan: Plan) -> None:

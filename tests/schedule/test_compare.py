@@ -55,9 +55,12 @@ def test_one_line_per_mode_under_the_header() -> None:
 
 
 def test_the_modes_of_several_stages_per_rank_run_the_plan_recut() -> None:
-    plan = dataclasses.replace(timed(4), stages=tuple(
-        dataclasses.replace(s, nodes=(f"{s.index}a", f"{s.index}b")) for s in timed(4).stages
-    ))
+    plan = dataclasses.replace(
+        timed(4),
+        stages=tuple(
+            dataclasses.replace(s, nodes=(f"{s.index}a", f"{s.index}b")) for s in timed(4).stages
+        ),
+    )
     rows = compare(plan, ["interleaved", "zbv"], 2, 8, weight_share=0.5)
     for row in rows:
         assert row.result == simulate(

@@ -124,7 +124,8 @@ def test_mode_names_are_literals_only_in_modes() -> None:
     files = [
         path
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != PACKAGE / "schedule" / "modes.py" and configs not in path.parents
+        if path != PACKAGE / "schedule" / "modes.py"
+        and configs not in path.parents
         # the interleaved placement of stages shares its name with the mode that runs it
         and path != PACKAGE / "planner" / "chunks.py"
     ]

@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import CONTIGUOUS_MODES, Action, ActionKind, Schedule, ScheduleError, build
+from pl_pipedream.schedule import (
+    CONTIGUOUS_MODES,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    build,
+)
 from pl_pipedream.schedule.split_checks import (
     check_split_counts,
     check_split_order,

@@ -129,7 +129,7 @@ def check_arguments(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
     _check_placement(plan, mode)
-    fix = _use(fewest_microbatches(plan, mode, microbatches))
+    fix = _use(fewest_microbatches(plan, mode, microbatches), mode)
     if mode is SyncMode.INTERLEAVED and microbatches % plan.num_workers:
         raise ValueError(
             f"{mode} feeds microbatches in groups of one per rank (microbatches: {microbatches}, "
@@ -169,8 +169,8 @@ def _check_placement(plan: Plan, mode: SyncMode) -> None:
             f"'{mode.placement}')"
         )
     raise ValueError(
-        f"{mode} runs plans whose stages sit on the ranks {mode.placement} (placement: "
-        f"{plan.placement}); {fix}"
+        f"{mode} runs plans whose stages are placed {mode.placement!r} on the ranks "
+        f"(placement: {plan.placement!r}); {fix}"
     )
 
 
@@ -201,8 +201,11 @@ def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
     return step * math.ceil(need / step)
 
 
-def _use(microbatches: int) -> str:
-    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag."""
+def _use(microbatches: int, mode: SyncMode) -> str:
+    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag (the
+    flag alone for a mode the runtime does not run)."""
+    if not mode.trains:
+        return f"use pl-pipedream simulate --microbatches {microbatches}"
     return (
         f"use PipeDreamStrategy(microbatches={microbatches}) (pl-pipedream simulate "
         f"--microbatches {microbatches})"

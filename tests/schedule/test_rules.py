@@ -103,13 +103,13 @@ def test_a_mode_runs_the_placement_it_is_built_for() -> None:
     flat = Plan.from_balance([1] * 4)
     chunked = Plan.from_balance([1] * 4, placement="interleaved")
     v_shape = Plan.from_balance([1] * 4, placement="v")
-    with pytest.raises(ValueError, match=r"placement: interleaved\); use sync='interleaved'"):
+    with pytest.raises(ValueError, match=r"placement: 'interleaved'\); use sync='interleaved'"):
         rules.check_arguments(chunked, "flush", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: v\); use sync='zbv'"):
+    with pytest.raises(ValueError, match=r"placement: 'v'\); use sync='zbv'"):
         rules.check_arguments(v_shape, "zero_bubble", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: contiguous\); build the plan with"):
+    with pytest.raises(ValueError, match=r"placement: 'contiguous'\); build the plan with"):
         rules.check_arguments(flat, "interleaved", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: interleaved\); build the plan with"):
+    with pytest.raises(ValueError, match=r"placement: 'interleaved'\); build the plan with"):
         rules.check_arguments(chunked, "zbv", 1, 2)
     assert rules.check_arguments(chunked, "interleaved", 1, 2) is SyncMode.INTERLEAVED
     assert rules.check_arguments(v_shape, "zbv", 1, 1) is SyncMode.ZBV
@@ -119,5 +119,8 @@ def test_interleaved_takes_microbatches_in_groups_of_one_per_rank() -> None:
     plan = Plan.from_balance([1] * 6, placement="interleaved", num_ranks=3)
     assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED) == 3
     assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED, 4) == 6
-    with pytest.raises(ValueError, match=r"microbatches: 4, ranks: 3\); use PipeDreamStrategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"microbatches: 4, ranks: 3\); use pl-pipedream simulate --microbatches 6$",
+    ):
         rules.check_arguments(plan, "interleaved", 1, 4)

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.arguments import check_one_stage_per_rank
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode, check_trains
@@ -137,6 +138,7 @@ def choose_plan(
             f"plan must be a pl_pipedream.Plan (plan: {type(plan).__name__}); build one with "
             "pl_pipedream.plan(...), Plan.from_balance([...]) or Plan.from_json(text)"
         )
+    check_one_stage_per_rank(plan)
     if plan.num_workers != world_size:
         raise ValueError(
             f"the plan must have one worker per process of the group (plan's workers: "

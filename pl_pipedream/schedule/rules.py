@@ -161,7 +161,7 @@ def _check_placement(plan: Plan, mode: SyncMode) -> None:
             return  # on one rank the interleaved and the V placement coincide
     if mode.placement == CONTIGUOUS:
         chunked = SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV
-        fix = f"use sync='{chunked}'"
+        fix = f"simulate it with sync='{chunked}', or give a plan of one stage per rank"
     else:
         fix = (
             f"build the plan with Plan.from_balance(..., placement='{mode.placement}'), or recut "

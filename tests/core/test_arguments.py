@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.core.arguments import check_arguments, check_memory_layout
+from pl_pipedream.core.arguments import (
+    check_arguments,
+    check_memory_layout,
+    check_one_stage_per_rank,
+)
 from pl_pipedream.planner.plan import Plan
 
 
@@ -42,3 +46,15 @@ def test_memory_with_a_layout_given_by_hand_is_refused() -> None:
         PipeDreamStrategy(memory="1KiB", balance=[3, 3])
     with pytest.raises(ValueError, match=r"\(memory: 2048 bytes, plan: given\)"):
         PipeDreamStrategy(memory=2048, plan=Plan.from_balance([1, 1]))
+
+
+@pytest.mark.parametrize(("placement", "mode"), [("interleaved", "interleaved"), ("v", "zbv")])
+def test_a_plan_of_several_stages_per_rank_is_refused_for_training(
+    placement: str, mode: str
+) -> None:
+    check_one_stage_per_rank(Plan.from_balance([1, 1], replicas=[2, 1]))
+    with pytest.raises(ValueError) as error:
+        check_one_stage_per_rank(Plan.from_balance([1] * 4, placement=placement))
+    message = str(error.value)
+    assert f"this plan gives each rank 2 (placement: {placement!r}); give a plan" in message
+    assert f"'pl-pipedream simulate --plan plan.json --sync {mode}'" in message

@@ -127,6 +127,12 @@ def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:
     assert choose_plan(None, given, 3, 2) is given
 
 
+def test_a_plan_of_several_stages_per_rank_is_refused() -> None:
+    chunked = Plan.from_balance([1] * 4, placement="interleaved")
+    with pytest.raises(ValueError, match=r"^training runs one stage per rank, .*--sync interl"):
+        choose_plan(None, chunked, 4, 2)
+
+
 @pytest.mark.parametrize(
     ("explicit", "example", "topology", "memory", "message"),
     [

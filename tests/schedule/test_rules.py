@@ -103,9 +103,11 @@ def test_a_mode_runs_the_placement_it_is_built_for() -> None:
     flat = Plan.from_balance([1] * 4)
     chunked = Plan.from_balance([1] * 4, placement="interleaved")
     v_shape = Plan.from_balance([1] * 4, placement="v")
-    with pytest.raises(ValueError, match=r"placement: 'interleaved'\); use sync='interleaved'"):
+    with pytest.raises(
+        ValueError, match=r"placement: 'interleaved'\); simulate it with sync='interleaved'"
+    ):
         rules.check_arguments(chunked, "flush", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: 'v'\); use sync='zbv'"):
+    with pytest.raises(ValueError, match=r"placement: 'v'\); simulate it with sync='zbv'"):
         rules.check_arguments(v_shape, "zero_bubble", 1, 2)
     with pytest.raises(ValueError, match=r"placement: 'contiguous'\); build the plan with"):
         rules.check_arguments(flat, "interleaved", 1, 2)

@@ -187,3 +187,11 @@ def test_the_printed_plan_says_it_is_slower_than_data_parallelism(
         announce(trainer(tmp_path), chosen, 0.5)
     assert "slower than DP       predicted slower than data parallelism (0.90x)" in caplog.text
     assert "PipeDreamStrategy(microbatches=4)" in caplog.text
+
+
+def test_a_plan_of_several_stages_per_rank_is_refused_at_setup() -> None:
+    chunked = Plan.from_balance([1] * 4, placement="v")
+    with pytest.raises(
+        PipelineSetupError, match=r"^training runs one stage per rank, .*--sync zbv"
+    ):
+        choose(chunked)

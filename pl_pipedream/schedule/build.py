@@ -19,7 +19,7 @@ from pl_pipedream.schedule import order, rules
 from pl_pipedream.schedule.actions import Action, Schedule
 from pl_pipedream.schedule.chunked import chunked_lists
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.schedule.wrap import wrap
+from pl_pipedream.schedule.wrap import place, wrap
 
 __all__ = ["build"]
 
@@ -86,8 +86,8 @@ def expand(
     plan: Plan, sync: SyncMode, microbatches: int, rank: int, tokens: list[order.Token]
 ) -> list[Action]:
     """Turn one replica's tokens into actions, adding its messages and collectives."""
-    stage = plan.stage_of_rank(rank).index
+    where = place(plan, rank, plan.stage_of_rank(rank).index)
     out: list[Action] = []
     for token in tokens:
-        wrap(plan, sync, microbatches, rank, stage, token, out)
+        wrap(plan, sync, microbatches, where, token, out)
     return out

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.schedule.wrap import wrap
+from pl_pipedream.schedule.wrap import place, wrap
 
 __all__ = ["chunked_lists", "interleaved_order", "zbv_order"]
 
@@ -46,10 +46,13 @@ def chunked_lists(
         if scope is not None and rank not in scope:
             lists.append(())
             continue
+        places = {
+            stage.index: place(plan, rank, stage.index) for stage in plan.stages_of_rank(rank)
+        }
         out: list[Action] = []
         for batch in range(num_batches):
             for kind, stage, index in _batch_order(plan, sync, microbatches, rank, batch):
-                wrap(plan, sync, microbatches, rank, stage, (kind, index), out)
+                wrap(plan, sync, microbatches, places[stage], (kind, index), out)
         lists.append(tuple(out))
     return tuple(lists)
 

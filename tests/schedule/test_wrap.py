@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import Action, SyncMode
-from pl_pipedream.schedule.wrap import wrap
+from pl_pipedream.schedule.wrap import place, wrap
 
 
 def actions(plan: Plan, sync: SyncMode, rank: int, stage: int, token: tuple[str, int]) -> str:
     out: list[Action] = []
-    wrap(plan, sync, 2, rank, stage, token, out)
+    wrap(plan, sync, 2, place(plan, rank, stage), token, out)
     return " ".join(str(action) for action in out)
 
 
@@ -25,8 +25,8 @@ def test_a_forward_and_a_backward_are_wrapped_in_their_messages() -> None:
 def test_an_update_is_a_step_after_an_allreduce_on_replicated_stages() -> None:
     plan = Plan.from_balance([1, 1], replicas=[2, 1])
     out: list[Action] = []
-    wrap(plan, SyncMode.FLUSH, 2, 0, 0, ("B", 0), out)
-    wrap(plan, SyncMode.FLUSH, 2, 0, 0, ("U", 1), out)
+    wrap(plan, SyncMode.FLUSH, 2, place(plan, 0, 0), ("B", 0), out)
+    wrap(plan, SyncMode.FLUSH, 2, place(plan, 0, 0), ("U", 1), out)
     assert [str(a) for a in out[-2:]] == ["0Av1", "0Sv1"]
 
 

@@ -115,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--compare",
         action="store_true",
-        help="also simulate every mode on the plan (a split mode such as zero_bubble is "
-        "always compared with the flushed modes)",
+        help="also simulate every mode on the plan (a split mode such as zero_bubble, or one "
+        "of several stages per rank, is always compared with the flushed modes; interleaved "
+        "and zbv run the plan recut into two chunks per rank)",
     )
     simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
     simulate.add_argument("--no-table", action="store_true", help="omit the timeline table")
@@ -192,8 +193,8 @@ def _read_plan(path: str) -> Plan:
 
 
 def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pl_pipedream.schedule import build, render, simulate, validate
-    from pl_pipedream.schedule.compare import compare, render_comparison
+    from pl_pipedream.schedule import build, render, rules, simulate, validate
+    from pl_pipedream.schedule.compare import compare, plan_for, render_comparison
 
     if args.plan:
         chosen = _read_plan(args.plan)
@@ -204,26 +205,29 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     bandwidth = args.link_bandwidth
     if bandwidth is None and chosen.topology is not None:
         bandwidth = chosen.topology.levels[-1].bandwidth
+    mode = SyncMode.parse(args.sync)
+    shown = plan_for(chosen, mode)  # recut into chunks for a mode of several stages per rank
     microbatches = args.microbatches
     if microbatches is None:
-        microbatches = math.lcm(*(stage.replicas for stage in chosen.stages))
-        fewest = SyncMode.parse(args.sync).min_microbatches(chosen.num_stages)
+        microbatches = math.lcm(*(stage.replicas for stage in shown.stages))
+        fewest = mode.min_microbatches(shown.num_stages)
         microbatches *= math.ceil(fewest / microbatches)
-    schedule = build(chosen, args.sync, args.batches, microbatches)
+        if mode is SyncMode.INTERLEAVED:
+            microbatches = rules.fewest_microbatches(shown, mode, microbatches)
+    schedule = build(shown, mode, args.batches, microbatches)
     validate(schedule)
     times = {"bandwidth": bandwidth, "weight_share": args.weight_share}
     result = simulate(schedule, **times)
-    mode = SyncMode.parse(args.sync)
     modes = list(SyncMode) if args.compare else [m for m in SyncMode if m.flushes]
     rows = compare(chosen, modes, args.batches, microbatches, **times)
-    show = args.compare or mode.splits_backward
+    show = args.compare or mode.splits_backward or not mode.trains
     if args.json:
         figures = result.to_dict()
         if show:
             figures["compare"] = [row.to_dict() for row in rows]
         print(json.dumps(figures))
         return 0
-    print(chosen.render())
+    print(shown.render())
     print()
     if not args.no_table:
         print(render(schedule))

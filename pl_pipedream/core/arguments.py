@@ -7,8 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
+from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.planner.chunks import CONTIGUOUS
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["check_arguments", "check_layer_sync", "check_memory_layout"]
+__all__ = [
+    "check_arguments",
+    "check_layer_sync",
+    "check_memory_layout",
+    "check_one_stage_per_rank",
+]
 
 
 def check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
@@ -31,6 +40,20 @@ def check_arguments(microbatches: Any, start_method: str, divergence: str, timeo
             f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
             f'{divergence!r}); for example PipeDreamStrategy(divergence="warn")'
         )
+
+
+def check_one_stage_per_rank(plan: Plan) -> None:
+    """The runtime trains one stage per rank: a plan of several (``planner.chunks``) is for
+    the simulator only (docs/interleaved.md)."""
+    if plan.placement == CONTIGUOUS:
+        return
+    mode = next(m for m in SyncMode if m.placement == plan.placement)
+    raise PipelineSetupError(
+        f"training runs one stage per rank, and this plan gives each rank "
+        f"{plan.chunks_per_rank} (placement: {plan.placement!r}); give a plan of one stage per "
+        f"rank, e.g. Plan.from_balance([...]) without placement=, and weigh this one with "
+        f"'pl-pipedream simulate --plan plan.json --sync {mode}'"
+    )
 
 
 def check_memory_layout(

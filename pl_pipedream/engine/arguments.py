@@ -9,10 +9,11 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.arguments import check_one_stage_per_rank
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_trains
 
 __all__ = [
     "check_arguments",
@@ -75,13 +76,14 @@ def check_arguments(
             f'{divergence!r}); for example Pipeline(..., divergence="warn")'
         )
     try:
-        return SyncMode.parse(sync)
+        mode = SyncMode.parse(sync)
     except ValueError:
         choices = ", ".join(m.value for m in SyncMode)
         raise ValueError(
             f"sync must be one of {choices} (sync: {sync!r}); for example "
             f"Pipeline(..., sync='{SyncMode.FLUSH}')"
         ) from None
+    return check_trains(mode, "Pipeline(..., sync='{sync}')")
 
 
 def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:
@@ -138,6 +140,7 @@ def choose_plan(
             f"plan must be a pl_pipedream.Plan (plan: {type(plan).__name__}); build one with "
             "pl_pipedream.plan(...), Plan.from_balance([...]) or Plan.from_json(text)"
         )
+    check_one_stage_per_rank(plan)
     if plan.num_workers != world_size:
         raise ValueError(
             f"the plan must have one worker per process of the group (plan's workers: "

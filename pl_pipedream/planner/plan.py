@@ -5,6 +5,10 @@ all read it and nothing else. Warm-up forwards and weight versions per stage fol
 runtime (SOSP'19, 3.2-3.3): stage ``s`` of a pipeline over ``W`` workers admits
 ``(W - 1 - sum of replicas before s) // r_s`` warm-up forwards per replica and so keeps that many
 plus one weight versions; the input stage's count is NOAM = ceil(W / r_0).
+
+A plan may also give each rank several single-replica stages (chunks), interleaved or in a V
+(module ``chunks``); only the chunked sync modes run such a plan, and ``stage_of_rank`` refuses
+it (``stages_of_rank`` answers).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from pl_pipedream.planner.chunks import (
+    CONTIGUOUS,
+    PLACEMENTS,
+    V_SHAPE,
+    placement_of,
+    stage_ranks,
+)
 from pl_pipedream.planner.topology import Topology
 
 __all__ = ["Plan", "PlanError", "Stage"]
@@ -67,10 +78,10 @@ class Plan:
     def __post_init__(self) -> None:
         if not self.stages:
             raise PlanError("a plan needs at least one stage (stages: 0)")
-        ranks = sorted(r for stage in self.stages for r in stage.ranks)
+        ranks = sorted({r for stage in self.stages for r in stage.ranks})
         if ranks != list(range(len(ranks))):
             raise PlanError(
-                f"every rank from 0 to the number of workers - 1 must serve exactly one stage "
+                f"every rank from 0 to the number of workers - 1 must serve a stage "
                 f"(ranks: {ranks}); renumber the stages' ranks"
             )
         for stage in self.stages:
@@ -79,6 +90,14 @@ class Plan:
                     f"a stage has one rank per replica (stage {stage.index}: replicas "
                     f"{stage.replicas}, ranks {list(stage.ranks)})"
                 )
+        if self.placement is None:
+            mapping = [list(stage.ranks) for stage in self.stages]
+            raise PlanError(
+                f"every rank must serve exactly one stage, or each rank the same number of "
+                f"single-replica stages interleaved (stage s on rank s mod p) or in a V (rank r: "
+                f"stages r and 2p-1-r) (stage ranks: {mapping}); give each stage its own rank, "
+                "or build it with Plan.from_balance(..., placement='interleaved' or 'v')"
+            )
 
     # ----- derived values ---------------------------------------------------------------------
 
@@ -88,7 +107,18 @@ class Plan:
 
     @property
     def num_workers(self) -> int:
-        return sum(stage.replicas for stage in self.stages)
+        return len({rank for stage in self.stages for rank in stage.ranks})
+
+    @property
+    def placement(self) -> str | None:
+        """How stages map to ranks: ``"contiguous"`` (one stage per rank), ``"interleaved"`` or
+        ``"v"`` (several stages per rank, module ``chunks``); None only while checking."""
+        return placement_of([stage.ranks for stage in self.stages])
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Stages per rank: 1 in a contiguous plan."""
+        return 1 if self.placement == CONTIGUOUS else self.num_stages // self.num_workers
 
     @property
     def noam(self) -> int:
@@ -111,14 +141,27 @@ class Plan:
         """Replicas per stage joined by dashes, as the paper writes configurations: ``3-1``."""
         return "-".join(str(stage.replicas) for stage in self.stages)
 
+    def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
+        """The stages ``rank`` serves, in pipeline order (one unless the plan is chunked)."""
+        mine = tuple(stage for stage in self.stages if rank in stage.ranks)
+        if not mine:
+            raise PlanError(
+                f"the rank must be one of the plan's workers (rank: {rank}, workers: "
+                f"{self.num_workers}); launch as many processes as the plan has workers"
+            )
+        return mine
+
     def stage_of_rank(self, rank: int) -> Stage:
-        for stage in self.stages:
-            if rank in stage.ranks:
-                return stage
-        raise PlanError(
-            f"the rank must be one of the plan's workers (rank: {rank}, workers: "
-            f"{self.num_workers}); launch as many processes as the plan has workers"
-        )
+        """The one stage ``rank`` serves; a ``PlanError`` for a rank of several (chunks)."""
+        mine = self.stages_of_rank(rank)
+        if len(mine) > 1:
+            raise PlanError(
+                f"this needs one stage per rank, and the plan gives rank {rank} several "
+                f"(stages: {[stage.index for stage in mine]}, placement: {self.placement}); "
+                "use a plan of one stage per rank, or a chunked sync mode in "
+                "pl-pipedream simulate"
+            )
+        return mine[0]
 
     # ----- construction -----------------------------------------------------------------------
 
@@ -128,11 +171,17 @@ class Plan:
         balance: Sequence[int],
         layer_ids: Sequence[str] | None = None,
         replicas: Sequence[int] | None = None,
+        placement: str = CONTIGUOUS,
+        num_ranks: int | None = None,
     ) -> Plan:
         """A pipeline of consecutive layers: ``balance[s]`` layers on stage ``s``.
 
-        Ranks are given in stage order; ``replicas`` (default: 1 each) repeats a stage.
+        Ranks are given in stage order; ``replicas`` (default: 1 each) repeats a stage. With
+        ``placement="interleaved"`` or ``"v"`` the stages are chunks spread over ``num_ranks``
+        ranks (default: half the stages) as module ``chunks`` maps them.
         """
+        if placement != CONTIGUOUS:
+            return cls._chunked(balance, layer_ids, placement, num_ranks)
         counts = list(balance)
         if not counts or any(not isinstance(c, int) or c < 1 for c in counts):
             raise PlanError(
@@ -160,6 +209,42 @@ class Plan:
             first_layer += count
             first_rank += rep
         return cls(with_warmup(stages), straight=all(r == 1 for r in reps))
+
+    @classmethod
+    def _chunked(
+        cls,
+        balance: Sequence[int],
+        layer_ids: Sequence[str] | None,
+        placement: str,
+        num_ranks: int | None,
+    ) -> Plan:
+        """``from_balance`` with several stages per rank."""
+        if placement not in PLACEMENTS:
+            raise PlanError(
+                f"placement must be one of {', '.join(PLACEMENTS)} (placement: {placement!r}); "
+                "for example Plan.from_balance([1, 1, 1, 1], placement='interleaved')"
+            )
+        ranks = num_ranks if num_ranks is not None else max(1, len(balance) // 2)
+        if not isinstance(ranks, int) or ranks < 1 or len(balance) % ranks:
+            raise PlanError(
+                f"a chunked plan gives every rank the same number of stages (stages: "
+                f"{len(balance)}, num_ranks: {ranks!r}); pass a stage count that num_ranks "
+                "divides"
+            )
+        chunks = len(balance) // ranks
+        if chunks < 2 or (placement == V_SHAPE and chunks != 2):
+            need = "2" if placement == V_SHAPE else "2 or more"
+            raise PlanError(
+                f"placement {placement!r} gives each rank {need} stages (stages: "
+                f"{len(balance)}, num_ranks: {ranks}); pass {2 * ranks} stages"
+            )
+        flat = cls.from_balance(balance, layer_ids)
+        mapping = stage_ranks(placement, ranks, chunks)
+        stages = [
+            Stage(**{**asdict(stage), "ranks": (rank,)})
+            for stage, rank in zip(flat.stages, mapping, strict=True)
+        ]
+        return cls(with_warmup(stages))
 
     # ----- serialisation ----------------------------------------------------------------------
 
@@ -218,6 +303,10 @@ class Plan:
             )
         lines.append("")
         lines.append(f"configuration        {self.shape} on {self.num_workers} workers")
+        if self.placement != CONTIGUOUS:
+            lines.append(
+                f"placement            {self.placement}, {self.chunks_per_rank} stages per rank"
+            )
         if self.slowest_stage_time > 0:
             lines.append(
                 f"slowest stage        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
@@ -243,12 +332,20 @@ class Plan:
 
 
 def with_warmup(stages: Sequence[Stage]) -> tuple[Stage, ...]:
-    """Fill in warm-up forwards and weight versions per stage as PipeDream's runtime does."""
-    workers = sum(stage.replicas for stage in stages)
+    """Fill in warm-up forwards and weight versions per stage as PipeDream's runtime does.
+
+    In a chunked plan (several stages per rank) each stage gets its rank's 1F1B counts,
+    ``p - 1 - r`` and one more; the chunked modes order their ranks themselves.
+    """
+    workers = len({rank for stage in stages for rank in stage.ranks})
+    chunked = sum(stage.replicas for stage in stages) > workers
     before = 0
     out = []
     for stage in stages:
-        warmup = (workers - 1 - before) // stage.replicas
+        if chunked:
+            warmup = workers - 1 - stage.ranks[0]
+        else:
+            warmup = (workers - 1 - before) // stage.replicas
         out.append(Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1}))
         before += stage.replicas
     return tuple(out)

@@ -8,7 +8,7 @@ step, and ``SegmentStream`` gives those pieces for any step without building the
 
 from pl_pipedream.schedule.actions import BUSY_KINDS, Action, ActionKind, Schedule, ScheduleError
 from pl_pipedream.schedule.build import build
-from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
+from pl_pipedream.schedule.modes import CONTIGUOUS_MODES, SYNC_MODES, SyncMode
 from pl_pipedream.schedule.render import render
 from pl_pipedream.schedule.result import SimulationResult, bubble_fraction
 from pl_pipedream.schedule.segments import segments
@@ -18,6 +18,7 @@ from pl_pipedream.schedule.validate import validate
 
 __all__ = [
     "BUSY_KINDS",
+    "CONTIGUOUS_MODES",
     "SYNC_MODES",
     "Action",
     "ActionKind",

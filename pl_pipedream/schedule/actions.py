@@ -86,6 +86,8 @@ WEIGHT_GRADS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
 SENDS = frozenset({ActionKind.SEND_ACTIVATION, ActionKind.SEND_GRAD})
 RECVS = frozenset({ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRAD})
 MESSAGES = SENDS | RECVS
+# The messages that cross to the next stage's side: an activation sent on, a gradient received.
+_UPWARD = frozenset({ActionKind.SEND_ACTIVATION, ActionKind.RECV_GRAD})
 UPDATES = frozenset({ActionKind.ALLREDUCE, ActionKind.STEP})
 # The kinds during which a rank works; the rest of its time is bubble, waiting for messages and
 # all-reduces included (the simulator's and the runtime's measured bubbles alike). A kind's name
@@ -143,16 +145,19 @@ class Action:
         return cls(**{**data, "kind": ActionKind(data["kind"])})
 
 
-def message_key(action: Action) -> tuple[str, int | None, int, int] | None:
-    """What pairs a send with its receive: tensor, minibatch, source rank, destination rank."""
+def message_key(action: Action) -> tuple[str, int | None, int, int, int] | None:
+    """What pairs a send with its receive: tensor, minibatch, source rank, destination rank,
+    and the lower stage of the two it joins (a rank of several stages, module ``chunked``,
+    exchanges one minibatch's tensors with the same peer at more than one boundary)."""
     kind = action.kind
     if kind not in MESSAGES:
         return None
     tensor = "a" if kind in (ActionKind.SEND_ACTIVATION, ActionKind.RECV_ACTIVATION) else "g"
     peer = -1 if action.peer is None else action.peer
+    lower = action.stage if kind in _UPWARD else action.stage - 1
     if kind in SENDS:
-        return (tensor, action.minibatch, action.rank, peer)
-    return (tensor, action.minibatch, peer, action.rank)
+        return (tensor, action.minibatch, action.rank, peer, lower)
+    return (tensor, action.minibatch, peer, action.rank, lower)
 
 
 def collective_key(action: Action) -> tuple[int, int | None] | None:

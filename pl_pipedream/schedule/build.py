@@ -13,14 +13,15 @@ from __future__ import annotations
 from collections.abc import Collection
 from functools import partial
 
+from pl_pipedream.planner.chunks import CONTIGUOUS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import order, rules
-from pl_pipedream.schedule.actions import Action, ActionKind, Schedule
+from pl_pipedream.schedule.actions import Action, Schedule
+from pl_pipedream.schedule.chunked import chunked_lists
 from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.wrap import place, wrap
 
 __all__ = ["build"]
-
-_INPUT_GRAD = {"B": ActionKind.BACKWARD, "I": ActionKind.BACKWARD_INPUT}
 
 
 def build(
@@ -36,7 +37,8 @@ def build(
     ``2bw``) never flush between batches and end with a drain; ``flush`` and ``gpipe`` flush after
     every batch. ``ranks`` (default: all) are the ranks whose lists are built; the others stay
     empty (``Schedule.scope``). Raises ``ValueError`` for an unknown mode or counts the mode
-    cannot serve.
+    cannot serve. The modes of several stages per rank (``interleaved``, ``zbv``) take their
+    order from module ``chunked``.
     """
     mode = rules.check_arguments(plan, sync, num_batches, microbatches)
     scope = None if ranks is None else frozenset(ranks)
@@ -45,6 +47,9 @@ def build(
             f"ranks must name workers of the plan (ranks: {sorted(scope)}, workers: "
             f"{plan.num_workers}); pass ranks from 0 to {plan.num_workers - 1}"
         )
+    if mode.placement != CONTIGUOUS:
+        chunked = chunked_lists(plan, mode, num_batches, microbatches, scope)
+        return Schedule(mode, plan, num_batches, microbatches, chunked, scope)
     lists: list[tuple[Action, ...]] = [()] * plan.num_workers
     for stage in plan.stages:
         for replica, rank in enumerate(stage.ranks):
@@ -81,38 +86,8 @@ def expand(
     plan: Plan, sync: SyncMode, microbatches: int, rank: int, tokens: list[order.Token]
 ) -> list[Action]:
     """Turn one replica's tokens into actions, adding its messages and collectives."""
-    stage = plan.stage_of_rank(rank)
-    here = {"rank": rank, "stage": stage.index, "replica": stage.ranks.index(rank)}
-    first, last = stage.index == 0, stage.index == plan.num_stages - 1
-    before = None if first else plan.stages[stage.index - 1]
-    after = None if last else plan.stages[stage.index + 1]
+    where = place(plan, rank, plan.stage_of_rank(rank).index)
     out: list[Action] = []
-    for kind, index in tokens:
-        if kind == "U":
-            batch = out[-1].batch  # the backward that closes the update
-            if stage.replicas > 1:
-                out.append(Action(ActionKind.ALLREDUCE, batch=batch, version=index, **here))
-            out.append(Action(ActionKind.STEP, batch=batch, version=index, **here))
-            continue
-        batch = index // microbatches
-        version = rules.weight_version(plan, sync, microbatches, stage.index, index)
-        tagged = {**here, "minibatch": index, "batch": batch}
-        if kind == "F":
-            if before is not None:
-                peer = rules.rank_of(before, index)
-                out.append(Action(ActionKind.RECV_ACTIVATION, peer=peer, **tagged))
-            out.append(Action(ActionKind.FORWARD, version=version, **tagged))
-            if after is not None:
-                peer = rules.rank_of(after, index)
-                out.append(Action(ActionKind.SEND_ACTIVATION, peer=peer, **tagged))
-        elif kind == "W":
-            out.append(Action(ActionKind.BACKWARD_WEIGHT, version=version, **tagged))
-        else:
-            if after is not None:
-                peer = rules.rank_of(after, index)
-                out.append(Action(ActionKind.RECV_GRAD, peer=peer, **tagged))
-            out.append(Action(_INPUT_GRAD[kind], version=version, **tagged))
-            if before is not None:
-                peer = rules.rank_of(before, index)
-                out.append(Action(ActionKind.SEND_GRAD, peer=peer, **tagged))
+    for token in tokens:
+        wrap(plan, sync, microbatches, where, token, out)
     return out

@@ -63,14 +63,12 @@ def check_shape(schedule: Schedule) -> Problem | None:
             f"a schedule has one action list per worker (lists: {schedule.num_ranks}, workers: "
             f"{plan.num_workers}); build it from the same plan"
         )
-    stage_of = {rank: stage for stage in plan.stages for rank in stage.ranks}
+    replica_of: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> its stages' replicas
+    for stage in plan.stages:
+        for replica, rank in enumerate(stage.ranks):
+            replica_of[rank][stage.index] = replica
     for rank, pos, action in _actions(schedule):
-        stage = stage_of[rank]
-        if (action.rank, action.stage, action.replica) != (
-            rank,
-            stage.index,
-            stage.ranks.index(rank),
-        ):
+        if action.rank != rank or replica_of[rank].get(action.stage, -1) != action.replica:
             return Problem(
                 f"an action must name the rank, stage and replica whose list holds it (rank "
                 f"{rank}: {action!r}); rebuild the schedule",

@@ -4,6 +4,10 @@
 the largest and mean bubble over the ranks, and the peak activations and weight versions of any
 stage, so that a mode's fewer bubbles can be weighed against the memory it keeps. A mode that
 cannot serve the counts (``rules.check_arguments``) is left out with the reason.
+
+A mode of several stages per rank (``interleaved``, ``zbv``) runs on the plan recut into chunks
+(``planner.recut``: same ranks, same work per rank), so its activations are counted in stages'
+worth: a rank's chunk activations over its chunks per rank.
 """
 
 from __future__ import annotations
@@ -12,14 +16,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pl_pipedream.planner.chunks import CONTIGUOUS
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.recut import recut
 from pl_pipedream.schedule.build import build
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.schedule.result import SimulationResult
 from pl_pipedream.schedule.simulate import simulate
 from pl_pipedream.schedule.validate import validate
 
-__all__ = ["Comparison", "compare", "render_comparison"]
+__all__ = ["Comparison", "compare", "plan_for", "render_comparison"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,20 @@ def compare(
     for sync in modes:
         mode = SyncMode.parse(sync)
         try:
-            schedule = build(plan, mode, num_batches, microbatches)
-        except ValueError as error:  # counts the mode cannot serve
+            schedule = build(plan_for(plan, mode), mode, num_batches, microbatches)
+        except ValueError as error:  # counts or a plan the mode cannot serve
             out.append(Comparison(mode, skipped=str(error)))
             continue
         validate(schedule)
         out.append(Comparison(mode, result=simulate(schedule, **times)))
     return out
+
+
+def plan_for(plan: Plan, mode: SyncMode) -> Plan:
+    """``plan``, or a plan of one stage per rank recut into the chunks ``mode`` runs."""
+    if mode.placement != CONTIGUOUS and plan.placement == CONTIGUOUS:
+        return recut(plan, mode.placement)
+    return plan
 
 
 def render_comparison(rows: Iterable[Comparison]) -> str:
@@ -73,9 +86,11 @@ def render_comparison(rows: Iterable[Comparison]) -> str:
             continue
         r = row.result
         mean = sum(r.bubble) / len(r.bubble)
+        chunks = max(len(stages) for stages in r.stages_of_rank)
+        activations = f"{max(r.rank_in_flight) / chunks:g}"
         lines.append(
             f"{name:<14}  {r.time_per_minibatch_ms:>12.4f}  {r.total_ms:>10.3f}  "
-            f"{max(r.bubble):>10.3f}  {mean:>11.3f}  {max(r.peak_in_flight):>11}  "
+            f"{max(r.bubble):>10.3f}  {mean:>11.3f}  {activations:>11}  "
             f"{max(r.peak_versions):>8}"
         )
     return "\n".join(lines)

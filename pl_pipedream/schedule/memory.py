@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import math
 
+from pl_pipedream.planner.chunks import CONTIGUOUS
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import Action
 from pl_pipedream.schedule.build import build, expand, replica_order
+from pl_pipedream.schedule.footprint import in_flight_counts
 from pl_pipedream.schedule.in_flight import (
     Outgoing,
     every_rank_sends_in_flight,
@@ -82,7 +84,12 @@ def _held(plan: Plan, sync: SyncMode, stage: int, replica: int, oldest: int) -> 
 
 
 def minibatches_in_flight(plan: Plan, sync: SyncMode, microbatches: int, stage: int) -> int:
-    """The most minibatches a replica of ``stage`` holds activations for at once."""
+    """The most minibatches a replica of ``stage`` holds activations for at once (in a mode of
+    several stages per rank, counted on the built schedule of one batch)."""
+    if sync.placement != CONTIGUOUS:
+        schedule = build(plan, sync, 1, microbatches)
+        (rank,) = plan.stages[stage].ranks
+        return max(in_flight_counts([a for a in schedule.actions[rank] if a.stage == stage]))
     this = plan.stages[stage]
     share = max(1, microbatches // this.replicas)
     if sync.forwards_first:

@@ -6,7 +6,8 @@ have) instead of comparing mode names. The update rules themselves (which weight
 minibatch uses) are in ``rules``; the order of forwards and backwards in ``build``.
 
 Adding a mode: a member here with its properties, its row in ``rules.weight_version`` and
-``rules.stash_limit``, and its order in ``build.replica_order``.
+``rules.stash_limit``, and its order in ``build.replica_order`` (or, for a mode of several
+stages per rank, in ``chunked``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["SYNC_MODES", "SyncMode", "UpdateSettings", "update_settings"]
+from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, V_SHAPE
+
+__all__ = [
+    "CONTIGUOUS_MODES",
+    "SYNC_MODES",
+    "SyncMode",
+    "UpdateSettings",
+    "check_trains",
+    "update_settings",
+]
 
 
 class SyncMode(str, enum.Enum):
@@ -26,6 +36,8 @@ class SyncMode(str, enum.Enum):
     FLUSH = "flush"  # 1F1B, flushed after every batch (PipeDream-Flush)
     GPIPE = "gpipe"  # every forward, then every backward, flushed after every batch
     ZERO_BUBBLE = "zero_bubble"  # flush with split backwards, W steps in the bubbles (ZB-H1)
+    INTERLEAVED = "interleaved"  # flush, several stages per rank interleaved (Megatron-LM, SC'21)
+    ZBV = "zbv"  # flush, two stages per rank in a V, split backwards (ZB-V, ICLR'24)
 
     def __str__(self) -> str:
         return self.value
@@ -52,14 +64,34 @@ class SyncMode(str, enum.Enum):
     @property
     def flushes(self) -> bool:
         """The pipeline drains after every batch, so each batch starts on the newest weights."""
-        return self in (SyncMode.FLUSH, SyncMode.GPIPE, SyncMode.ZERO_BUBBLE)
+        return self in (
+            SyncMode.FLUSH,
+            SyncMode.GPIPE,
+            SyncMode.ZERO_BUBBLE,
+            SyncMode.INTERLEAVED,
+            SyncMode.ZBV,
+        )
 
     @property
     def splits_backward(self) -> bool:
         """Each backward runs as an input-gradient step, sent upstream at once, and a later
         weight-gradient step on the same weights (``ActionKind.BACKWARD_INPUT`` and
         ``BACKWARD_WEIGHT``); otherwise as one ``BACKWARD``."""
-        return self is SyncMode.ZERO_BUBBLE
+        return self in (SyncMode.ZERO_BUBBLE, SyncMode.ZBV)
+
+    @property
+    def placement(self) -> str:
+        """The stage-to-rank mapping the mode's plans have (``planner.chunks``): one stage per
+        rank, or several per rank interleaved (``interleaved``) or in a V (``zbv``)."""
+        if self is SyncMode.INTERLEAVED:
+            return INTERLEAVED
+        return V_SHAPE if self is SyncMode.ZBV else CONTIGUOUS
+
+    @property
+    def trains(self) -> bool:
+        """The runtime runs it. The modes of several stages per rank are simulated only: the
+        runtime cuts, stashes and steps one stage per rank (docs/interleaved.md)."""
+        return self.placement == CONTIGUOUS
 
     @property
     def stale_weights(self) -> bool:
@@ -86,6 +118,22 @@ class SyncMode(str, enum.Enum):
 
 
 SYNC_MODES = tuple(mode.value for mode in SyncMode)
+# The modes of plans with one stage per rank (every mode the runtime trains with).
+CONTIGUOUS_MODES = tuple(mode.value for mode in SyncMode if mode.placement == CONTIGUOUS)
+
+
+def check_trains(mode: SyncMode, call: str) -> SyncMode:
+    """``mode``, or a ``ValueError`` at setup for a mode the runtime does not run, naming what
+    works: ``call`` is the front end's call with the mode's name in ``{sync}``."""
+    if mode.trains:
+        return mode
+    working = ", ".join(m.value for m in SyncMode if m.trains)
+    raise ValueError(
+        f"sync='{mode}' runs several stages per rank, which the schedule builds and simulates "
+        f"but the runtime does not run: it cuts, stashes and steps one stage per rank (sync: "
+        f"'{mode}'); train with one of {working}, e.g. {call.format(sync=SyncMode.ZERO_BUBBLE)}, "
+        f"and weigh '{mode}' with 'pl-pipedream simulate --plan plan.json --compare'"
+    )
 
 
 @dataclass(frozen=True)

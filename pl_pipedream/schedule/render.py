@@ -90,7 +90,10 @@ def _title(schedule: Schedule) -> str:
 
 
 def _rank_label(schedule: Schedule, rank: int) -> str:
-    stage = schedule.plan.stage_of_rank(rank)
+    stages = schedule.plan.stages_of_rank(rank)
+    if len(stages) > 1:  # several stages per rank (chunks)
+        return f"r{rank} s" + ",".join(str(stage.index) for stage in stages)
+    stage = stages[0]
     if stage.replicas == 1:
         return f"r{rank} s{stage.index}"
     return f"r{rank} s{stage.index}.{stage.ranks.index(rank)}"

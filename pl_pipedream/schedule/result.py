@@ -16,10 +16,10 @@ For flushed modes a minibatch is a microbatch; the window then covers whole flus
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pl_pipedream.schedule.actions import BUSY_KINDS, WEIGHT_GRADS, Schedule
+from pl_pipedream.schedule.actions import BUSY_KINDS, WEIGHT_GRADS, Action, Schedule
 from pl_pipedream.schedule.footprint import in_flight_counts, live_version_counts
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -30,9 +30,13 @@ Span = tuple[float, float]
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """Times in milliseconds; tuples indexed by rank (``bubble``) or stage (``peak_*``).
+    """Times in milliseconds; tuples indexed by rank (``bubble``, ``rank_in_flight``) or stage
+    (``peak_*``).
 
     ``spans[r][k]`` is the (start, end) of rank r's action k, for a trace viewer.
+    ``stage_of_rank[r]`` is rank r's stage (its first, in a plan of several stages per rank,
+    whose all are ``stages_of_rank[r]``); ``rank_in_flight[r]`` the most activations rank r
+    holds at once over all its stages.
     """
 
     sync: SyncMode
@@ -48,6 +52,8 @@ class SimulationResult:
     peak_versions: tuple[int, ...]
     stage_of_rank: tuple[int, ...]
     spans: tuple[tuple[Span, ...], ...] = field(repr=False)
+    stages_of_rank: tuple[tuple[int, ...], ...] = ()
+    rank_in_flight: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """A few lines: time per minibatch, throughput, bubbles per rank, memory per stage."""
@@ -62,7 +68,9 @@ class SimulationResult:
         ]
         for rank, stage in enumerate(self.stage_of_rank):
             run, steady = self.bubble[rank], self.steady_bubble[rank]
-            lines.append(f"{rank:>4}  {stage:>5}  {run:>11.3f}  {steady:>14.3f}")
+            held = self.stages_of_rank[rank] if self.stages_of_rank else (stage,)
+            name = ",".join(str(s) for s in held)
+            lines.append(f"{rank:>4}  {name:>5}  {run:>11.3f}  {steady:>14.3f}")
         lines.append("stage  peak activations  peak weight versions")
         for stage, (acts, versions) in enumerate(
             zip(self.peak_in_flight, self.peak_versions, strict=True)
@@ -88,6 +96,8 @@ class SimulationResult:
             "peak_in_flight": list(self.peak_in_flight),
             "peak_versions": list(self.peak_versions),
             "stage_of_rank": list(self.stage_of_rank),
+            "stages_of_rank": [list(stages) for stages in self.stages_of_rank],
+            "rank_in_flight": list(self.rank_in_flight),
         }
 
 
@@ -97,7 +107,9 @@ def summarize(schedule: Schedule, spans: tuple[tuple[Span, ...], ...]) -> Simula
     start, end, count = steady_window(schedule, spans, total)
     per_minibatch = (end - start) / count if count else 0.0
     plan = schedule.plan
-    stage_of_rank = tuple(plan.stage_of_rank(r).index for r in range(schedule.num_ranks))
+    stages_of_rank = tuple(
+        tuple(stage.index for stage in plan.stages_of_rank(r)) for r in range(schedule.num_ranks)
+    )
     return SimulationResult(
         sync=schedule.sync,
         shape=plan.shape,
@@ -110,10 +122,12 @@ def summarize(schedule: Schedule, spans: tuple[tuple[Span, ...], ...]) -> Simula
         steady_bubble=tuple(
             _idle(schedule, spans, r, start, end) for r in range(schedule.num_ranks)
         ),
-        peak_in_flight=_per_stage(schedule, [max(in_flight_counts(a)) for a in schedule.actions]),
-        peak_versions=_per_stage(schedule, [max(live_version_counts(a)) for a in schedule.actions]),
-        stage_of_rank=stage_of_rank,
+        peak_in_flight=_per_stage(schedule, in_flight_counts),
+        peak_versions=_per_stage(schedule, live_version_counts),
+        stage_of_rank=tuple(stages[0] for stages in stages_of_rank),
         spans=spans,
+        stages_of_rank=stages_of_rank,
+        rank_in_flight=tuple(max(in_flight_counts(actions)) for actions in schedule.actions),
     )
 
 
@@ -157,5 +171,14 @@ def _idle(
     return bubble_fraction(busy, start, end)
 
 
-def _per_stage(schedule: Schedule, per_rank: Sequence[int]) -> tuple[int, ...]:
-    return tuple(max(per_rank[r] for r in stage.ranks) for stage in schedule.plan.stages)
+def _per_stage(
+    schedule: Schedule, counts: Callable[[Sequence[Action]], list[int]]
+) -> tuple[int, ...]:
+    """Per stage, the most ``counts`` gives over its ranks' actions of that stage."""
+    return tuple(
+        max(
+            max(counts([a for a in schedule.actions[r] if a.stage == stage.index]))
+            for r in stage.ranks
+        )
+        for stage in schedule.plan.stages
+    )

@@ -14,12 +14,15 @@ replica's local minibatch ``n = i // r_s`` (1F1B-RR, SOSP'19 section 3.2).
 - ``flush``, ``gpipe`` and ``zero_bubble``: batch ``t`` uses version ``t``; one update per batch.
   ``zero_bubble`` runs each backward as an input half and, ``weight_lag`` minibatches later, a
   weight half on the same weights.
+- ``interleaved`` and ``zbv``: the same rule at every one of the stages a rank holds (module
+  ``chunked``); each stage keeps its own version count and steps once per batch.
 """
 
 from __future__ import annotations
 
 import math
 
+from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, stage_ranks
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
@@ -63,8 +66,8 @@ def weight_lag(plan: Plan, sync: SyncMode, stage: int) -> int:
     """How many weight halves a replica of ``stage`` holds back behind its input halves, so that
     they fill the drain's bubble (ZB-H1): ``w_0 - w_s``, which keeps a stage's activations in
     flight at the input stage's 1F1B peak, ``w_0 + 1``. Zero in a mode that does not split."""
-    if not sync.splits_backward:
-        return 0
+    if not sync.splits_backward or sync.placement != CONTIGUOUS:
+        return 0  # zbv orders its weight halves itself (module chunked)
     return max(0, plan.stages[0].warmup - plan.stages[stage].warmup)
 
 
@@ -125,7 +128,13 @@ def check_arguments(
     for name, value in (("num_batches", num_batches), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
-    fix = _use(fewest_microbatches(plan, mode, microbatches))
+    _check_placement(plan, mode)
+    fix = _use(fewest_microbatches(plan, mode, microbatches), mode)
+    if mode is SyncMode.INTERLEAVED and microbatches % plan.num_workers:
+        raise ValueError(
+            f"{mode} feeds microbatches in groups of one per rank (microbatches: {microbatches}, "
+            f"ranks: {plan.num_workers}); {fix}"
+        )
     for stage in plan.stages:
         if microbatches % stage.replicas:
             raise ValueError(
@@ -140,6 +149,29 @@ def check_arguments(
     if mode is SyncMode.TWO_BW:
         _check_two_buffers(plan, microbatches, fix)
     return mode
+
+
+def _check_placement(plan: Plan, mode: SyncMode) -> None:
+    """A mode runs the stage-to-rank mapping it is built for (``SyncMode.placement``)."""
+    if mode.placement == CONTIGUOUS and plan.placement == CONTIGUOUS:
+        return
+    ranks = tuple(stage.ranks[0] for stage in plan.stages)
+    if mode.placement != CONTIGUOUS and plan.placement != CONTIGUOUS:
+        if ranks == stage_ranks(mode.placement, plan.num_workers, plan.chunks_per_rank):
+            return  # on one rank the interleaved and the V placement coincide
+    if mode.placement == CONTIGUOUS:
+        chunked = SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV
+        fix = f"simulate it with sync='{chunked}', or give a plan of one stage per rank"
+    else:
+        fix = (
+            f"build the plan with Plan.from_balance(..., placement='{mode.placement}'), or recut "
+            "a plan of one stage per rank with planner.recut.recut(plan, "
+            f"'{mode.placement}')"
+        )
+    raise ValueError(
+        f"{mode} runs plans whose stages are placed {mode.placement!r} on the ranks "
+        f"(placement: {plan.placement!r}); {fix}"
+    )
 
 
 def _check_two_buffers(plan: Plan, microbatches: int, fix: str) -> None:
@@ -164,11 +196,16 @@ def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
     if sync is SyncMode.TWO_BW:
         need = max([need] + [stage.warmup * stage.replicas for stage in plan.stages])
     step = math.lcm(*(stage.replicas for stage in plan.stages))
+    if sync is SyncMode.INTERLEAVED:
+        step = plan.num_workers
     return step * math.ceil(need / step)
 
 
-def _use(microbatches: int) -> str:
-    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag."""
+def _use(microbatches: int, mode: SyncMode) -> str:
+    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag (the
+    flag alone for a mode the runtime does not run)."""
+    if not mode.trains:
+        return f"use pl-pipedream simulate --microbatches {microbatches}"
     return (
         f"use PipeDreamStrategy(microbatches={microbatches}) (pl-pipedream simulate "
         f"--microbatches {microbatches})"

@@ -28,7 +28,7 @@ def neighbourhood(plan: Plan, ranks: Iterable[int]) -> frozenset[int]:
     """The ranks of the stages of ``ranks`` and of the stages before and after each of them."""
     out: set[int] = set()
     for rank in ranks:
-        index = plan.stage_of_rank(rank).index
-        for stage in plan.stages[max(0, index - 1) : index + 2]:
-            out.update(stage.ranks)
+        for own in plan.stages_of_rank(rank):
+            for stage in plan.stages[max(0, own.index - 1) : own.index + 2]:
+                out.update(stage.ranks)
     return frozenset(out)

@@ -51,7 +51,10 @@ class Costs:
         return 0.0
 
     def transfer(self, action: Action) -> float:
-        """Time on the wire for a message between ``action.stage`` and its neighbour."""
+        """Time on the wire for a message between ``action.stage`` and its neighbour (none for
+        a hand-over between two stages of one rank)."""
+        if action.peer == action.rank:
+            return 0.0
         low = action.stage if action.kind is ActionKind.SEND_ACTIVATION else action.stage - 1
         return self.transfer_ms[low]
 

@@ -10,6 +10,7 @@ mode stashes (``rules.stash_limit``).
 
 from __future__ import annotations
 
+from pl_pipedream.planner.plan import Stage
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.actions import COMPUTE, WEIGHT_GRADS, Action, ActionKind, Schedule
 from pl_pipedream.schedule.footprint import live_version_counts
@@ -19,22 +20,31 @@ __all__ = ["check_versions"]
 
 
 def check_versions(schedule: Schedule) -> Problem | None:
-    """Versions follow the mode's rule, exist when used, and fit the weight stash."""
+    """Versions follow the mode's rule, exist when used, and fit the weight stash; each stage a
+    rank holds (several in a chunked mode) counts its own versions."""
     for rank in schedule.held_ranks:
-        problem = _check_rank_versions(schedule, rank, schedule.actions[rank])
-        if problem is not None:
-            return problem
+        for stage in schedule.plan.stages_of_rank(rank):
+            entries = [
+                (pos, action)
+                for pos, action in enumerate(schedule.actions[rank])
+                if action.stage == stage.index
+            ]
+            problem = _check_stage_versions(schedule, rank, stage, entries)
+            if problem is not None:
+                return problem
     return None
 
 
-def _check_rank_versions(
-    schedule: Schedule, rank: int, actions: tuple[Action, ...]
+Entries = list[tuple[int, Action]]  # (position in the rank's list, action) of one stage
+
+
+def _check_stage_versions(
+    schedule: Schedule, rank: int, stage: Stage, entries: Entries
 ) -> Problem | None:
-    """Walk one rank's list, counting the steps it has applied so far."""
+    """Walk one stage's actions in a rank's list, counting the steps it has applied so far."""
     plan, sync, m = schedule.plan, schedule.sync, schedule.microbatches
-    stage = plan.stage_of_rank(rank)
     steps = reduced = 0
-    for pos, action in enumerate(actions):
+    for pos, action in entries:
         here = ((rank, pos),)
         if action.kind in COMPUTE:
             i = action.minibatch
@@ -75,30 +85,29 @@ def _check_rank_versions(
                     here,
                 )
             steps += 1
-    return _check_totals(schedule, rank, actions, steps)
+    return _check_totals(schedule, rank, stage, entries, steps)
 
 
 def _check_totals(
-    schedule: Schedule, rank: int, actions: tuple[Action, ...], steps: int
+    schedule: Schedule, rank: int, stage: Stage, entries: Entries, steps: int
 ) -> Problem | None:
     """Every update applied by the end, and never more versions held than the stash allows."""
     plan, sync = schedule.plan, schedule.sync
-    stage = plan.stage_of_rank(rank)
     wanted = rules.num_updates(plan, sync, schedule.num_batches, schedule.microbatches, stage.index)
     if steps != wanted:
         return Problem(
             f"the drain applies every update (rank {rank}: steps {steps}, expected {wanted}); "
             "end the list with the missing updates",
-            ((rank, len(actions) - 1),) if actions else (),
+            ((rank, entries[-1][0]),) if entries else (),
         )
     limit = rules.stash_limit(plan, sync, stage.index)
-    counts = live_version_counts(actions)
+    counts = live_version_counts([action for _, action in entries])
     for index, count in enumerate(counts):
         if count > limit:
             return Problem(
                 f"a replica holds no more weight versions than {sync} stashes (rank {rank}: "
                 f"{count} versions, limit {limit}); run the backwards that free old versions "
                 "sooner",
-                ((rank, max(0, index - 1)),),
+                ((rank, entries[max(0, index - 1)][0]),),
             )
     return None

@@ -41,7 +41,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_trains
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
@@ -129,7 +129,7 @@ class PipeDreamStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         check_arguments(microbatches, start_method, divergence, timeout)
-        self.sync, self.microbatches = SyncMode.parse(sync), microbatches
+        self.sync = check_trains(SyncMode.parse(sync), "PipeDreamStrategy(sync='{sync}')")
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.balance = list(balance) if balance is not None else None
@@ -154,7 +154,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
-        self.memory = parse_memory(memory)
+        self.memory, self.microbatches = parse_memory(memory), microbatches
         self.replanning = Replanning(replan, replan_every, replan_threshold)
         check_memory_layout(self.memory, balance, plan, self.replanning.on)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from pl_pipedream.core.arguments import check_one_stage_per_rank
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.memory_limit import gather_memory
 from pl_pipedream.core.planning import plan_at_setup
@@ -67,6 +68,7 @@ def choose_plan(
         plan = resumed
     else:
         plan = plan_automatically()
+    check_one_stage_per_rank(plan)
     if plan.num_workers != world_size:
         saved = (
             f", the checkpoint's plan: {resumed.shape} on {resumed.num_workers} workers"

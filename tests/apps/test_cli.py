@@ -94,15 +94,16 @@ def test_missing_profile_is_a_clear_error(tmp_path, capsys) -> None:
 
 
 def test_simulate_a_plan_file_with_each_mode(tmp_path, capsys) -> None:
-    """The default microbatches: what the replicas share, raised to the stages for 2bw."""
+    """The default microbatches: what the replicas share, raised to the stages for 2bw and to
+    a multiple of the ranks for interleaved (which runs the plan recut into chunks)."""
     path = tmp_path / "plan.json"
-    path.write_text(Plan.from_balance([1, 1, 1]).to_json())
+    path.write_text(Plan.from_balance([2, 2, 2]).to_json())
     for sync in SYNC_MODES:
         args = ["simulate", "--plan", str(path), "--sync", sync, "--batches", "2", "--json"]
         assert main(args) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["sync"] == sync
-        assert data["num_minibatches"] == (6 if sync == "2bw" else 2)
+        assert data["num_minibatches"] == (6 if sync in ("2bw", "interleaved") else 2)
 
 
 def test_simulate_zero_bubble_compares_the_flushed_modes(tmp_path, capsys) -> None:
@@ -119,6 +120,31 @@ def test_simulate_zero_bubble_compares_the_flushed_modes(tmp_path, capsys) -> No
     rows = json.loads(capsys.readouterr().out)["compare"]
     assert [row["sync"] for row in rows] == list(SYNC_MODES)
     assert all(row["result"]["num_minibatches"] == 8 for row in rows if row["result"])
+
+
+def test_simulate_compares_the_modes_of_several_stages_per_rank(tmp_path, capsys) -> None:
+    """interleaved and zbv run the plan recut into two chunks per rank, each rank's work kept."""
+    plan = Plan.from_balance([2, 2])
+    stages = tuple(dataclasses.replace(s, forward_ms=1.0, backward_ms=2.0) for s in plan.stages)
+    path = tmp_path / "plan.json"
+    path.write_text(dataclasses.replace(plan, stages=stages).to_json())
+    base = ["simulate", "--plan", str(path), "--microbatches", "4", "--batches", "1"]
+    assert main([*base, "--sync", "flush", "--compare", "--json"]) == 0
+    rows = {row["sync"]: row["result"] for row in json.loads(capsys.readouterr().out)["compare"]}
+    assert rows["flush"]["total_ms"] == pytest.approx(4 * 3.0 + 3.0)  # (p - 1)(F + B)
+    assert rows["interleaved"]["total_ms"] == pytest.approx(4 * 3.0 + 1.5)  # ... / v
+    assert rows["zbv"]["total_ms"] == pytest.approx(4 * 3.0 + 0.5)  # (p - 1) F / 2
+    assert rows["zbv"]["stages_of_rank"] == [[0, 3], [1, 2]]
+    assert main([*base, "--sync", "interleaved", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "placement            interleaved, 2 stages per rank" in out
+    assert "\ninterleaved " in out and "\nzbv " in out and "\nflush " in out
+    small = tmp_path / "small.json"
+    small.write_text(Plan.from_balance([1, 1]).to_json())
+    assert main(["simulate", "--plan", str(small), "--compare", "--microbatches", "2"]) == 0
+    assert "zbv             left out: v needs a layer per chunk (layers: 2, chunks: 4)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_simulate_validates_every_rank(tmp_path, capsys, monkeypatch) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream import PipeDreamStrategy
-from pl_pipedream.core.arguments import check_arguments, check_memory_layout
+from pl_pipedream.core.arguments import (
+    check_arguments,
+    check_memory_layout,
+    check_one_stage_per_rank,
+)
 from pl_pipedream.planner.plan import Plan
 
 
@@ -48,3 +52,15 @@ def test_memory_with_a_layout_given_by_hand_bounds_re_planning() -> None:
     """With ``replan="auto"`` the limit bounds the plans moved to: accepted beside balance=."""
     check_memory_layout(1024.0, [3, 3], None, replanning=True)
     assert PipeDreamStrategy(memory="1KiB", balance=[3, 3], replan="auto").memory == 1024
+
+
+@pytest.mark.parametrize(("placement", "mode"), [("interleaved", "interleaved"), ("v", "zbv")])
+def test_a_plan_of_several_stages_per_rank_is_refused_for_training(
+    placement: str, mode: str
+) -> None:
+    check_one_stage_per_rank(Plan.from_balance([1, 1], replicas=[2, 1]))
+    with pytest.raises(ValueError) as error:
+        check_one_stage_per_rank(Plan.from_balance([1] * 4, placement=placement))
+    message = str(error.value)
+    assert f"this plan gives each rank 2 (placement: {placement!r}); give a plan" in message
+    assert f"'pl-pipedream simulate --plan plan.json --sync {mode}'" in message

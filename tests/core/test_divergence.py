@@ -172,6 +172,8 @@ def test_the_stage_delays_come_from_the_update_rules() -> None:
         SyncMode.FLUSH: [0, 0, 0],
         SyncMode.GPIPE: [0, 0, 0],
         SyncMode.ZERO_BUBBLE: [0, 0, 0],
+        SyncMode.INTERLEAVED: [0, 0, 0],
+        SyncMode.ZBV: [0, 0, 0],
     }
     assert [m for m in SyncMode if m.stale_weights] == [
         SyncMode.ASYNC,

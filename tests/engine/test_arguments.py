@@ -87,6 +87,15 @@ def test_good_arguments_give_the_mode() -> None:
             r"^sync must be one of async, .*\(sync: 'sync'\); for example "
             r"Pipeline\(\.\.\., sync='flush'\)",
         ),
+        (
+            (nn.functional.mse_loss, sgd, "interleaved", 4, 30, "error"),
+            r"^sync='interleaved' runs several stages per rank, .* \(sync: 'interleaved'\); "
+            r"train with one of .* e\.g\. Pipeline\(\.\.\., sync='zero_bubble'\), and weigh",
+        ),
+        (
+            (nn.functional.mse_loss, sgd, "zbv", 4, 30, "error"),
+            r"^sync='zbv' runs several stages per rank, .*pl-pipedream simulate --plan plan\.json",
+        ),
     ],
 )
 def test_bad_arguments(arguments: tuple, message: str) -> None:
@@ -117,6 +126,12 @@ def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:
     assert plan == Plan.from_balance([2, 1])
     given = Plan.from_balance([1, 2])
     assert choose_plan(None, given, 3, 2) is given
+
+
+def test_a_plan_of_several_stages_per_rank_is_refused() -> None:
+    chunked = Plan.from_balance([1] * 4, placement="interleaved")
+    with pytest.raises(ValueError, match=r"^training runs one stage per rank, .*--sync interl"):
+        choose_plan(None, chunked, 4, 2)
 
 
 @pytest.mark.parametrize(

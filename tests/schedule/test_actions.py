@@ -38,3 +38,16 @@ def test_schedule_round_trips_through_json() -> None:
     assert again == schedule
     assert again.num_minibatches == 4
     assert again.num_ranks == 3
+
+
+def test_a_message_is_keyed_by_the_boundary_it_crosses() -> None:
+    """Rank 0 of an interleaved plan sends minibatch 0 to rank 1 twice: stages 0 -> 1, 2 -> 3."""
+    from pl_pipedream.schedule.actions import message_key
+
+    schedule = build(Plan.from_balance([1] * 4, placement="interleaved"), "interleaved", 1, 2)
+    sends = [a for a in schedule.actions[0] if a.kind is ActionKind.SEND_ACTIVATION]
+    receives = [a for a in schedule.actions[1] if a.kind is ActionKind.RECV_ACTIVATION]
+    mine = [a for a in sends if a.minibatch == 0]
+    assert [(a.stage, a.peer) for a in mine] == [(0, 1), (2, 1)]
+    assert message_key(mine[0]) != message_key(mine[1])
+    assert {message_key(a) for a in sends} == {message_key(a) for a in receives}

@@ -7,7 +7,7 @@ The version oracle below restates DESIGN.md's table (straight pipelines) and the
 from __future__ import annotations
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, ActionKind, Schedule, build, validate
+from pl_pipedream.schedule import CONTIGUOUS_MODES, ActionKind, Schedule, build, validate
 
 K = ActionKind
 
@@ -81,7 +81,7 @@ def oracle_update(plan: Plan, sync: str, m: int, stage: int, i: int) -> int:
 
 def cases(plan: Plan) -> list[tuple[str, int, int]]:
     m = 2 * plan.num_stages  # a multiple of every replica count here, and >= stages for 2bw
-    return [(sync, t, m) for sync in SYNC_MODES for t in (1, 3)] + [("async", 5, 2)]
+    return [(sync, t, m) for sync in CONTIGUOUS_MODES for t in (1, 3)] + [("async", 5, 2)]
 
 
 def test_versions_and_updates_follow_the_rules(plan: Plan) -> None:
@@ -139,7 +139,7 @@ def test_allreduce_only_among_replicas_before_each_step(plan: Plan) -> None:
 
 
 def test_every_forward_of_a_batch_precedes_the_next_batch(plan: Plan) -> None:
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         for actions in build(plan, sync, 3, 4).actions:
             batches = [a.batch for a in actions if a.kind is K.FORWARD]
             assert batches == sorted(batches)

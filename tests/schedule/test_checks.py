@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, Schedule, build
+from pl_pipedream.schedule import CONTIGUOUS_MODES, Schedule, build
 from pl_pipedream.schedule.checks import (
     CHECKS,
     check_deadlock,
@@ -20,7 +20,8 @@ from pl_pipedream.schedule.checks import (
 
 def built(plan: Plan) -> list[Schedule]:
     m = 2 * plan.num_stages
-    return [build(plan, sync, 4, m) for sync in SYNC_MODES] + [build(plan, "async", 6, m // 2)]
+    modes = CONTIGUOUS_MODES
+    return [build(plan, sync, 4, m) for sync in modes] + [build(plan, "async", 6, m // 2)]
 
 
 def test_every_check_accepts_built_schedules(plan: Plan) -> None:
@@ -60,3 +61,15 @@ def test_a_deadlock_reports_where_each_rank_waits() -> None:
     )
     assert problem is not None and problem.cells == ((0, 1), (1, 0))
     assert "stuck at rank 0: 0<g0@1, rank 1: 1<a0@0" in problem.message
+
+
+def test_a_rank_of_several_stages_tags_each_action_with_one_of_them() -> None:
+    plan = Plan.from_balance([1] * 4, placement="interleaved")  # rank 0: stages 0 and 2
+    schedule = build(plan, "interleaved", 1, 2)
+    assert check_shape(schedule) is None
+    rank0 = list(schedule.actions[0])
+    rank0[0] = dataclasses.replace(rank0[0], stage=1)  # stage 1 is rank 1's
+    broken = dataclasses.replace(schedule, actions=(tuple(rank0), schedule.actions[1]))
+    problem = check_shape(broken)
+    assert problem is not None and problem.cells == ((0, 0),)
+    assert "must name the rank, stage and replica whose list holds it" in problem.message

@@ -8,13 +8,22 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.schedule import SYNC_MODES, SyncMode
-from pl_pipedream.schedule.modes import update_settings
+from pl_pipedream.schedule.modes import check_trains, update_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
 
 def test_names_and_order() -> None:
-    assert SYNC_MODES == ("async", "vertical_sync", "2bw", "flush", "gpipe", "zero_bubble")
+    assert SYNC_MODES == (
+        "async",
+        "vertical_sync",
+        "2bw",
+        "flush",
+        "gpipe",
+        "zero_bubble",
+        "interleaved",
+        "zbv",
+    )
     assert tuple(SyncMode) == tuple(SyncMode(name) for name in SYNC_MODES)
     assert SyncMode.ASYNC == "async"
     assert str(SyncMode.TWO_BW) == "2bw" and f"{SyncMode.FLUSH}" == "flush"
@@ -30,6 +39,8 @@ def test_names_and_order() -> None:
         (SyncMode.FLUSH, False, True, False),
         (SyncMode.GPIPE, False, True, True),
         (SyncMode.ZERO_BUBBLE, False, True, False),
+        (SyncMode.INTERLEAVED, False, True, False),
+        (SyncMode.ZBV, False, True, False),
     ],
 )
 def test_properties(
@@ -45,6 +56,20 @@ def test_min_microbatches() -> None:
     for stages in (1, 2, 5):
         assert SyncMode.TWO_BW.min_microbatches(stages) == stages
         assert {m.min_microbatches(stages) for m in SyncMode if m is not SyncMode.TWO_BW} == {1}
+
+
+def test_only_the_modes_of_one_stage_per_rank_train() -> None:
+    assert [m for m in SyncMode if not m.trains] == [SyncMode.INTERLEAVED, SyncMode.ZBV]
+    assert (SyncMode.INTERLEAVED.placement, SyncMode.ZBV.placement) == ("interleaved", "v")
+    assert SyncMode.ZBV.splits_backward and not SyncMode.INTERLEAVED.splits_backward
+    check_trains(SyncMode.FLUSH, "Pipeline(..., sync='{sync}')")
+    with pytest.raises(ValueError) as error:
+        check_trains(SyncMode.INTERLEAVED, "Pipeline(..., sync='{sync}')")
+    message = str(error.value)
+    assert "sync='interleaved' runs several stages per rank" in message
+    assert "(sync: 'interleaved'); train with one of async, vertical_sync, 2bw, flush" in message
+    assert "Pipeline(..., sync='zero_bubble')" in message
+    assert "pl-pipedream simulate --plan plan.json --compare" in message
 
 
 def test_parse_takes_a_name_or_a_mode() -> None:
@@ -65,7 +90,7 @@ def old_update_settings(sync: str, m: int, replicas: int) -> tuple[int, float, b
     """The formulas as they stood before ``update_settings``, restated by hand."""
     if sync in ("async", "vertical_sync"):
         return replicas, 1.0, False
-    summed = m > replicas and sync != "zero_bubble"  # its input half would add them already
+    summed = m > replicas and sync not in ("zero_bubble", "zbv")  # the input half adds them
     if m & (m - 1) == 0:  # a power of two: dividing the loss seed is exact
         return 1, 1.0 / m, summed
     return m, 1.0, summed
@@ -99,7 +124,10 @@ def test_mode_names_are_literals_only_in_modes() -> None:
     files = [
         path
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != PACKAGE / "schedule" / "modes.py" and configs not in path.parents
+        if path != PACKAGE / "schedule" / "modes.py"
+        and configs not in path.parents
+        # the interleaved placement of stages shares its name with the mode that runs it
+        and path != PACKAGE / "planner" / "chunks.py"
     ]
     assert files
     found = {str(p.relative_to(PACKAGE)): mode_literals(p) for p in files}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, SyncMode, build, rules
+from pl_pipedream.schedule import CONTIGUOUS_MODES, SyncMode, build, rules
 
 SHAPES = [[1], [1, 1], [1, 1, 1], [1] * 4, [2, 1], [1, 2], [2, 2], [3, 1], [1, 3, 3], [3, 2, 1]]
 
@@ -49,7 +49,7 @@ def test_errors_name_the_users_fix(replicas: list[int], sync: str, m: int, fix: 
 
 def test_check_arguments_returns_the_mode() -> None:
     plan = Plan.from_balance([1, 1])
-    for name in SYNC_MODES:
+    for name in CONTIGUOUS_MODES:
         assert rules.check_arguments(plan, name, 1, 2) is SyncMode(name)
         assert rules.check_arguments(plan, SyncMode(name), 1, 2) is SyncMode(name)
 
@@ -57,7 +57,7 @@ def test_check_arguments_returns_the_mode() -> None:
 @pytest.mark.parametrize("replicas", SHAPES, ids=str)
 def test_fewest_microbatches_is_the_smallest_accepted(replicas: list[int]) -> None:
     plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
-    for mode in SyncMode:
+    for mode in map(SyncMode, CONTIGUOUS_MODES):
         fewest = rules.fewest_microbatches(plan, mode)
         rules.check_arguments(plan, mode, 1, fewest)
         for m in range(1, fewest):
@@ -77,6 +77,8 @@ def test_stash_limits() -> None:
         SyncMode.FLUSH: [1, 1, 1, 1],
         SyncMode.GPIPE: [1, 1, 1, 1],
         SyncMode.ZERO_BUBBLE: [1, 1, 1, 1],
+        SyncMode.INTERLEAVED: [1, 1, 1, 1],
+        SyncMode.ZBV: [1, 1, 1, 1],
     }
 
 
@@ -95,3 +97,32 @@ def test_updates_per_mode() -> None:
     assert [rules.num_updates(plan, SyncMode.TWO_BW, 3, 4, s) for s in (0, 1)] == [3, 3]
     assert [rules.update_of(plan, SyncMode.ASYNC, 4, 0, i) for i in range(4)] == [1, 1, 2, 2]
     assert [rules.update_of(plan, SyncMode.FLUSH, 4, 0, i) for i in (0, 3, 4)] == [1, 1, 2]
+
+
+def test_a_mode_runs_the_placement_it_is_built_for() -> None:
+    flat = Plan.from_balance([1] * 4)
+    chunked = Plan.from_balance([1] * 4, placement="interleaved")
+    v_shape = Plan.from_balance([1] * 4, placement="v")
+    with pytest.raises(
+        ValueError, match=r"placement: 'interleaved'\); simulate it with sync='interleaved'"
+    ):
+        rules.check_arguments(chunked, "flush", 1, 2)
+    with pytest.raises(ValueError, match=r"placement: 'v'\); simulate it with sync='zbv'"):
+        rules.check_arguments(v_shape, "zero_bubble", 1, 2)
+    with pytest.raises(ValueError, match=r"placement: 'contiguous'\); build the plan with"):
+        rules.check_arguments(flat, "interleaved", 1, 2)
+    with pytest.raises(ValueError, match=r"placement: 'interleaved'\); build the plan with"):
+        rules.check_arguments(chunked, "zbv", 1, 2)
+    assert rules.check_arguments(chunked, "interleaved", 1, 2) is SyncMode.INTERLEAVED
+    assert rules.check_arguments(v_shape, "zbv", 1, 1) is SyncMode.ZBV
+
+
+def test_interleaved_takes_microbatches_in_groups_of_one_per_rank() -> None:
+    plan = Plan.from_balance([1] * 6, placement="interleaved", num_ranks=3)
+    assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED) == 3
+    assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED, 4) == 6
+    with pytest.raises(
+        ValueError,
+        match=r"microbatches: 4, ranks: 3\); use pl-pipedream simulate --microbatches 6$",
+    ):
+        rules.check_arguments(plan, "interleaved", 1, 4)

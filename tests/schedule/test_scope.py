@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, Schedule, ScheduleError, build, render, validate
+from pl_pipedream.schedule import CONTIGUOUS_MODES, Schedule, ScheduleError, build, render, validate
 from pl_pipedream.schedule.checks import check_deadlock, check_messages
 from pl_pipedream.schedule.scope import neighbourhood
 
@@ -27,7 +27,7 @@ def test_a_replicated_rank_holds_whole_stages() -> None:
 
 def test_every_neighbourhood_of_a_built_schedule_is_valid(plan: Plan) -> None:
     m = 2 * plan.num_stages
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         for rank in range(plan.num_workers):
             near = neighbourhood(plan, [rank])
             schedule = build(plan, sync, 3, m, ranks=near)
@@ -90,6 +90,6 @@ def test_a_scope_survives_json() -> None:
 
 def test_every_neighbourhood_of_a_longer_replicated_plan_is_valid() -> None:
     plan = Plan.from_balance([1] * 5, replicas=[2, 1, 3, 1, 2])
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         for rank in range(plan.num_workers):
             validate(build(plan, sync, 3, 12, ranks=neighbourhood(plan, [rank, 0])))

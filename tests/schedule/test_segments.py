@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, ActionKind, Schedule, build, segments
+from pl_pipedream.schedule import CONTIGUOUS_MODES, ActionKind, Schedule, build, segments
 from pl_pipedream.schedule.unit_time import run_in_unit_time
 
 K = ActionKind
@@ -13,7 +13,8 @@ K = ActionKind
 
 def built(plan: Plan) -> list[Schedule]:
     m = 2 * plan.num_stages
-    return [build(plan, sync, 4, m) for sync in SYNC_MODES] + [build(plan, "async", 6, m // 2)]
+    modes = CONTIGUOUS_MODES
+    return [build(plan, sync, 4, m) for sync in modes] + [build(plan, "async", 6, m // 2)]
 
 
 def test_one_segment_per_batch_covering_the_list(plan: Plan) -> None:

@@ -132,3 +132,73 @@ def test_deadlock_raises() -> None:
     stuck = dataclasses.replace(flush, actions=(waits_early, gpipe.actions[1]))
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(stuck, **balanced(2))
+
+
+# Several stages per rank: each rank's forward F and whole backward B split evenly over its
+# chunks (F / v and B / v per stage). Interleaved 1F1B (Megatron-LM, SC'21 section 2.2) idles
+# (p - 1)(F + B) / v per rank and flushed batch whenever m is a multiple of p. Its rank r holds
+# at most min(m v, 2 (p - 1 - r) + (v - 1) p + 1) chunk activations (each 1/v of a stage's).
+def chunked(placement: str, p: int, v: int, forward: float, backward: float) -> Plan:
+    plan = Plan.from_balance([1] * (p * v), placement=placement, num_ranks=p)
+    stages = tuple(
+        dataclasses.replace(s, forward_ms=forward / v, backward_ms=backward / v)
+        for s in plan.stages
+    )
+    return dataclasses.replace(plan, stages=stages)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize(("forward", "backward", "share"), TIMES)
+def test_interleaved_idles_p_minus_1_times_f_plus_b_over_v(
+    p: int, v: int, forward: float, backward: float, share: float
+) -> None:
+    plan = chunked("interleaved", p, v, forward, backward)
+    for m in (p, 2 * p, 4 * p):
+        for batches in (1, 3):
+            result = simulate(build(plan, "interleaved", batches, m))
+            busy = batches * m * (forward + backward)
+            bubble = batches * (p - 1) * (forward + backward) / v
+            assert result.total_ms == pytest.approx(busy + bubble, abs=1e-9)
+            assert idle(result) == pytest.approx([bubble] * p, abs=1e-9)
+            assert result.rank_in_flight == tuple(
+                min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) for r in range(p)
+            )
+
+
+# ZB-V (Qi et al., ICLR'24 section 6) in its ideal case: per chunk F / 2 = I = W (so a rank's
+# B = 2F, weight share 1/2) and m >= 2p - 1. No rank ever waits once its first input has
+# arrived, batch after batch (each rank's weight halves of batch t fill the wait for batch t + 1),
+# so the run takes T m (F + B) plus, once, the last rank's wait for its first input, (p - 1)
+# chunk forwards: every rank idles exactly (p - 1) F / 2 per run, (p - 1) F / (2 T) per batch.
+# Every rank holds at most 2p chunk activations, p stages' worth: 1F1B's peak.
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("forward", [1.0, 2.5])
+def test_zbv_idles_only_its_first_fill_in_the_ideal_case(p: int, forward: float) -> None:
+    plan = chunked("v", p, 2, forward, 2 * forward)
+    for m in (2 * p - 1, 2 * p, 4 * p):
+        for batches in (1, 3):
+            result = simulate(build(plan, "zbv", batches, m), weight_share=0.5)
+            fill = (p - 1) * forward / 2
+            assert result.total_ms == pytest.approx(batches * m * 3 * forward + fill, abs=1e-9)
+            assert idle(result) == pytest.approx([fill] * p, abs=1e-9)
+            assert result.rank_in_flight == (2 * p,) * p
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize(("forward", "backward", "share"), TIMES)
+def test_zbv_idles_less_than_1f1b_on_the_same_work(
+    p: int, forward: float, backward: float, share: float
+) -> None:
+    flat = dataclasses.replace(
+        Plan.from_balance([1] * p),
+        stages=tuple(
+            dataclasses.replace(s, forward_ms=forward, backward_ms=backward)
+            for s in Plan.from_balance([1] * p).stages
+        ),
+    )
+    v_plan = chunked("v", p, 2, forward, backward)
+    for m in (2 * p, 4 * p):
+        one_f_one_b = simulate(build(flat, "flush", 3, m))
+        zbv = simulate(build(v_plan, "zbv", 3, m), weight_share=share)
+        assert zbv.total_ms < one_f_one_b.total_ms

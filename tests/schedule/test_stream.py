@@ -10,7 +10,7 @@ import pytest
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import (
-    SYNC_MODES,
+    CONTIGUOUS_MODES,
     ActionKind,
     Schedule,
     ScheduleError,
@@ -33,7 +33,7 @@ PLANS = {f"straight{p}": Plan.from_balance([1] * p) for p in (1, 2, 3, 4)} | {
 CASES = [
     (name, sync, m)
     for name, plan in PLANS.items()
-    for sync in SYNC_MODES
+    for sync in CONTIGUOUS_MODES
     for m in (1, 2, 3, 4, 6)
     if all(m % stage.replicas == 0 for stage in plan.stages)
     and (sync != "2bw" or m >= plan.num_stages)
@@ -174,7 +174,7 @@ def test_a_segment_is_checked_before_it_is_given(monkeypatch: pytest.MonkeyPatch
         stream.segment(1, 0)
 
 
-@pytest.mark.parametrize("sync", SYNC_MODES)
+@pytest.mark.parametrize("sync", CONTIGUOUS_MODES)
 def test_a_rank_builds_and_checks_only_its_neighbourhood(
     monkeypatch: pytest.MonkeyPatch, sync: str
 ) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import (
-    SYNC_MODES,
+    CONTIGUOUS_MODES,
     Action,
     ActionKind,
     Schedule,
@@ -31,7 +31,7 @@ def find(actions: tuple[Action, ...], text: str) -> int:
 
 
 def test_accepts_every_built_schedule(plan: Plan) -> None:
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         for num_batches in (1, 2, 4):
             validate(build(plan, sync, num_batches, 2 * plan.num_stages))
 
@@ -39,7 +39,7 @@ def test_accepts_every_built_schedule(plan: Plan) -> None:
 def test_accepts_larger_replicated_shapes() -> None:
     for replicas in ([3, 1], [1, 3], [2, 1, 1], [1, 1, 2], [3, 2, 1], [2, 2, 2]):
         plan = Plan.from_balance([1] * len(replicas), replicas=replicas)
-        for sync in SYNC_MODES:
+        for sync in CONTIGUOUS_MODES:
             validate(build(plan, sync, 3, 12))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES, Schedule, build
+from pl_pipedream.schedule import CONTIGUOUS_MODES, Schedule, build
 from pl_pipedream.schedule.version_checks import check_versions
 
 
@@ -20,7 +20,7 @@ def with_rank(schedule: Schedule, rank: int, actions: tuple) -> Schedule:  # typ
 
 
 def test_accepts_every_mode(plan: Plan) -> None:
-    for sync in SYNC_MODES:
+    for sync in CONTIGUOUS_MODES:
         assert check_versions(build(plan, sync, 3, 2 * plan.num_stages)) is None
 
 
@@ -43,3 +43,16 @@ def test_updates_come_in_order() -> None:
     problem = check_versions(with_rank(schedule, 0, tuple(actions)))
     assert problem is not None and problem.cells == ((0, pos),)
     assert problem.message.startswith("updates come in order (action 0Av2: expected v1)")
+
+
+def test_each_stage_of_a_rank_counts_its_own_updates() -> None:
+    plan = Plan.from_balance([1] * 4, placement="interleaved")  # rank 0: stages 0 and 2
+    schedule = build(plan, "interleaved", 2, 2)
+    assert check_versions(schedule) is None
+    rank0 = [a for a in schedule.actions[0] if not (a.kind.name == "STEP" and a.stage == 2)]
+    broken = dataclasses.replace(schedule, actions=(tuple(rank0), schedule.actions[1]))
+    problem = check_versions(broken)
+    assert problem is not None
+    assert "a version is used only after the step that produces it (action 2F2v1" in (
+        problem.message
+    )

@@ -243,3 +243,11 @@ def test_a_balance_for_another_number_of_processes_than_the_resumed_run_names_th
         "checkpoint resumes under any plan: leave out balance= and plan= to plan for 2 "
         "automatically"
     ) in str(error.value)
+
+
+def test_a_plan_of_several_stages_per_rank_is_refused_at_setup() -> None:
+    chunked = Plan.from_balance([1] * 4, placement="v")
+    with pytest.raises(
+        PipelineSetupError, match=r"^training runs one stage per rank, .*--sync zbv"
+    ):
+        choose(chunked)

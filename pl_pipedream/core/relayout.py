@@ -44,7 +44,7 @@ from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.frames import Message, PeerError
 from pl_pipedream.runtime.tags import Tag
 
-__all__ = ["Moved", "moves", "relayout"]
+__all__ = ["Moved", "check_plans", "moves", "relayout"]
 
 Moves = dict[tuple[int, int], list[str]]  # (sender, receiver) -> the state names it sends
 
@@ -77,7 +77,14 @@ def relayout(
     the whole module, in order (``core.named_state.group_names`` before the optimizers were
     cut to the stage); ``group``: the process group of the ranks (default: the default one)."""
     start = time.monotonic()
-    _check_plans(plan, new_plan, len(layers))
+    check_plans(plan, new_plan, len(layers))
+    if local.stage != plan.stage_of_rank(rank):
+        raise PipelineSetupError(
+            f"relayout starts from the stage this rank holds under the old plan (rank: {rank}, "
+            f"stage held: {local.stage.index}, the plan's: {plan.stage_of_rank(rank).index}); "
+            "pass the plan the stage was cut under"
+        )
+    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning's wrapper
     if len(group_names) != len(optimizers):
         raise PipelineSetupError(
             f"relayout needs the parameter names of every optimizer's groups (optimizers: "
@@ -305,7 +312,8 @@ def _regroup(
             }
 
 
-def _check_plans(plan: Plan, new_plan: Plan, count: int) -> None:
+def check_plans(plan: Plan, new_plan: Plan, count: int) -> None:
+    """Raise unless ``new_plan`` places the same ``count`` layers on the same ranks as ``plan``."""
     if new_plan.num_workers != plan.num_workers:
         raise PipelineSetupError(
             f"a pipeline moves to a plan over the same ranks (workers: {plan.num_workers}, new "

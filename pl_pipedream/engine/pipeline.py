@@ -44,7 +44,7 @@ from pl_pipedream.core.placement import (
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.pretrained import Pretrained, load_stage
-from pl_pipedream.core.relayout import Moved, relayout
+from pl_pipedream.core.relayout import Moved, check_plans, relayout
 from pl_pipedream.core.stage import LocalStage, cut_stage, find_ties
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
@@ -305,6 +305,7 @@ class Pipeline:
         state to ``new_plan`` (``core.relayout``: point to point, no file), and go on training
         on it with the same optimizer and ``steps``; returns what the move did on this rank."""
         runner = self._running()
+        check_plans(self.plan, new_plan, len(self.layers))  # refused before anything stops
         check_plan_ties(find_ties(self.layers, self.layers, new_plan), new_plan, self.sync)
         runner.drain()
         names = (self._group_names, self.layers, self.plan)  # the names: recorded, or gathered

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from pl_pipedream import Pipeline
+from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.frames import PeerError
 from tests.engine.test_pipeline import M, one_device
+from tests.runtime import oracle
 from tests.runtime.distributed import run
 
 pytestmark = pytest.mark.slow
@@ -127,9 +129,44 @@ def test_an_async_switch_equals_saving_and_resuming_under_the_new_plan(
         assert torch.equal(switched[name], tensor), name  # bitwise
 
 
+def plain_sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05)  # no state: the oracle's runs can be chained
+
+
+def _switch_plain(rank: int, world: int, sync: str) -> dict:
+    old, new = Plan.from_balance([2, 2, 2]), Plan.from_balance([1, 1, 4])
+    with pipeline(old, sync, True, plain_sgd) as p:
+        for batch in batches()[:SWITCH]:
+            p.train_step(batch)
+        p.replan(new)
+        for batch in batches()[SWITCH:]:
+            p.train_step(batch)
+        return p.state_dict()["model"]
+
+
+@pytest.mark.parametrize("sync", ["async", "vertical_sync"])
+def test_an_async_switch_equals_the_oracle_draining_and_switching_at_the_same_step(
+    sync: str,
+) -> None:
+    results = run(3, _switch_plain, sync, timeout=120.0)
+    model, loss = tied_model(), nn.functional.mse_loss
+    old, new = Plan.from_balance([2, 2, 2]), Plan.from_balance([1, 1, 4])
+    drained = oracle.train(model, old, sync, batches()[:SWITCH], M, loss, plain_sgd)
+    model.load_state_dict(drained)
+    expected = oracle.train(model, new, sync, batches()[SWITCH:], M, loss, plain_sgd)
+    merged: dict[str, torch.Tensor] = {}
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+        merged.update(value)
+    for name, tensor in expected.items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+
+
 def _save_after_switch(rank: int, world: int, path: str) -> list[float]:
     with pipeline(Plan.from_balance([3, 3]), "flush", True) as p:
         losses = [p.train_step(batch).item() for batch in batches()[:2]]
+        with pytest.raises(PipelineSetupError, match="over the same ranks"):
+            p.replan(Plan.from_balance([2, 2, 2]))  # refused before anything stops
         p.replan(Plan.from_balance([1, 5]))
         losses.append(p.train_step(batches()[2]).item())
         p.save(path)

@@ -104,6 +104,7 @@ class Replanner:
     ) -> None:
         check_replan_options(mode, every, threshold, "Replanner")
         self.mode, self.every, self.threshold = mode, every, float(threshold)
+        self.on = mode == "auto"  # checks run, so the timeline must be recorded
         self.topology, self.memory, self.profile = topology, memory, profile
         self.history = Path(history) if history is not None else None
         self.horizon = horizon or DEFAULT_HORIZON
@@ -114,11 +115,6 @@ class Replanner:
         self._sizes: dict[str, tuple[float, float]] = {}  # layer: (parameter, output) bytes
         self._handles: list[RemovableHandle] = []
         self._from = 1  # measured: the steps after this one
-
-    @property
-    def on(self) -> bool:
-        """Whether checks run (and so whether the timeline must be recorded)."""
-        return self.mode == "auto"
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (batches trained) is a check: every ``every`` steps once some are

@@ -1,8 +1,8 @@
 """One rank's measured layer times, from the timeline the executor already records.
 
 The executor keeps every action's start and end (``runtime.timeline``; ``record_timeline``).
-``rank_times`` takes a rank's last ``window`` forward and backward actions, averages them, and
-splits the stage's mean forward and backward milliseconds among its layers: in proportion to
+``rank_times`` takes a rank's last ``window`` forward and backward actions, takes their median, and
+splits the stage's median forward and backward milliseconds among its layers: in proportion to
 the layers' own forward times when a ``LayerClock`` timed them (forward hooks, so a layer that
 became costly shows in its own share), else to the profile's. The result, one ``RankTimes`` per
 rank gathered to every rank (``gather_rank_times``, one collective), is what
@@ -12,6 +12,7 @@ rank gathered to every rank (``gather_rank_times``, one collective), is what
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 
@@ -71,9 +72,9 @@ def rank_times(
     window: int,
     forward_shares: Mapping[str, float] | None = None,
 ) -> RankTimes:
-    """``rank``'s mean per-layer milliseconds over its last ``window`` forwards and backwards."""
-    forward = _mean_ms(events, rank, "FORWARD", window)
-    backward = _mean_ms(events, rank, "BACKWARD", window)
+    """``rank``'s median per-layer milliseconds over its last ``window`` forwards and backwards."""
+    forward = _median_ms(events, rank, "FORWARD", window)
+    backward = _median_ms(events, rank, "BACKWARD", window)
     profiled = [profile.node(n) for n in nodes]
     if forward_shares:
         weights = [forward_shares.get(n.node_id, 0.0) for n in profiled]
@@ -101,15 +102,17 @@ def gather_rank_times(times: RankTimes) -> list[RankTimes]:
     return [t for t in gathered if t is not None]
 
 
-def _mean_ms(events: Sequence[TimelineEvent], rank: int, kind: str, window: int) -> float:
-    """Mean milliseconds of ``rank``'s last ``window`` actions of ``kind`` (0: none)."""
+def _median_ms(events: Sequence[TimelineEvent], rank: int, kind: str, window: int) -> float:
+    """Median milliseconds of ``rank``'s last ``window`` actions of ``kind`` (0: none): an
+    action during which the process lost its core (a shared machine) does not count as the
+    stage's cost."""
     durations: list[float] = []
     for event in reversed(events):
         if event.rank == rank and event.kind == kind:
             durations.append(event.end - event.start)
             if len(durations) == window:
                 break
-    return 1000.0 * math.fsum(durations) / len(durations) if durations else 0.0
+    return 1000.0 * statistics.median(durations) if durations else 0.0
 
 
 def _split(total: float, nodes: Sequence[str], weights: Sequence[float]) -> dict[str, float]:

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
+from pl_pipedream.core.planning import measure_bandwidth
 from pl_pipedream.core.replanner import Replanner
 from pl_pipedream.planner.replan import Decision
 from pl_pipedream.planner.topology import Topology
@@ -41,8 +43,13 @@ def make_replanner(
     microbatches: int,
 ) -> Replanner:
     """The rank's ``Replanner`` (every rank at the same point: with ``"auto"`` the memory
-    limit is gathered, one collective)."""
-    limit = gather_memory(device, parse_memory(memory)) if mode == "auto" else None
+    limit is gathered and, without a topology, the link between ranks 0 and 1 measured, so that
+    no check pays for it)."""
+    limit = None
+    if mode == "auto":
+        limit = gather_memory(device, parse_memory(memory))
+        if topology is None:
+            topology = Topology.flat(dist.get_world_size(), measure_bandwidth(device))
     return Replanner(
         mode,
         every,

@@ -53,6 +53,8 @@ class PipelineModule(nn.Module):
                 "PipeDreamFabricStrategy(microbatches=...) and pass the larger batch"
             )
         self.loss = self.pipeline.train_step(batch)
+        if self.stage is not self.pipeline.module:  # a re-plan moved this rank's layers
+            self.stage = self.pipeline.module
         self.unconfirmed += 1
         return self.loss
 

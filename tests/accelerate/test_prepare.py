@@ -248,3 +248,41 @@ def test_the_replan_options_reach_the_engine() -> None:
     for rank, (status, value) in results.items():
         assert status == "ok", f"rank {rank}: {value}"
         assert value == {"mode": "auto", "every": 2, "recording": True}
+
+
+def _slowed(rank: int, world: int) -> dict:
+    """Every layer costs 10 ms, rank 1's 60 more from batch 2: the plan moves at step 4."""
+    from tests.engine.test_replanning import Sleep
+    from tests.engine.test_replanning import make_batches as eight_batches
+
+    accelerator = accelerator_on(rank, world)
+    model = make_model()
+    pipeline = prepare_pipeline(
+        accelerator, model, sgd(model.parameters()), nn.functional.mse_loss, microbatches=M,
+        balance=[3, 3], replan="auto", replan_every=2, replan_threshold=0.5,
+    )  # fmt: skip
+    sleeps, losses = [Sleep(model, 0.01)], []
+    for step, batch in enumerate(eight_batches()):
+        if step == 2 and rank == 1:
+            sleeps.append(Sleep(model, 0.06))
+        losses.append(pipeline.train_step(batch).item())
+    for sleep in sleeps:
+        sleep.handle.remove()
+    state, device = pipeline.state_dict()["model"], str(pipeline.device)
+    result = {"losses": losses, "model": state, "plan": pipeline.plan, "device": device}
+    pipeline.close()
+    return result
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_moves_the_plan_and_flush_still_equals_one_device() -> None:
+    from tests.engine.test_replanning import make_batches as eight_batches
+
+    results = run(2, _slowed, timeout=180.0)
+    losses, weights = one_device(eight_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    for rank, (_, value) in results.items():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6), rank
+        assert len(value["plan"].stage_of_rank(1).nodes) < 3, value["plan"].render()

@@ -76,3 +76,9 @@ def test_every_ranks_times_are_gathered() -> None:
     mine = RankTimes(0, {"layer0": 1.0}, {"layer0": 2.0}, steps=3)
     with one_rank_group():
         assert gather_rank_times(mine) == [mine]
+
+
+def test_an_action_slowed_by_losing_the_core_does_not_count() -> None:
+    timeline = events([0.004, 0.004, 0.400], [0.008, 0.008, 0.008])
+    times = rank_times(timeline, NODES, PROFILE, rank=0, window=3)
+    assert sum(times.forward_ms.values()) == pytest.approx(4.0)  # the median, not 136 ms

@@ -448,3 +448,49 @@ def test_the_replan_options_reach_the_engine_and_bad_ones_are_refused_at_once() 
     assert strategy.engine_arguments["replan_threshold"] == 0.05
     with pytest.raises(ValueError, match=r"^replan must be one of off, auto \(replan: 'on'\)"):
         PipeDreamFabricStrategy(MSE, balance=[3, 3], replan="on")
+
+
+def _train_slowed(fabric: Fabric) -> dict:
+    """The README loop on 8 batches; every layer costs 10 ms, rank 1's 60 more from batch 2."""
+    from tests.engine.test_replanning import Sleep
+    from tests.engine.test_replanning import make_batches as eight_batches
+
+    model = make_model()
+    optimizer = sgd(model.parameters())
+    fabric_model, optimizer = fabric.setup(model, optimizer)
+    sleeps, losses = [Sleep(model, 0.01)], []
+    for step, batch in enumerate(eight_batches()):
+        if step == 2 and fabric.global_rank == 1:
+            sleeps.append(Sleep(model, 0.06))
+        loss = fabric_model(batch)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    for sleep in sleeps:
+        sleep.handle.remove()
+    pipeline = fabric.strategy.pipeline
+    result = {"losses": losses, "state": pipeline.state_dict()["model"], "plan": pipeline.plan}
+    result["current"] = fabric.strategy._module.stage is pipeline.module
+    fabric.strategy.teardown()
+    return result
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_moves_the_plan_and_flush_still_equals_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.engine.test_replanning import make_batches as eight_batches
+
+    results = launch(
+        monkeypatch, tmp_path, 2, _train_slowed, loss_fn=MSE, microbatches=M, balance=[3, 3],
+        replan="auto", replan_every=2, replan_threshold=0.5,
+    )  # fmt: skip
+    losses, weights = one_device(eight_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    for rank, value in results.items():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6), rank
+        assert len(value["plan"].stage_of_rank(1).nodes) < 3, value["plan"].render()
+        assert value["current"], rank  # the Fabric module holds the stage after the move

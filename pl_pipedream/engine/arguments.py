@@ -16,6 +16,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode, check_trains
 
 __all__ = [
+    "batch_pair",
     "check_arguments",
     "check_automatic",
     "check_built_optimizer",
@@ -195,3 +196,14 @@ def check_automatic(
             f"{topology.num_workers}, world size: {world_size}); launch "
             f"{topology.num_workers} processes or give a topology of {world_size} workers"
         )
+
+
+def batch_pair(piece: Any) -> tuple[Any, Any]:
+    """A batch ``(inputs, targets)`` as its two parts, or the error naming the form."""
+    if isinstance(piece, (tuple, list)) and len(piece) == 2:
+        return piece[0], piece[1]
+    raise ValueError(
+        f"a Pipeline batch must be a pair (inputs, targets) (batch: {type(piece).__name__}"
+        f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}); pass "
+        "train_step((inputs, targets)): the first layer takes inputs, loss_fn takes targets"
+    )

@@ -34,7 +34,7 @@ from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.loss_watch import LossWatch
-from pl_pipedream.core.materialize import EmptyBuild, materialize
+from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import (
@@ -43,11 +43,12 @@ from pl_pipedream.core.placement import (
 )
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
-from pl_pipedream.core.pretrained import Pretrained, load_stage
+from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.relayout import Moved, check_plans, relayout
 from pl_pipedream.core.stage import LocalStage, cut_stage, find_ties
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
+    batch_pair,
     check_arguments,
     check_automatic,
     check_built_optimizer,
@@ -63,6 +64,7 @@ from pl_pipedream.engine.running import (
     Settings,
     carry_over,
     check_plan_ties,
+    create_stage,
     group_names_of,
     to_move,
 )
@@ -165,7 +167,7 @@ class Pipeline:
 
         self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
-        self._create_stage(Pretrained.parse(pretrained), empty_build or EmptyBuild())
+        create_stage(self.layers, self.local, self.device, pretrained, empty_build)
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)
         move_to_device(self.layers, self.device)
         self.describe = ranks.describe(self.rank, self.local.stage.index)
@@ -192,16 +194,6 @@ class Pipeline:
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
 
-    def _create_stage(self, weights: Pretrained | None, build: EmptyBuild) -> None:
-        """The stage's tensors from ``weights`` (each rank reads its own), else created from
-        the empty build's record when the layers were built on ``meta`` (``core.materialize``)."""
-        local = [int(node) for node in self.local.stage.nodes]
-        initial = (self.layers, self.layers, local, self.device, build)
-        if weights is not None:
-            load_stage(weights, *initial)
-        else:
-            materialize(*initial)
-
     @property
     def stage(self) -> int:
         """The index of this rank's stage."""
@@ -220,7 +212,7 @@ class Pipeline:
         self.local.module.train()
         batch = self._to_device(batch)
         slices = slice_batch(batch, self.microbatches)
-        pairs = [_pair(piece) for piece in slices]
+        pairs = [batch_pair(piece) for piece in slices]
         same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints)
         self.losses.note(runner.batches, batch, self.microbatches)
         runner.train_batch(
@@ -268,7 +260,7 @@ class Pipeline:
         runner = self._running()
         self.drain()
         self.local.module.eval()
-        inputs, targets = _pair(self._to_device(batch))
+        inputs, targets = batch_pair(self._to_device(batch))
         what = f"the evaluation activations of step {self.steps}"
         with self.precision.forward():
             loss = self._forward.forward(lambda: inputs, lambda o: self.loss_fn(o, targets), what)
@@ -399,13 +391,3 @@ class Pipeline:
 
     def _to_device(self, batch: Any) -> Any:
         return map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
-
-
-def _pair(piece: Any) -> tuple[Any, Any]:
-    if isinstance(piece, (tuple, list)) and len(piece) == 2:
-        return piece[0], piece[1]
-    raise ValueError(
-        f"a Pipeline batch must be a pair (inputs, targets) (batch: {type(piece).__name__}"
-        f"{f' of {len(piece)}' if isinstance(piece, (tuple, list)) else ''}); pass "
-        "train_step((inputs, targets)): the first layer takes inputs, loss_fn takes targets"
-    )

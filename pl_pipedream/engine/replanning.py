@@ -13,6 +13,7 @@ accepted beside a ``balance=`` or ``plan=`` when ``replan="auto"``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -36,7 +37,7 @@ def make_replanner(
     mode: str,
     every: int,
     threshold: float,
-    history: str | Path | None,
+    history: str | os.PathLike | None,
     topology: Topology | None,
     memory: float | str | None,
     device: torch.device,

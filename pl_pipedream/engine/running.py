@@ -5,6 +5,7 @@ parameters over the whole module, ``core.relayout``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from torch.optim import Optimizer
 
 from pl_pipedream.core import named_state
 from pl_pipedream.core.evaluation import ForwardPipe
+from pl_pipedream.core.materialize import EmptyBuild, materialize
+from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.engine.checkpoints import every_stages_groups
 from pl_pipedream.engine.updates import OptimizerUpdate, clipping
@@ -24,7 +27,15 @@ from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["Running", "Settings", "carry_over", "check_plan_ties", "group_names_of", "to_move"]
+__all__ = [
+    "Running",
+    "Settings",
+    "carry_over",
+    "check_plan_ties",
+    "create_stage",
+    "group_names_of",
+    "to_move",
+]
 
 Factory = Callable[[list[nn.Parameter]], Optimizer]
 
@@ -129,3 +140,20 @@ def shell(factory: Factory, device: torch.device) -> Optimizer:
 def carry_over(old: PipelineRunner, new: PipelineRunner) -> None:
     """The new runner goes on counting the batches fed and keeps the newest finished loss."""
     new.batches, new.loss, new.loss_batch = old.batches, old.loss, old.loss_batch
+
+
+def create_stage(
+    layers: nn.Sequential,
+    local: LocalStage,
+    device: torch.device,
+    pretrained: str | os.PathLike | Pretrained | None,
+    build: EmptyBuild | None,
+) -> None:
+    """The stage's tensors from ``pretrained`` (each rank reads its own), else created from
+    the empty build's record when the layers were built on ``meta`` (``core.materialize``)."""
+    weights = Pretrained.parse(pretrained)
+    initial = (layers, layers, [int(node) for node in local.stage.nodes], device)
+    if weights is not None:
+        load_stage(weights, *initial, build or EmptyBuild())
+    else:
+        materialize(*initial, build or EmptyBuild())

@@ -54,9 +54,10 @@ from pl_pipedream.runtime.frames import (
     PeerError,
     notice,
     pack,
+    read_header,
     unpack,
 )
-from pl_pipedream.runtime.streams import SideStreams, read_done
+from pl_pipedream.runtime.streams import SideStreams
 
 __all__ = ["ROOM", "Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
 
@@ -165,7 +166,7 @@ class Channel:
             work, frame = posted
             self._wait(work, peer, what)
             self._count_received(-frame.nbytes)  # the message's now, or a notice
-            header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
+            header = read_header(frame, self._side)
             if header[0] != RESIZE:
                 return self._on_device(unpack(frame, header, self._side, self._layouts))
             self._recv_sizes[(peer, tag)] = header[1]

@@ -36,13 +36,11 @@ class ParameterSlots:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         owners = {}
-        for prefix, owner in module.named_modules():
+        for owner in module.modules():
             for attribute, param in owner._parameters.items():
                 if param is not None and id(param) not in owners:
                     owners[id(param)] = (owner, attribute)
-        self._slots = [
-            (name, *owners[id(param)]) for name, param in module.named_parameters()
-        ]
+        self._slots = [(name, *owners[id(param)]) for name, param in module.named_parameters()]
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
         """(name, parameter) of the module's parameters, in ``named_parameters()``'s order."""

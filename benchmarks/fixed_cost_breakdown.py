@@ -19,7 +19,7 @@ import collections
 PARTS = [
     ("gloo: waiting for a message, or for a send to leave", ["Channel._wait"]),
     ("gloo: posting isend/irecv", ["Channel._isend", "Channel._post"]),
-    ("data check: the microbatch's fingerprint", ["Fingerprints.__call__"]),
+    ("data check: the microbatch's fingerprint", ["Fingerprints.", "SameData.__call__"]),
     ("frames: layout, pack, unpack", ["frames.py"]),
     ("preemption agreement (an all-reduce per step)", ["Preemption.at_step"]),
     ("data finiteness note", ["finite_data.py"]),

@@ -44,6 +44,7 @@ __all__ = [
     "TrainerUpdates",
     "check_ties",
     "check_trainer",
+    "clear_grads",
     "stage_updates",
 ]
 

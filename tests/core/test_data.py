@@ -144,6 +144,11 @@ def test_a_batchs_microbatches_are_fingerprinted_in_one_pass_of_five_operations(
     assert fingerprints.each(swapped, 8)[0] != expected[0]
     nan = torch.full((4, 3), float("nan"))
     assert fingerprints.each(nan, 2) == fingerprints.each(nan.clone(), 2)
+    half = torch.randn(4, 3).to(torch.bfloat16)  # NumPy has no bfloat16: tensor operations
+    torch.testing.assert_close(
+        fingerprints.each((half, batch["y"][:4]), 2),
+        [fingerprint((p, batch["y"][2 * j : 2 * j + 2])) for j, p in enumerate(half.chunk(2))],
+    )
     with pytest.raises(ValueError, match=r"equal microbatches \(shapes: \[\(6,\)\]"):
         fingerprints.each(torch.ones(6), 4)
 

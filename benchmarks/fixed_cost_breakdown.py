@@ -23,6 +23,7 @@ PARTS = [
     ("frames: layout, pack, unpack", ["frames.py"]),
     ("preemption agreement (an all-reduce per step)", ["Preemption.at_step"]),
     ("data finiteness note", ["finite_data.py"]),
+    ("Linear layers' fused gradient sums (flushed modes)", ["linear_sums.py"]),
     ("backward: autograd and gradient sums", ["StageExecutor._backward"]),
     ("forward: the stage's module, the loss", ["StageExecutor._forward"]),
     ("update: optimizer step and its hooks", ["StageExecutor._step"]),

@@ -19,10 +19,11 @@ import collections
 PARTS = [
     ("gloo: waiting for a message, or for a send to leave", ["Channel._wait"]),
     ("gloo: posting isend/irecv", ["Channel._isend", "Channel._post"]),
-    ("data check: the microbatch's fingerprint", ["Fingerprints.__call__"]),
+    ("data check: the microbatch's fingerprint", ["Fingerprints.", "SameData.__call__"]),
     ("frames: layout, pack, unpack", ["frames.py"]),
     ("preemption agreement (an all-reduce per step)", ["Preemption.at_step"]),
     ("data finiteness note", ["finite_data.py"]),
+    ("Linear layers' fused gradient sums (flushed modes)", ["linear_sums.py"]),
     ("backward: autograd and gradient sums", ["StageExecutor._backward"]),
     ("forward: the stage's module, the loss", ["StageExecutor._forward"]),
     ("update: optimizer step and its hooks", ["StageExecutor._step"]),

@@ -18,8 +18,10 @@ rank must draw the same batches in the same order, as one device would. Two part
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,6 +39,19 @@ __all__ = [
 ]
 
 SAMPLES = 256  # elements read per tensor, at most
+_HOST_DTYPES = frozenset(  # the dtypes NumPy reads (not bfloat16, not complex)
+    [
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    ]
+)
 _SCALES = torch.arange(1, SAMPLES + 1, dtype=torch.float64) / SAMPLES  # weights by position
 
 
@@ -88,8 +103,8 @@ class LoaderSeeds:
 
 class Fingerprints:
     """``fingerprint`` with the weights of each layout kept (a microbatch's shapes repeat): a
-    few tensor operations per microbatch, not seven per tensor. One per strategy; the weights
-    live as long as it does (at most ``keep`` layouts, then they are built afresh)."""
+    few tensor operations per batch, not seven per tensor and microbatch. One per strategy; the
+    weights live as long as it does (at most ``keep`` layouts, then they are built afresh)."""
 
     def __init__(self, keep: int = 64) -> None:
         self.keep = keep
@@ -101,27 +116,61 @@ class Fingerprints:
         elements at evenly spaced positions (a strided view: only those are read), each weighted
         by its position and its tensor's; values that are not tensors do not count. Equal data
         give the bit-identical number on every rank. The samples of all tensors are joined and
-        weighted in one dot product."""
+        weighted in one product."""
+        return self.each(data, 1)[0]
+
+    def each(self, batch: Any, microbatches: int) -> list[float]:
+        """The fingerprint of each of the ``microbatches`` equal slices of ``batch`` along dim
+        0 (``core.microbatches.slice_batch``), all in one product: row j of each tensor viewed
+        as ``(microbatches, -1)`` is slice j's elements. Equal to ``[self(piece) for piece in
+        slice_batch(batch, microbatches)]`` up to the rounding of the sums (a rank compares only
+        fingerprints made the same way)."""
+        found = tensors(batch, sort_keys=True)
+        if microbatches > 1 and any(t.dim() == 0 or t.shape[0] % microbatches for t in found):
+            raise ValueError(
+                f"a batch must split into equal microbatches (shapes: "
+                f"{[tuple(t.shape) for t in found]}, microbatches: {microbatches})"
+            )
+        # on the host, the samples are read and weighted through NumPy views: a NumPy operation
+        # costs a fraction of a tensor operation's dispatch, which small batches pay per step
+        host = all(t.device.type == "cpu" and t.dtype in _HOST_DTYPES for t in found)
         total = 0.0
-        samples: list[Tensor] = []
+        samples: list[Any] = []  # tensors, or NumPy arrays on the host
         layout: list[tuple[int, int]] = []  # (tensor index, samples taken) of each sampled tensor
-        for index, tensor in enumerate(tensors(data, sort_keys=True)):
-            total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(tensor.shape))
-            flat = tensor.detach().reshape(-1)
-            if flat.numel() == 0:
+        for index, tensor in enumerate(found):
+            shape = tensor.shape
+            if microbatches > 1:
+                shape = torch.Size((shape[0] // microbatches, *shape[1:]))
+            total += (index + 1) * sum((k + 1) * 7.0 * size for k, size in enumerate(shape))
+            data = tensor.detach() if tensor.requires_grad else tensor
+            rows = (
+                data.numpy().reshape(microbatches, -1) if host else data.reshape(microbatches, -1)
+            )
+            if rows.shape[1] == 0:
                 continue
-            step = -(-flat.numel() // SAMPLES)  # every step-th element: at most SAMPLES of them
-            samples.append(flat[::step] if step > 1 else flat)
-            layout.append((index, samples[-1].numel()))
+            step = -(-rows.shape[1] // SAMPLES)  # every step-th element: at most SAMPLES of them
+            samples.append(rows[:, ::step] if step > 1 else rows)
+            layout.append((index, samples[-1].shape[1]))
         if not samples:
-            return total
+            return [total] * microbatches
+        if host:
+            array = np.concatenate(samples, axis=1).astype(np.float64, copy=False)
+            weighting = self._weights_of(tuple(layout), torch.device("cpu")).numpy()
+            sums = (array @ weighting).tolist()
+            if not all(math.isfinite(v) for v in sums):  # NaN and inf read as fixed numbers
+                np.nan_to_num(array, copy=False, nan=1.5, posinf=1e300, neginf=-1e300)
+                sums = (array @ weighting).tolist()
+            return [total + v for v in sums]
         first = samples[0]
         if all(t.dtype == first.dtype and t.device == first.device for t in samples):
-            values = torch.cat(samples).to(torch.float64)
+            values = torch.cat(samples, dim=1).to(torch.float64)
         else:
-            values = torch.cat([t.to(first.device, torch.float64) for t in samples])
-        values.nan_to_num_(1.5, 1e300, -1e300)
-        return total + float(values.dot(self._weights_of(tuple(layout), first.device)))
+            values = torch.cat([t.to(first.device, torch.float64) for t in samples], dim=1)
+        weights = self._weights_of(tuple(layout), first.device)
+        sums = (values @ weights).tolist()
+        if not all(math.isfinite(v) for v in sums):  # NaN and inf read as fixed numbers
+            sums = (values.nan_to_num_(1.5, 1e300, -1e300) @ weights).tolist()
+        return [total + v for v in sums]
 
     def _weights_of(self, layout: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
         """Each sample's weight: its tensor's index + 1 times its position's (``_SCALES``)."""
@@ -143,7 +192,9 @@ def fingerprint(data: Any) -> float:
 class SameData:
     """``Feed.fingerprint`` for one Lightning batch: the fingerprint of microbatch ``j`` of
     ``slices``, checked against stage 0's when one arrived. ``fingerprints`` keeps the weights
-    from batch to batch (the strategy's own); without it they are kept for this batch only."""
+    from batch to batch (the strategy's own); without it they are kept for this batch only.
+    Given the ``batch`` the slices were cut from, every slice is fingerprinted at the first
+    call, in one pass (``Fingerprints.each``): every rank of a pipeline must be given it alike."""
 
     def __init__(
         self,
@@ -152,15 +203,23 @@ class SameData:
         step: int,
         batch_idx: int,
         fingerprints: Fingerprints | None = None,
+        batch: Any = None,
     ) -> None:
         self.slices = slices
         self.describe = describe  # "rank 1 (stage 1)"
         self.step = step
         self.batch_idx = batch_idx
         self.fingerprints = fingerprints or Fingerprints()
+        self.batch = batch  # the batch ``slices`` were cut from: fingerprinted in one pass
+        self._own: list[float] | None = None
 
     def __call__(self, j: int, received: float | None) -> float:
-        own = self.fingerprints(self.slices[j])
+        if self.batch is None:
+            own = self.fingerprints(self.slices[j])
+        else:
+            if self._own is None:
+                self._own = self.fingerprints.each(self.batch, len(self.slices))
+            own = self._own[j]
         if received is not None and received != own:
             raise PipelineDataError(
                 f"every rank must train on the same batches in the same order ({self.describe}, "

@@ -11,19 +11,20 @@ from typing import Any
 
 from torch import Tensor
 
+from pl_pipedream.runtime.trees import tensors
+
 __all__ = ["slice_batch"]
 
 
 def slice_batch(batch: Any, microbatches: int) -> list[Any]:
-    """Split every tensor of a batch along dim 0 into ``microbatches`` equal parts."""
+    """Split every tensor of a batch along dim 0 into ``microbatches`` equal parts; one part is
+    the batch itself (checked as any split is, but not rebuilt: no tensor operation)."""
+    if microbatches == 1:
+        for tensor in tensors(batch):
+            _check(tensor, 1)
+        return [batch]
     if isinstance(batch, Tensor):
-        size = batch.shape[0] if batch.dim() else 0
-        if size % microbatches != 0 or size == 0:
-            raise ValueError(
-                f"a batch must split into equal microbatches (batch size: {size}, microbatches: "
-                f"{microbatches}); use a batch size that is a multiple of {microbatches} (and "
-                "drop_last=True in the DataLoader)"
-            )
+        _check(batch, microbatches)
         return list(batch.chunk(microbatches))
     if isinstance(batch, (tuple, list)):
         parts = [slice_batch(item, microbatches) for item in batch]
@@ -35,3 +36,13 @@ def slice_batch(batch: Any, microbatches: int) -> list[Any]:
         split = {key: slice_batch(value, microbatches) for key, value in batch.items()}
         return [{key: value[j] for key, value in split.items()} for j in range(microbatches)]
     return [batch] * microbatches
+
+
+def _check(tensor: Tensor, microbatches: int) -> None:
+    size = tensor.shape[0] if tensor.dim() else 0
+    if size % microbatches != 0 or size == 0:
+        raise ValueError(
+            f"a batch must split into equal microbatches (batch size: {size}, microbatches: "
+            f"{microbatches}); use a batch size that is a multiple of {microbatches} (and "
+            "drop_last=True in the DataLoader)"
+        )

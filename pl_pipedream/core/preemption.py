@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 __all__ = ["MAX_PERIOD", "MIN_INTERVAL", "Preempted", "Preemption", "exit_code", "parse_signals"]
 
-MIN_INTERVAL = 0.01  # seconds: steps shorter than this share one agreement
+MIN_INTERVAL = 0.03  # seconds: steps shorter than this share one agreement
 MAX_PERIOD = 8  # steps between two agreements at most
 
 

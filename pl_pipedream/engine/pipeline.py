@@ -213,7 +213,7 @@ class Pipeline:
         batch = self._to_device(batch)
         slices = slice_batch(batch, self.microbatches)
         pairs = [batch_pair(piece) for piece in slices]
-        same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints)
+        same = SameData(slices, self.describe, self.steps, self.steps, self._fingerprints, batch)
         self.losses.note(runner.batches, batch, self.microbatches)
         runner.train_batch(
             lambda j: pairs[j][0],

@@ -29,11 +29,15 @@ holds exactly its bound of sent frames once the run has sent that many, a send c
 at the run's ten-thousandth step as at its first, and ``peak_sent_bytes`` and
 ``peak_received_bytes`` (the receives posted ahead) say what the frames took.
 
-Sends are non-blocking; receives block with a deadline and raise ``PeerError`` naming the peer
-rank and what was awaited instead of hanging. gloo on CPU, NCCL on GPU (frames on the rank's
-device; a GPU rank whose group is gloo gets the tensors moved to its device). On a GPU the host
-never waits for the compute stream here: a frame's header and scalars go in through pinned memory
-and come out on a side stream once the receive has completed (``runtime.streams``).
+Under gloo a send and a receive are posted on the process group itself
+(``ProcessGroup.send``/``recv``, what ``dist.isend``/``irecv`` end in), its ranks in the group
+looked up once per peer: the wrappers' checks of the group and the tensor cost about as much as
+the post, per message. Sends are non-blocking; receives block with a deadline and raise
+``PeerError`` naming the peer rank and what was awaited instead of hanging. gloo on CPU, NCCL
+on GPU (frames on the rank's device; a GPU rank whose group is gloo gets the tensors moved to
+its device). On a GPU the host never waits for the compute stream here: a frame's header and
+scalars go in through pinned memory and come out on a side stream once the receive has completed
+(``runtime.streams``).
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ from pl_pipedream.runtime.frames import (
     PeerError,
     notice,
     pack,
+    read_header,
     unpack,
 )
-from pl_pipedream.runtime.streams import SideStreams, read_done
+from pl_pipedream.runtime.streams import SideStreams
 
 __all__ = ["ROOM", "Channel", "Link", "PeerError"]  # PeerError: raised here, declared in frames
 
@@ -101,6 +106,8 @@ class Channel:
         self._wire = device if self._nccl else torch.device("cpu")
         self._side = SideStreams()  # reads of received frames (on a GPU)
         self._layouts = Layouts()  # a link's messages repeat their shapes
+        self._direct = _direct_group(group) if not self._nccl else None
+        self._group_ranks: dict[int, int] = {}  # a peer's rank in ``_direct``
 
     def send(self, message: Message, peer: int, tag: int, what: str) -> None:
         """Start sending ``message`` to ``peer``; ``flush`` or a later send completes it."""
@@ -149,7 +156,10 @@ class Channel:
     def _post(self, peer: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         size = self._recv_sizes.get((peer, tag), HEADER_BYTES)
         frame = torch.empty(size, dtype=torch.uint8, device=self._wire)
-        work = _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer)
+        if self._direct is not None:
+            work = self._direct.recv([frame], self._group_rank(peer), tag)
+        else:
+            work = _started(dist.irecv(frame, peer, group=self.group, tag=tag), peer)
         self._count_received(size)
         return work, frame
 
@@ -165,7 +175,7 @@ class Channel:
             work, frame = posted
             self._wait(work, peer, what)
             self._count_received(-frame.nbytes)  # the message's now, or a notice
-            header = read_done(frame[:HEADER_BYTES].view(torch.int64), self._side).tolist()
+            header = read_header(frame, self._side)
             if header[0] != RESIZE:
                 return self._on_device(unpack(frame, header, self._side, self._layouts))
             self._recv_sizes[(peer, tag)] = header[1]
@@ -204,9 +214,19 @@ class Channel:
 
     def _isend(self, frame: torch.Tensor, peer: int, tag: int, what: str) -> dist.Work:
         try:
+            if self._direct is not None:
+                return self._direct.send([frame], self._group_rank(peer), tag)
             return _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
         except RuntimeError as error:
             raise self._error("send", what, peer, error) from error
+
+    def _group_rank(self, peer: int) -> int:
+        found = self._group_ranks.get(peer)
+        if found is None:
+            group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None  # the default group exists while a channel does
+            found = self._group_ranks[peer] = dist.get_group_rank(group, peer)
+        return found
 
     def _reap(self, link: Link, room: int = 0) -> None:
         """Free the frames of the link's messages that are done: under NCCL those that report
@@ -258,6 +278,17 @@ class Channel:
         )
         text = ranks.peer_failure(start, ranks.describe(peer), cause, waited, self.timeout)
         return PeerError(text)
+
+
+def _direct_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The process group to post on directly: ``group`` (or the default one) when this rank is
+    in it; None (post through ``dist.isend``/``irecv``) otherwise or without one."""
+    if not dist.is_initialized():
+        return None
+    chosen = group if group is not None else dist.group.WORLD
+    if chosen is None or dist.get_rank(chosen) < 0:
+        return None
+    return chosen
 
 
 def _started(work: dist.Work | None, peer: int) -> dist.Work:

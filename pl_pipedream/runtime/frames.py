@@ -17,7 +17,10 @@ is one more round trip between the ranks.
 A frame is written and read here; ``runtime.channel`` moves frames between ranks. A link's
 messages repeat their shapes from step to step, so a channel keeps the layout of each kind of
 message it sends and reads (``Layouts``): the offsets and the header are worked out once per
-shape, and each message costs only its copies.
+shape, and each message costs only its copies. A frame on the host (gloo) has its header and
+scalars written and read through a NumPy view of its bytes, and its tensors copied through one
+where NumPy has their dtype: a NumPy assignment costs a fraction of a tensor operation's
+dispatch, which a small message pays several times.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pl_pipedream.runtime.streams import SideStreams, read_done, upload
@@ -43,6 +47,7 @@ __all__ = [
     "layout_of",
     "notice",
     "pack",
+    "read_header",
     "unpack",
 ]
 
@@ -66,6 +71,17 @@ _DTYPES = [
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 SUPPORTED_DTYPES = frozenset(_DTYPES)
 REQUIRES_GRAD = 256  # added to a tensor's dtype code: the receiver's view asks for a gradient
+_NUMPY = {  # the dtypes a host frame's tensors are copied through NumPy as
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
 
 
 class PeerError(RuntimeError):
@@ -254,6 +270,9 @@ def pack(message: Message, layout: Layout, size: int, device: torch.device) -> t
     and the keys."""
     offsets, end = layout.offsets, layout.end
     frame = torch.empty(size, dtype=torch.uint8, device=device)
+    if frame.device.type == "cpu":
+        _pack_host(frame.numpy(), message, layout)
+        return frame
     header = layout.header_tensor
     if header is None:
         header = torch.tensor(layout.header, dtype=torch.int64)
@@ -271,6 +290,34 @@ def pack(message: Message, layout: Layout, size: int, device: torch.device) -> t
             upload(frame[position : position + len(blob)], data)
             position += len(blob)
     return frame
+
+
+def _pack_host(frame: np.ndarray, message: Message, layout: Layout) -> None:
+    """``pack`` into a host frame's bytes."""
+    frame[:HEADER_BYTES].view(np.int64)[:] = layout.header
+    for tensor, offset in zip(message.tensors, layout.offsets, strict=True):
+        kind = _NUMPY.get(tensor.dtype)
+        if kind is None or tensor.device.type != "cpu":  # bfloat16, or a GPU rank's tensor
+            view = torch.from_numpy(frame[offset : offset + tensor.nbytes]).view(tensor.dtype)
+            view.view(tensor.shape).copy_(tensor.detach())
+        else:
+            target: np.ndarray = (
+                frame[offset : offset + tensor.nbytes].view(kind).reshape(tensor.shape)
+            )
+            np.copyto(target, tensor.detach().numpy())
+    position = layout.end + 8 * len(layout.scalars)
+    frame[layout.end : position].view(np.float64)[:] = layout.scalars
+    for blob in (message.structure, layout.keys):
+        if blob:
+            frame[position : position + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            position += len(blob)
+
+
+def read_header(frame: torch.Tensor, side: SideStreams | None = None) -> list[int]:
+    """The header of a frame that has arrived."""
+    if frame.device.type == "cpu":
+        return frame.numpy()[:HEADER_BYTES].view(np.int64).tolist()
+    return read_done(frame[:HEADER_BYTES].view(torch.int64), side).tolist()
 
 
 def notice(size: int, new_size: int, device: torch.device) -> torch.Tensor:
@@ -297,14 +344,20 @@ def unpack(
         tensors.append(tensor.requires_grad_(True) if grad else tensor)
     num_scalars = 2 * num_losses + 3 * num_logged + fingerprinted
     scalars_end = end + 8 * num_scalars
+    host = frame.numpy() if frame.device.type == "cpu" else None
     structure = None
     if structure_bytes >= 0:
-        structure = (
-            read_done(frame[scalars_end : scalars_end + structure_bytes], side).numpy().tobytes()
-        )
+        stop = scalars_end + structure_bytes
+        if host is not None:
+            structure = host[scalars_end:stop].tobytes()
+        else:
+            structure = read_done(frame[scalars_end:stop], side).numpy().tobytes()
     if not num_scalars:
         return Message(tensors, structure=structure)
-    scalars = read_done(frame[end:scalars_end].view(torch.float64), side).tolist()
+    if host is not None:
+        scalars = host[end:scalars_end].view(np.float64).tolist()
+    else:
+        scalars = read_done(frame[end:scalars_end].view(torch.float64), side).tolist()
     fingerprint = scalars.pop() if fingerprinted else None
     pairs = scalars[: 2 * num_losses]
     losses = [

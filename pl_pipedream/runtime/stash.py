@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pl_pipedream.runtime.functional import ParameterSlots
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["VersionError", "WeightStash"]
@@ -54,6 +55,7 @@ class WeightStash:
         self.module = module
         self.describe = describe
         self.exclude = frozenset(exclude)  # versioned elsewhere (``runtime.tied_versions``)
+        self.slots = ParameterSlots(module)  # its named_parameters(), found once
         self.live_version = 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._counters: dict[int, dict[str, int]] = {}  # live version counters at each snapshot
@@ -73,7 +75,7 @@ class WeightStash:
                 f"(kept: {sorted(self._snapshots)}); the schedule and the updates disagree"
             )
         # .data: the same storage under a version counter of its own, a leaf for autograd
-        live = {n: p for n, p in self.module.named_parameters() if n not in self.exclude}
+        live = {n: p for n, p in self.slots.named() if n not in self.exclude}
         snapshot = {name: p.data.requires_grad_(p.requires_grad) for name, p in live.items()}
         self._snapshots[version] = snapshot
         self._counters[version] = {name: p._version for name, p in live.items()}
@@ -84,7 +86,9 @@ class WeightStash:
         """For each parameter of ``names`` whose storage a kept snapshot shares, a tensor of its
         shape to hold the values of the next update (a spare, else new memory). The update must
         make it the parameter's storage instead of writing into the shared one."""
-        live = dict(self.module.named_parameters())
+        if not self._snapshots:
+            return {}
+        live = self.slots.by_name()
         shared = self._shared(live)
         out = {}
         for name in names:
@@ -118,7 +122,7 @@ class WeightStash:
         """Count one more update of the live weights. ``storage`` is what
         ``storage_for_update`` gave that update: each tensor must now hold its parameter, or a
         kept snapshot would have been overwritten."""
-        live = dict(self.module.named_parameters())
+        live = self.slots.by_name() if storage else {}
         for name, tensor in storage.items():
             if live[name].data_ptr() != tensor.data_ptr():
                 raise VersionError(
@@ -146,7 +150,7 @@ class WeightStash:
                 del self._counters[version]
         if not dropped:
             return
-        in_use = {p.data_ptr() for p in self.module.parameters()}
+        in_use = {p.data_ptr() for _, p in self.slots.named()}
         in_use |= {t.data_ptr() for snap in self._snapshots.values() for t in snap.values()}
         for snapshot in dropped:
             for name, tensor in snapshot.items():
@@ -164,7 +168,7 @@ class WeightStash:
     @property
     def nbytes(self) -> int:
         """Bytes of the kept snapshots' storage apart from the live parameters'."""
-        live = {p.data_ptr() for p in self.module.parameters()}
+        live = {p.data_ptr() for _, p in self.slots.named()}
         owned = {
             t.data_ptr(): _size(t)
             for snap in self._snapshots.values()

@@ -61,7 +61,7 @@ class TrainingSteps:
         # alike (divergence=...), knowing whether the batch's data were finite.
         work = TrainingBatch(module, batch, batch_idx, strategy.microbatches, describe)
         step = module.trainer.global_step
-        same = SameData(work.slices, describe, step, batch_idx, self.fingerprints)
+        same = SameData(work.slices, describe, step, batch_idx, self.fingerprints, batch)
         drain = must_drain(strategy.sync, module.trainer)
         if self.losses is not None:
             self.losses.note(runner.batches, batch, strategy.microbatches)

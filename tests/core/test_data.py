@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.data import Fingerprints, SameData, fingerprint, seed_loader
 from pl_pipedream.core.errors import PipelineDataError
+from pl_pipedream.core.microbatches import slice_batch
 from tests.runtime.distributed import run
 from tests.strategy.test_lightning_features import Net
 
@@ -87,7 +88,7 @@ def test_a_fingerprint_is_the_same_for_equal_data_and_differs_for_other_data() -
     assert fingerprint(nan) == fingerprint(nan.clone())
 
 
-def test_a_fingerprint_costs_two_tensor_operations_per_tensor_and_five_per_microbatch() -> None:
+def test_a_fingerprint_costs_two_tensor_operations_per_tensor_and_five_per_batch() -> None:
     """Counted, not timed (the machine is shared): the tensor operations one fingerprint runs,
     attribute reads (shape, dtype, device) and numel aside. Before the samples were joined into
     one dot product, each tensor cost nine (18 here)."""
@@ -111,6 +112,59 @@ def test_a_fingerprint_costs_two_tensor_operations_per_tensor_and_five_per_micro
         assert fingerprints(data) == expected
     assert len(count.ops) <= 2 * 2 + 5, count.ops
     assert fingerprint(data) == expected
+
+
+def test_a_batchs_microbatches_are_fingerprinted_in_one_pass_of_five_operations() -> None:
+    """``each`` gives every slice's fingerprint (up to the rounding of the sums), with the
+    operations of one fingerprint: 8 microbatches cost what one did."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = getattr(func, "__name__", str(func))
+            if name not in ("__get__", "numel", "dim"):
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    batch = {"y": torch.arange(64).reshape(64, 1), "x": torch.randn(64, 700)}  # x sampled
+    slices = slice_batch(batch, 8)
+    fingerprints = Fingerprints()
+    expected = fingerprints.each(batch, 8)
+    with Count() as count:
+        assert fingerprints.each(batch, 8) == expected
+    assert len(count.ops) <= 2 * 2 + 1 + 5, count.ops  # x's strided view: one more
+    torch.testing.assert_close(expected, [fingerprint(piece) for piece in slices])
+    assert len(set(expected)) == 8
+    swapped = {"y": batch["y"], "x": batch["x"][[1, 0, *range(2, 64)]]}  # rows 0, 1: slice 0
+    assert fingerprints.each(swapped, 8)[1:] == expected[1:]
+    assert fingerprints.each(swapped, 8)[0] != expected[0]
+    nan = torch.full((4, 3), float("nan"))
+    assert fingerprints.each(nan, 2) == fingerprints.each(nan.clone(), 2)
+    half = torch.randn(4, 3).to(torch.bfloat16)  # NumPy has no bfloat16: tensor operations
+    torch.testing.assert_close(
+        fingerprints.each((half, batch["y"][:4]), 2),
+        [fingerprint((p, batch["y"][2 * j : 2 * j + 2])) for j, p in enumerate(half.chunk(2))],
+    )
+    with pytest.raises(ValueError, match=r"equal microbatches \(shapes: \[\(6,\)\]"):
+        fingerprints.each(torch.ones(6), 4)
+
+
+def test_same_data_fingerprints_the_batch_it_is_given_once_and_checks_each_slice() -> None:
+    batch = (torch.randn(8, 5), torch.randn(8, 2))
+    slices = slice_batch(batch, 4)
+    stage0 = SameData(slices, "rank 0 (stage 0)", step=0, batch_idx=0, batch=batch)
+    sent = [stage0(j, None) for j in range(4)]
+    assert sent == Fingerprints().each(batch, 4)
+    other = (batch[0].clone(), batch[1].clone())
+    other[1][5] += 1  # microbatch 2's targets
+    stage1 = SameData(slice_batch(other, 4), "rank 1 (stage 1)", 0, 0, batch=other)
+    assert [stage1(j, sent[j]) for j in (0, 1)] == sent[:2]
+    with pytest.raises(PipelineDataError, match="rank 1 \\(stage 1\\), global step 0, batch 0, mi"):
+        stage1(2, sent[2])
 
 
 def test_the_weights_are_kept_per_fingerprints_not_per_process() -> None:

@@ -48,6 +48,23 @@ def test_every_nan_and_inf_is_found_wherever_it_sits(dtype: torch.dtype) -> None
     assert notes.first_bad(through=0) == (0, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_microbatch_is_noted_by_one_reduction_without_a_dim(dtype: torch.dtype) -> None:
+    """With one microbatch per batch a note is the whole tensor's smallest and largest value
+    (``aminmax()``, a third of ``aminmax(dim=1)``'s cost on small tensors)."""
+    for position in range(6):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            notes = FiniteData()
+            x = torch.tensor([[1e4, -3.0, 2.0], [0.5, -1e4, 7.0]], dtype=dtype)
+            x.view(-1)[position] = bad
+            notes.note(3, (x, torch.ones(2, 1)), 1)
+            assert notes._notes[3][0].dim() == 0
+            assert notes.first_bad(through=3) == (3, 0)
+    notes = FiniteData()
+    notes.note(0, (torch.randn(2, 3, dtype=dtype), torch.arange(2)), 1)
+    assert notes.first_bad(through=0) is None
+
+
 def test_a_note_takes_no_elementwise_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Noting a batch costs one reduction per tensor; whether it was finite is worked out only
     when a non-finite loss asks (``first_bad``)."""

@@ -37,3 +37,12 @@ def test_batch_that_does_not_split_into_microbatches() -> None:
 def test_a_scalar_tensor_does_not_split() -> None:
     with pytest.raises(ValueError, match=r"batch size: 0, microbatches: 1\)"):
         slice_batch(torch.tensor(1.0), 1)
+
+
+def test_one_microbatch_is_the_batch_itself_checked_alike() -> None:
+    """No tensor operation for one microbatch (a fixed cost per step); the batch is still
+    checked as any split is."""
+    batch = (torch.zeros(4, 3), {"y": torch.arange(4), "tag": "a"})
+    assert slice_batch(batch, 1)[0] is batch
+    with pytest.raises(ValueError, match=r"batch size: 0, microbatches: 1\)"):
+        slice_batch((torch.zeros(4, 3), [torch.zeros(0)]), 1)

@@ -94,13 +94,13 @@ SHAPES = [(40, 3), (40, 3), (2, 3), (300, 3), (2, 3), (3, 2)]
 
 def _resizing_stream(rank: int, world: int) -> list:
     sent: list[str] = []
-    original = dist.isend
+    original = Channel._isend
 
-    def counted(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(self, frame, *args, **kwargs):  # type: ignore[no-untyped-def]
         sent.append("frame")
-        return original(tensor, *args, **kwargs)
+        return original(self, frame, *args, **kwargs)
 
-    dist.isend = counted  # counts this worker's transfers; gloo still carries them
+    Channel._isend = counted  # type: ignore[method-assign]  # this worker's transfers
     channel = Channel(rank, torch.device("cpu"), timeout=30.0)
     if rank == 0:
         counts = []
@@ -323,3 +323,28 @@ def test_the_receives_posted_ahead_are_counted() -> None:
     size = out[1]
     assert size > 4000  # 1000 floats and the header
     assert out[2:] == [size] * 4 and peak == size
+
+
+def _without_wrappers(rank: int, world: int) -> list:
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("posted through the torch.distributed wrapper")
+
+    dist.isend = dist.irecv = refused  # (in this worker's own process)
+    channel = Channel(rank, torch.device("cpu"), timeout=30.0)
+    if rank == 0:
+        channel.send(Message([torch.arange(4.0)], fingerprint=0.5), 1, 3, "x")
+        return channel.recv(1, 4, "y").tensors[0].tolist()
+    channel.expect(0, 3)
+    got = channel.recv(0, 3, "x")
+    channel.send(Message([got.tensors[0] * 2]), 0, 4, "y")
+    channel.flush()
+    return [got.tensors[0].tolist(), got.fingerprint]
+
+
+@pytest.mark.slow
+def test_gloo_messages_are_posted_on_the_process_group_without_the_wrappers() -> None:
+    """``dist.isend``/``irecv`` check the group and the tensor at every call (about as much as
+    the post); the channel posts on the group itself."""
+    results = run(2, _without_wrappers, timeout=60.0)
+    assert results[0] == ("ok", [0.0, 2.0, 4.0, 6.0]), results
+    assert results[1] == ("ok", [[0.0, 1.0, 2.0, 3.0], 0.5]), results

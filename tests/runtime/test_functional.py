@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.functional import StageCall
+from pl_pipedream.runtime.functional import ParameterSlots, StageCall
 
 
 class Tied(nn.Module):
@@ -89,3 +89,29 @@ def test_a_call_makes_under_half_the_python_calls_of_functional_call() -> None:
     ours = _python_calls(lambda: call(params, x)) - direct
     theirs = _python_calls(lambda: functional_call(module, params, (x,))) - direct
     assert ours < 0.5 * theirs, (ours, theirs)
+
+
+def test_parameter_slots_read_what_named_parameters_gives_from_slots_found_once() -> None:
+    """The same pairs in the same order (a tied parameter once, by its first name), read without
+    walking the module tree: a parameter replaced in its slot is the one read."""
+    module = nn.Sequential(Tied(), nn.Linear(4, 2))
+    slots = ParameterSlots(module)
+    assert [(n, id(p)) for n, p in slots.named()] == [
+        (n, id(p)) for n, p in module.named_parameters()
+    ]
+    module[1].weight = nn.Parameter(torch.zeros(2, 4))
+    assert slots.by_name()["1.weight"] is module[1].weight
+    calls: list[str] = []
+    original = nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("named_modules")
+        return original(self, *args, **kwargs)
+
+    nn.Module.named_modules = counted  # type: ignore[method-assign]
+    try:
+        names = list(slots.by_name())
+    finally:
+        nn.Module.named_modules = original  # type: ignore[method-assign]
+    assert calls == []
+    assert names == [n for n, _ in module.named_parameters()]

@@ -12,6 +12,7 @@ from pl_pipedream.strategy.updates import (
     PipelineUpdates,
     TrainerUpdates,
     check_trainer,
+    clear_grads,
     stage_updates,
     step_after_hooks,
 )
@@ -300,3 +301,24 @@ def test_clip_global_norm_clips_the_norm_over_every_rank() -> None:
     assert second["stages"] == pytest.approx([0.0, 0.8], rel=1e-5)
     assert first["below"] == [3.0, 0.0] and second["below"] == [0.0, 4.0]
     assert first["replicas"] == second["replicas"] == pytest.approx([0.6, 0.8], rel=1e-5)
+
+
+def test_an_update_clears_the_gradients_as_zero_grad_does_without_its_profiler_record() -> None:
+    """torch's ``zero_grad`` opens a profiler record at every call; an optimizer whose class
+    keeps it gets its gradients set to None directly, one that overrides it is called."""
+    layer = torch.nn.Linear(2, 2)
+    plain = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 2)).sum().backward()
+    with torch.profiler.profile() as trace:
+        clear_grads(plain)
+    assert all(p.grad is None for p in layer.parameters())
+    assert not [e for e in trace.events() if "zero_grad" in e.name]
+    calls: list[bool] = []
+
+    class Own(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    clear_grads(Own(layer.parameters(), lr=0.1))
+    assert calls == [True]

@@ -32,8 +32,8 @@ from torch import nn
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, PeerError
 from pl_pipedream.runtime.frames import Message
-from pl_pipedream.runtime.linear_sums import HeldProducts
 from pl_pipedream.runtime.functional import StageCall
+from pl_pipedream.runtime.linear_sums import HeldProducts
 from pl_pipedream.runtime.lookahead import (
     ExecutorError,
     batch_of,

@@ -167,6 +167,7 @@ def drive(args: argparse.Namespace) -> None:
     )
     configs = [bench.Config.parse(name) for name in args.configs]
     runs: dict[str, list[float]] = {c.name: [] for c in configs}
+    cores: dict[str, list[float]] = {c.name: [] for c in configs}
     failed: dict[str, str] = {}
     for repeat in range(args.repeats):
         for config in configs:
@@ -178,14 +179,16 @@ def drive(args: argparse.Namespace) -> None:
                 failed[config.name] = failure(error)
                 print(f"  repeat {repeat}: {config.name:<30} FAILED: {failed[config.name]}")
                 continue
-            rate = bench.measure(args, config, results)["samples"]
+            measured = bench.measure(args, config, results)
+            rate = measured["samples"]
             runs[config.name].append(rate)
+            cores[config.name].append(measured["cores"])
             print(
                 f"  repeat {repeat}: {config.name:<30} {rate:8.1f} samples/s, "
-                f"load {os.getloadavg()[0]:.1f}",
+                f"{measured['cores']:.2f} cores busy, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-    print_table(args, configs, runs, failed)
+    print_table(args, configs, runs, cores, failed)
     print_targets(args, runs)
 
 
@@ -193,13 +196,15 @@ def print_table(
     args: argparse.Namespace,
     configs: list[bench.Config],
     runs: dict[str, list[float]],
+    cores: dict[str, list[float]],
     failed: dict[str, str],
 ) -> None:
     print(
         f"\nsamples/s (median over repeats; every matrix product on {args.microbatch} rows), "
-        "and the ratio to torch-1F1B at the same m within each repeat (median):"
+        "the ratio to torch-1F1B at the same m within each repeat (median), and the CPU "
+        "seconds of both ranks per wall second (2.0: both cores theirs):"
     )
-    print(f"{'config':<30} {'samples/s':>9} {'/1F1B':>6}  every repeat")
+    print(f"{'config':<30} {'samples/s':>9} {'/1F1B':>6} {'cores':>5}  every repeat")
     for config in configs:
         if config.name in failed:
             print(f"{config.name:<30} {'failed':>9}         {failed[config.name]}")
@@ -208,8 +213,9 @@ def print_table(
         base = runs.get(f"torch-1F1B-{config.microbatches}")
         against = ratios(rates, base) if config.owner != "ours" or config.microbatches > 1 else None
         cell = f"{statistics.median(against):6.3f}" if against else " " * 6
+        busy = statistics.median(cores[config.name])
         each = ", ".join(f"{r:.1f}" for r in rates)
-        print(f"{config.name:<30} {statistics.median(rates):9.1f} {cell}  {each}")
+        print(f"{config.name:<30} {statistics.median(rates):9.1f} {cell} {busy:5.2f}  {each}")
 
 
 def ratios(top: list[float] | None, bottom: list[float] | None) -> list[float] | None:

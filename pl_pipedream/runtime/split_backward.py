@@ -102,7 +102,7 @@ class SplitBackward:
             found = torch.autograd.grad(
                 roots, [*received, *leaves, *anchor], grads, allow_unused=True
             )
-            for tensor, grad in zip(received, found, strict=False):
+            for tensor, grad in zip(received, found[: len(received)], strict=True):
                 tensor.grad = grad
             self.updates.add(names, found[len(received) : len(received) + len(leaves)])
         self._owed[i] = Owed(flight.version, held)

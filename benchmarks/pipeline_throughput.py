@@ -566,7 +566,10 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[int, int | 
             return bad[0] if bad else (codes.index(None), None)
         if None not in codes:
             return None
-        time.sleep(0.05)
+        try:  # wakes at once when it ends, else twice a second: a rank's core is left alone
+            procs[codes.index(None)].wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")

@@ -513,14 +513,20 @@ WORKERS: dict[str, Callable[[argparse.Namespace], Result]] = {
 
 
 def launch(
-    args: argparse.Namespace, worker: str, extra: list[str], ranks: int, expected: int = 0
+    args: argparse.Namespace,
+    worker: str,
+    extra: list[str],
+    ranks: int,
+    expected: int = 0,
+    script: Path = SCRIPT,
 ) -> list[Result]:
-    """Run ``worker`` in ``ranks`` processes that this script starts; return the results of
-    ``expected`` ranks (default ``ranks``; Lightning starts our pipeline's rank 1 itself)."""
+    """Run ``worker`` of ``script`` (this one by default) in ``ranks`` processes that this
+    script starts; return the results of ``expected`` ranks (default ``ranks``; Lightning starts
+    our pipeline's rank 1 itself). A worker that fails ends the others and exits with its log."""
     expected = expected or ranks
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, str(SCRIPT), "--worker", worker, "--out", str(out)]
+        command = [sys.executable, str(script), "--worker", worker, "--out", str(out)]
         command += [*workload_args(args), *extra]
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -530,17 +536,40 @@ def launch(
             log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115
             rank_env = {**env, "RANK": str(rank)} if ranks > 1 else env
             procs.append((subprocess.Popen(command, env=rank_env, stdout=log, stderr=log), log))
-        for proc, log in procs:
-            code = proc.wait(timeout=args.timeout)
+        failed = wait_all([proc for proc, _ in procs], args.timeout)
+        for _, log in procs:
             log.close()
-            if code != 0:
-                text = Path(log.name).read_text()[-3000:]
-                sys.exit(f"worker {shlex.join(command)} failed (exit {code}):\n{text}")
+        if failed is not None:
+            rank, code = failed
+            text = Path(procs[rank][1].name).read_text()[-3000:]
+            sys.exit(f"worker {shlex.join(command)} failed (rank {rank}, exit {code}):\n{text}")
         paths = [out] + [Path(f"{out}.rank{rank}") for rank in range(1, expected)]
         deadline = time.monotonic() + 60
         while not all(path.exists() for path in paths) and time.monotonic() < deadline:
             time.sleep(0.1)  # Lightning's rank 1 may still be writing when rank 0 exits
         return [json.loads(path.read_text()) for path in paths]
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[int, int | None] | None:
+    """Wait for every process; at the first that fails (or at ``timeout`` seconds: exit None)
+    end the others and return its (rank, exit code)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        late = time.monotonic() > deadline and None in codes
+        if bad or late:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            return bad[0] if bad else (codes.index(None), None)
+        if None not in codes:
+            return None
+        try:  # wakes at once when it ends, else twice a second: a rank's core is left alone
+            procs[codes.index(None)].wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")

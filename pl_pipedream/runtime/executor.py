@@ -33,6 +33,7 @@ from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unfla
 from pl_pipedream.runtime.channel import Channel, PeerError
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.functional import StageCall
+from pl_pipedream.runtime.linear_sums import HeldProducts
 from pl_pipedream.runtime.lookahead import (
     ExecutorError,
     batch_of,
@@ -91,6 +92,7 @@ class _InFlight:
     fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
     predicted: bool = False  # ``params`` are a prediction of its own, not a stashed version
     replay: Replay | None = None  # recompute: the input to run the forward again from
+    held: HeldProducts | None = None  # a split backward's Linear products (``linear_sums``)
 
 
 class StageExecutor(SplitBackward):
@@ -305,15 +307,16 @@ class StageExecutor(SplitBackward):
             params = {**params, **self.tied_versions.params_for(i, self._update)}
         drop = self.activations.recompute and self.stage < self.num_stages - 1
         replay = Replay(value, rng_state(self.device)) if drop else None
+        held = self.updates.hold()
         with self.precision.forward():
             saving = self.activations.forward(i, value, params.values(), drop)
-            with self.updates.capture(params), saving, self.updates.recording(i):
+            with self.updates.capture(params, held), saving, self.updates.recording(i):
                 output = self._call(params, value)  # one argument, as nn.Sequential passes it
             loss = self._loss(output, i) if self.stage == self.num_stages - 1 else None
         flight = _InFlight(
             version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
         )
-        flight.replay = replay
+        flight.replay, flight.held = replay, held
         if loss is None:
             try:
                 flight.outputs, flight.structure = flatten(output)

@@ -14,6 +14,15 @@ for the captured weight and bias, whose gradients go into the sums. A call that 
 exactly (autocast, mixed dtypes or devices, grad disabled, tensor subclasses, saved-tensor hooks
 such as activation checkpointing, whose recomputation would not go through the mode) runs
 unchanged; hooks marked as passing every tensor through (``_hooks_pass_through``) do not stop it.
+
+A split backward (zero bubble) holds the products back instead: captured with ``HeldProducts``,
+a fused call's backward computes the input's gradient only and keeps its output gradient and
+input rows; ``HeldProducts.add_into`` later adds ``g^T x`` (and the bias's row sums) into the
+sums with the same GEMMs. The weight half then costs the weight share of a backward, no walk of
+the graph again. Each held call also takes ``HeldProducts.anchor``, a tensor that requires a
+gradient, as an input: autograd runs a node only when it leads to a tensor asked for, and a
+Linear whose input needs no gradient (the first stage's first layer) leads only to its weight,
+so the input half asks for the anchor too.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LinearGradientSums"]
+__all__ = ["HeldProducts", "LinearGradientSums"]
 
 
 class LinearGradientSums:
@@ -40,14 +49,17 @@ class LinearGradientSums:
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}  # written since the last take(), in order
 
-    def capture(self, tensors: Mapping[str, torch.Tensor]) -> _CaptureLinear:
+    def capture(
+        self, tensors: Mapping[str, torch.Tensor], held: HeldProducts | None = None
+    ) -> _CaptureLinear:
         """A context in which ``F.linear`` calls on ``tensors`` (matched by identity) are fused.
 
         A call is fused when its weight is among ``tensors`` and requires grad; its bias is summed
         too if it is among ``tensors``, otherwise its gradient flows through autograd as usual.
-        Other calls run unchanged.
+        Other calls run unchanged. With ``held``, a fused call's products wait in ``held``
+        until ``held.add_into(self)``.
         """
-        return _CaptureLinear(self, tensors)
+        return _CaptureLinear(self, tensors, held)
 
     def take(self) -> dict[str, torch.Tensor]:
         """The sums written since the last ``take`` (name -> tensor), now the caller's."""
@@ -87,6 +99,34 @@ class LinearGradientSums:
         return held
 
 
+class HeldProducts:
+    """The weight-gradient products of one backward's fused Linear calls, held for later.
+
+    Each entry is (weight name, bias name or None, output gradient rows, input rows); ``anchor``
+    is the tensor every held call takes as an input (see the module docstring), made on the
+    first call's device.
+    """
+
+    def __init__(self) -> None:
+        self.anchor: torch.Tensor | None = None
+        self.products: list[tuple[str, str | None, torch.Tensor, torch.Tensor]] = []
+
+    def anchor_on(self, device: torch.device) -> torch.Tensor | None:
+        """The anchor, made on ``device`` by the first call; None on another device."""
+        if self.anchor is None:
+            self.anchor = torch.zeros((), device=device, requires_grad=True)
+        return self.anchor if self.anchor.device == device else None
+
+    def add_into(self, sums: LinearGradientSums) -> None:
+        """Add every held product into ``sums``, in the order the backward made them, and
+        forget them."""
+        for weight_name, bias_name, rows, inputs in self.products:
+            sums.add_product(weight_name, rows.t(), inputs)
+            if bias_name is not None:
+                sums.add_row_sum(bias_name, rows)
+        self.products = []
+
+
 def _matches(buffer: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> bool:
     return buffer.shape == shape and buffer.dtype == like.dtype and buffer.device == like.device
 
@@ -98,9 +138,15 @@ class _CaptureLinear(TorchFunctionMode):
     the handler runs, the mode is off, so the calls it makes do not come back to it.
     """
 
-    def __init__(self, sums: LinearGradientSums, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        sums: LinearGradientSums,
+        tensors: Mapping[str, torch.Tensor],
+        held: HeldProducts | None = None,
+    ) -> None:
         super().__init__()
         self.sums = sums
+        self.held = held
         self.tensors = tensors  # kept alive, so no other tensor can take one of their ids
         self.names = {id(tensor): name for name, tensor in tensors.items()}
 
@@ -119,7 +165,12 @@ class _CaptureLinear(TorchFunctionMode):
         if weight_name is None or not _fusable(input, weight, bias):
             return F.linear(input, weight, bias)
         bias_name = self._name(bias)
-        return _SummedLinear.apply(input, weight, bias, self.sums, weight_name, bias_name)
+        if self.held is None:
+            return _SummedLinear.apply(input, weight, bias, self.sums, weight_name, bias_name)
+        anchor = self.held.anchor_on(weight.device)
+        if anchor is None:
+            return F.linear(input, weight, bias)
+        return _HeldLinear.apply(input, weight, bias, anchor, self.held, weight_name, bias_name)
 
     def _name(self, tensor: torch.Tensor | None) -> str | None:
         if tensor is None or not tensor.requires_grad:
@@ -191,3 +242,41 @@ class _SummedLinear(torch.autograd.Function):
         elif ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_input, None, grad_bias, None, None, None
+
+
+class _HeldLinear(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input's gradient and holds the weight's product.
+
+    The output gradient and input rows go into ``held``; the weight (and a captured bias) get
+    no gradient from autograd here, the anchor none either. As ``_SummedLinear``, ``forward``
+    takes the context itself.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        anchor: torch.Tensor,
+        held: HeldProducts,
+        weight_name: str,
+        bias_name: str | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.held = held  # type: ignore[attr-defined]
+        ctx.names = (weight_name, bias_name)  # type: ignore[attr-defined]
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        weight_name, bias_name = ctx.names
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        ctx.held.products.append((weight_name, bias_name, rows, input.reshape(-1, input.shape[-1])))
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if bias_name is None and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_input, None, grad_bias, None, None, None, None

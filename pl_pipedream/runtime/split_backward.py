@@ -1,19 +1,20 @@
 """A backward pass in two halves: the input gradient at once, the weight gradient later.
 
 In a mode that splits the backward (``SyncMode.splits_backward``, zero bubble) the schedule runs
-``BACKWARD_INPUT`` where the other modes run ``BACKWARD``: ``torch.autograd.grad`` of the stage's
-roots (the loss, or the outputs seeded with the gradients received) with respect to the received
-tensors only, keeping the graph, so the gradient can be sent upstream at once. ``BACKWARD_WEIGHT``
-later takes the gradient of the same roots with the same seeds with respect to the weights of the
-forward pass (its stashed version), from the kept graph, and adds it to the update's sums; then
-the graph, the activations and the version are released as a whole backward releases them.
-Where the roots and seeds come from (``_seeds``: the loss, or the gradients received; under
-recompute the forward run again) is the same for a whole backward, which the executor runs.
-
-The weight half walks the graph from the roots again, so it costs more than the weight share of a
-backward where a stage holds several layers; the fused Linear sums (``runtime.linear_sums``)
-would add a Linear layer's weight gradient already in the input half, so a split mode does not
-use them (``schedule.modes.update_settings``). The result is exactly that of a whole backward.
+``BACKWARD_INPUT`` where the other modes run ``BACKWARD``, and ``BACKWARD_WEIGHT`` later. The
+forward's Linear layers hold their weight products back (``runtime.linear_sums.HeldProducts``):
+their backward computes the input's gradient only and keeps the output gradient and the input.
+The input half is one ``torch.autograd.grad`` of the stage's roots (the loss, or the outputs
+seeded with the gradients received) with respect to the received tensors, the weights of the
+forward pass (its stashed version) and the held products' anchor: it sends the input gradient
+upstream at once, adds the gradients of the weights that no held Linear covers (LayerNorm,
+embeddings, convolutions, a Linear that cannot be fused) to the update's sums, and frees the
+graph. The weight half adds the held products, ``g^T x`` per Linear layer, into the update's
+Linear sums with the GEMMs a whole backward uses, and then releases the activations and the
+version as a whole backward releases them. The two halves cost what one backward costs, and the
+result is exactly a whole backward's. Where the roots and seeds come from (``_seeds``: the loss,
+or the gradients received; under recompute the forward run again) is the same for a whole
+backward, which the executor runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from pl_pipedream.runtime.boundary import flatten
+from pl_pipedream.runtime.linear_sums import HeldProducts
 from pl_pipedream.runtime.lookahead import ExecutorError, batch_of, minibatch_of
 from pl_pipedream.schedule.actions import Action
 
@@ -36,9 +37,7 @@ class Owed:
     """What an input half leaves for its weight half."""
 
     version: int
-    params: dict[str, torch.Tensor]
-    roots: list[torch.Tensor]
-    grads: list[torch.Tensor]
+    held: HeldProducts | None
 
 
 class SplitBackward:
@@ -70,7 +69,7 @@ class SplitBackward:
             )
         params = flight.params
         if flight.replay is not None:  # recompute: the forward again, on the same weights
-            with self.precision.forward(), self.updates.capture(params):
+            with self.precision.forward(), self.updates.capture(params, flight.held):
                 again = self.activations.replay(i, flight.replay, self.module, params)
             flight.outputs = flatten(again)[0]
         if flight.loss is not None:
@@ -95,14 +94,19 @@ class SplitBackward:
         flight = self._flight[i]
         roots, grads = self._seeds(action, flight)
         received = [t for t in flight.inputs if t.requires_grad]
-        if roots and received:
+        names = [n for n, p in flight.params.items() if p.requires_grad]
+        leaves = [flight.params[n] for n in names]
+        held = flight.held
+        anchor = [] if held is None or held.anchor is None else [held.anchor]
+        if roots and (received or leaves or anchor):
             found = torch.autograd.grad(
-                roots, received, grads, allow_unused=True, retain_graph=True
+                roots, [*received, *leaves, *anchor], grads, allow_unused=True
             )
-            for tensor, grad in zip(received, found, strict=True):
+            for tensor, grad in zip(received, found[: len(received)], strict=True):
                 tensor.grad = grad
-        self._owed[i] = Owed(flight.version, flight.params, roots, grads)
-        flight.outputs, flight.loss = [], None  # the roots are in ``Owed`` now
+            self.updates.add(names, found[len(received) : len(received) + len(leaves)])
+        self._owed[i] = Owed(flight.version, held)
+        flight.outputs, flight.loss, flight.held = [], None, None  # the graph is freed
 
     def _backward_weight(self, action: Action) -> None:
         i = minibatch_of(action)
@@ -114,12 +118,7 @@ class SplitBackward:
                 f"{None if owed is None else owed.version}, weight half version: "
                 f"{action.version})"
             )
-        names = [n for n, p in owed.params.items() if p.requires_grad]
-        leaves = [owed.params[n] for n in names]
-        found: tuple[Tensor | None, ...] = (None,) * len(leaves)
-        if owed.roots and leaves:
-            found = torch.autograd.grad(owed.roots, leaves, owed.grads, allow_unused=True)
-        self.updates.add(names, found)
+        self.updates.add_held(owed.held)
         flight = self._flight.get(i)  # the first stage keeps it until here
         if flight is not None:
             flight.params = {}

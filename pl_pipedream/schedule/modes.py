@@ -143,12 +143,15 @@ class UpdateSettings:
     ``update_size``: the summed gradient is divided by this at the update. ``loss_scale``: the
     last stage seeds its backward with this instead of 1, so every stage sums gradients that are
     already divided. ``sum_linear_gradients``: several backward passes make one update, so Linear
-    layers add their weight gradients into the sum inside the matrix product.
+    layers add their weight gradients into the sum inside the matrix product. ``split_backward``:
+    the backward runs in two halves, and the Linear layers' weight products wait for the weight
+    half (``runtime.linear_sums.HeldProducts``).
     """
 
     update_size: int
     loss_scale: float
     sum_linear_gradients: bool
+    split_backward: bool = False
 
 
 def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateSettings:
@@ -165,6 +168,6 @@ def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateS
     return UpdateSettings(
         update_size=1 if exact else microbatches,
         loss_scale=1.0 / microbatches if exact else 1.0,
-        # backward passes per update; a split backward's input half would add them already
-        sum_linear_gradients=microbatches > replicas and not mode.splits_backward,
+        sum_linear_gradients=microbatches > replicas,  # backward passes per update
+        split_backward=mode.splits_backward,
     )

@@ -11,7 +11,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.linear_sums import LinearGradientSums
+from pl_pipedream.runtime.linear_sums import HeldProducts, LinearGradientSums
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Params = Mapping[str, torch.Tensor]
@@ -238,6 +238,34 @@ def test_autograd_grad_skips_layers_that_lead_to_no_requested_tensor() -> None:
     sums = LinearGradientSums()
     _run(_captured(sums, params, forward), last, _inputs(2, (4, 5), torch.float64, False))
     assert sorted(sums.take()) == sorted(last)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["input grad", "no input grad"])
+def test_held_products_added_later_equal_the_sums(bias: bool, requires_grad: bool) -> None:
+    """A split backward: the backward (asked for the input and the anchor only) holds the
+    products; added later, they are the sums autograd's gradients make, and the input's gradient
+    is autograd's. The anchor makes autograd run the first layer even where its input needs no
+    gradient."""
+    torch.manual_seed(12)
+    params, forward = _snapshot(_mlp(torch.float64, bias=bias))
+    xs = _inputs(3, (2, 4, 5), torch.float64, requires_grad)
+    expected, expected_inputs = _run(forward, params, xs)
+    sums = LinearGradientSums()
+    for k, (x, expected_input) in enumerate(zip(xs, expected_inputs, strict=True)):
+        held = HeldProducts()
+        with sums.capture(params, held):
+            loss = forward(x).square().sum()
+        assert held.anchor is not None and not held.products
+        wanted = [*([x] if requires_grad else []), held.anchor]
+        found = torch.autograd.grad(loss, wanted, allow_unused=True)
+        assert found[-1] is None and len(held.products) == 3
+        assert sums.pending == (k > 0)  # nothing added before ``add_into``
+        if requires_grad:
+            _assert_close(found[0], expected_input, torch.float64)
+        held.add_into(sums)
+        assert not held.products
+    _assert_close(sums.take(), _summed(expected), torch.float64)
 
 
 def test_calls_outside_the_context_are_untouched() -> None:

@@ -86,14 +86,15 @@ def test_parse_names_the_choices(bad: str) -> None:
         SyncMode.parse(bad)
 
 
-def old_update_settings(sync: str, m: int, replicas: int) -> tuple[int, float, bool]:
-    """The formulas as they stood before ``update_settings``, restated by hand."""
+def old_update_settings(sync: str, m: int, replicas: int) -> tuple[int, float, bool, bool]:
+    """The formulas restated by hand: (update size, loss scale, Linear sums, split)."""
+    split = sync in ("zero_bubble", "zbv")  # the weight half adds the Linear products held
     if sync in ("async", "vertical_sync"):
-        return replicas, 1.0, False
-    summed = m > replicas and sync not in ("zero_bubble", "zbv")  # the input half adds them
+        return replicas, 1.0, False, False
+    summed = m > replicas
     if m & (m - 1) == 0:  # a power of two: dividing the loss seed is exact
-        return 1, 1.0 / m, summed
-    return m, 1.0, summed
+        return 1, 1.0 / m, summed, split
+    return m, 1.0, summed, split
 
 
 @pytest.mark.parametrize("sync", SYNC_MODES)
@@ -106,6 +107,7 @@ def test_update_settings_match_the_formulas(sync: str) -> None:
                 settings.update_size,
                 settings.loss_scale,
                 settings.sum_linear_gradients,
+                settings.split_backward,
             ) == expected, (sync, m, replicas)
 
 

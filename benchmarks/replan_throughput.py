@@ -188,7 +188,15 @@ def launch(options: dict[str, Any], ranks: int) -> dict[str, Any]:
     errors = {r: v["error"] for r, v in results.items() if "error" in v}
     if errors:
         raise RuntimeError(f"a run failed: {errors}")
-    return results[0]
+    result = results[0]
+    print(
+        f"  {options['scenario']} {options['mode']:<4} {layout(options['plan']):<10} "
+        f"{result['samples_per_s']:6.0f} samples/s"
+        + (f", moves {[layout(p) for p in result['plans']]}" if result["plans"] else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
 
 
 def layout(plan: dict[str, Any]) -> str:

@@ -312,12 +312,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"{spread(r['runs']['auto']):<15} {spread(best)} ({r['static_plan']})"
             f"  {r['auto'] / r['off']:8.2f}  {r['auto'] / r['static']:11.2f}"
         )
-        for plans, part in zip(r["plans"], r["segments"], strict=True):
-            print(
-                f"  auto {' -> '.join(plans):<28} s: before {part['before']:.2f}, then until the"
-                f" move {part['until_move']:.2f}, moves {part['moves']:.2f}, "
-                f"after {part['after']:.2f}"
-            )
+        for plans, moves, part in zip(r["plans"], r["moves"], r["segments"], strict=True):
+            line = f"  auto {' -> '.join(plans)} at steps {[step for step, _ in moves]}"
+            if r["scenario"] == "slow-rank":
+                line += (
+                    f"; seconds: first half {part['before']:.2f}, then to the first move"
+                    f" {part['until_move']:.2f}, moves {part['moves']:.2f},"
+                    f" rest {part['after']:.2f}"
+                )
+            print(line)
     for r in results:
         gain, near = r["auto"] / r["off"], r["auto"] / r["static"]
         if r["scenario"] == "slow-rank":

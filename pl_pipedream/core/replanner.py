@@ -24,7 +24,8 @@ timeline so far and calls ``reset``; the next check is due at a multiple of ``ev
 passes ``on`` as ``record_timeline``). Each move is one JSON line in ``history``
 (``pipedream_plan_history.jsonl``, beside ``pipedream_plan.json``): step, old and new plan,
 measured per-rank stage milliseconds, the speeds, predicted times, and the seconds the move took
-(``moved``). A better plan that does not fit memory comes back in ``Decision.warnings``.
+(``moved``). A better plan that does not fit memory comes back in ``Decision.warnings``. A move
+of a small gain waits for the next check to find the same plan (``planner.replan.confirm``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from pl_pipedream.core.stage_clock import LayerClock, rank_times
 from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.replan import Decision, decide
+from pl_pipedream.planner.replan import Decision, confirm, decide
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Node, Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -115,6 +116,7 @@ class Replanner:
         self._sizes: dict[str, tuple[float, float]] = {}  # layer: (parameter, output) bytes
         self._handles: list[RemovableHandle] = []
         self._from = 1  # measured: the steps after this one
+        self._proposed: Plan | None = None  # rank 0: a smaller gain's plan, held for a check
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (batches trained) is a check: every ``every`` steps once some are
@@ -214,6 +216,7 @@ class Replanner:
             decision = Decision(
                 False, plan, decision.current_time, decision.current_time, 0.0, decision.warnings
             )
+        decision, self._proposed = confirm(plan, decision, self._proposed, self.threshold)
         line = {
             "step": step,
             "old_plan": plan.to_dict(),

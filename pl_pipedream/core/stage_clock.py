@@ -4,7 +4,8 @@ The executor keeps every action's start and end (``runtime.timeline``; ``record_
 ``rank_times`` takes a rank's last ``window`` forward and backward actions, takes their median, and
 splits the stage's median forward and backward milliseconds among its layers: in proportion to
 the layers' own forward times when a ``LayerClock`` timed them (forward hooks, so a layer that
-became costly shows in its own share), else to the profile's. The result, one ``RankTimes`` per
+became costly shows in its own share; the median call, as for the stage's total), else to the
+profile's. The result, one ``RankTimes`` per
 rank gathered to every rank (``gather_rank_times``, one collective), is what
 ``planner.measured.measured_model`` turns into per-layer costs and per-rank speeds.
 """
@@ -28,10 +29,13 @@ __all__ = ["LayerClock", "gather_rank_times", "rank_times"]
 
 
 class LayerClock:
-    """Forward seconds per layer, summed by forward pre- and post-hooks (``perf_counter``)."""
+    """Forward seconds per layer, each call timed by forward pre- and post-hooks
+    (``perf_counter``). A layer's time is the median of its calls times their number, so that
+    one call during which the process lost its core (a shared machine) does not shift the
+    layers' shares, as ``rank_times`` takes the median action for the stage's total."""
 
     def __init__(self, layers: Mapping[str, nn.Module]) -> None:
-        self.seconds: dict[str, float] = {name: 0.0 for name in layers}
+        self.calls: dict[str, list[float]] = {name: [] for name in layers}
         self._started: dict[str, float] = {}
         self._handles: list[RemovableHandle] = []
         for name, layer in layers.items():
@@ -46,17 +50,18 @@ class LayerClock:
 
     def _stop(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: object, output: object) -> None:
-            self.seconds[name] += time.perf_counter() - self._started.pop(name)
+            self.calls[name].append(time.perf_counter() - self._started.pop(name))
 
         return hook
 
     def shares(self) -> dict[str, float]:
         """Each layer's share of the forward time timed so far (empty: nothing timed yet)."""
-        total = math.fsum(self.seconds.values())
-        return {n: s / total for n, s in self.seconds.items()} if total > 0 else {}
+        seconds = {n: statistics.median(c) * len(c) if c else 0.0 for n, c in self.calls.items()}
+        total = math.fsum(seconds.values())
+        return {n: s / total for n, s in seconds.items()} if total > 0 else {}
 
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.calls = {name: [] for name in self.calls}
 
     def remove(self) -> None:
         for handle in self._handles:

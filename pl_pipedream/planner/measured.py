@@ -7,10 +7,15 @@ plans: a slow rank (a slower or shared device) slows every layer on it by the sa
 layer moved off it runs at its old speed; a layer that became costly stays costly wherever it
 goes. ``measured_model`` tells them apart by the ratios measured / profiled of a rank's layers:
 
-* a rank's slowdown is the smallest ratio among its layers (a costly layer raises only its own
-  ratio, a slow rank raises all of them, so the least raised bounds the rank's factor), divided
-  by the median over ranks, so a change that hits every rank alike (longer sequences, another
-  microbatch size) goes into the layer costs, not into the speeds;
+* a rank's slowdown comes from its least raised layers (a costly layer raises only its own
+  ratio, a slow rank raises all of them): the pooled ratio (measured sum over profiled sum) of
+  its layers, leaving out, until none is left to leave out, each layer more than ``POOL`` above
+  the pooled ratio. The smallest ratio alone would be biased low by noise in the split of a
+  stage's time among its layers (the least of several noisy ratios), and would overstate how
+  much slower the other ranks are; pooling averages that noise out and still leaves a costly
+  layer out. It is divided by the median over ranks, so a change
+  that hits every rank alike (longer sequences, another microbatch size) goes into the layer
+  costs, not into the speeds;
 * a layer's cost is its measured time divided by its rank's slowdown (the mean over a replicated
   stage's ranks); a layer nobody measured keeps its profiled cost times the median slowdown.
 
@@ -30,7 +35,9 @@ from dataclasses import dataclass, field, replace
 from pl_pipedream.planner.plan import PlanError
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["MeasuredModel", "RankTimes", "measured_model"]
+__all__ = ["POOL", "MeasuredModel", "RankTimes", "measured_model"]
+
+POOL = 0.25  # a layer more raised than 25% above its rank's pooled ratio is left out
 
 
 @dataclass(frozen=True)
@@ -139,8 +146,18 @@ def _measured_layers(profile: Profile, times: RankTimes) -> list[str]:
 
 
 def _slowdown(profile: Profile, times: RankTimes) -> float | None:
-    """The smallest measured / profiled ratio among the rank's layers (None: nothing to go by)."""
-    ratios = [
-        times.compute_ms(n) / profile.node(n).compute_ms for n in _measured_layers(profile, times)
-    ]
-    return min(ratios) if ratios else None
+    """The pooled measured / profiled ratio of the rank's layers less raised than ``POOL`` above
+    it: start from all of them and leave out the more raised until none is (None: nothing to go
+    by)."""
+    layers = _measured_layers(profile, times)
+    if not layers:
+        return None
+    ratios = {n: times.compute_ms(n) / profile.node(n).compute_ms for n in layers}
+    pooled = layers
+    while True:
+        measured = math.fsum(times.compute_ms(n) for n in pooled)
+        ratio = measured / math.fsum(profile.node(n).compute_ms for n in pooled)
+        kept = [n for n in pooled if ratios[n] <= ratio * (1.0 + POOL)]
+        if kept == pooled:
+            return ratio
+        pooled = kept

@@ -11,7 +11,11 @@ only when the current time exceeds that by more than ``threshold`` (a fraction),
 noise does not move layers back and forth. Where the measurements read two ways (a rank of one
 layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
 A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
-fits is weighed instead. Pure: no torch import.
+fits is weighed instead. ``confirm`` adds hysteresis across checks: a gain beyond ``CLEAR``
+thresholds (a rank several times slower) moves at once, and a smaller one only when the check
+before found the same plan, so that noise of a few thresholds' size (a loaded machine) does not
+move layers to a plan that only ties with the current one, nor back again. Pure: no torch
+import.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["Decision", "decide", "fits_memory", "move_bytes"]
+__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "move_bytes"]
+
+CLEAR = 4.0  # a gain beyond 1 + CLEAR x threshold moves at once; a smaller one is seen twice
 
 
 @dataclass(frozen=True)
@@ -160,3 +166,25 @@ def _best(
         if not candidates:
             return None
     return min(candidates, key=lambda p: plan_time(p, profile, topology, speeds))
+
+
+def confirm(
+    current: Plan, decision: Decision, proposed: Plan | None, threshold: float
+) -> tuple[Decision, Plan | None]:
+    """``decision`` with hysteresis, and the plan to remember for the next check: a move whose
+    gain is beyond ``1 + CLEAR * threshold``, or to the plan ``proposed`` at the check before,
+    goes ahead; a smaller gain is held (the current plan kept) and its plan proposed."""
+    if not decision.move:
+        return decision, None
+    if decision.gain > 1.0 + CLEAR * threshold or (
+        proposed is not None and _layout(proposed) == _layout(decision.plan)
+    ):
+        return decision, None
+    held = Decision(
+        False, current, decision.current_time, decision.current_time, 0.0, decision.warnings
+    )
+    return held, decision.plan
+
+
+def _layout(plan: Plan) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    return [(tuple(s.nodes), tuple(s.ranks)) for s in plan.stages]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from pl_pipedream.core import stage_clock
 from pl_pipedream.core.stage_clock import LayerClock, gather_rank_times, rank_times
 from pl_pipedream.planner.measured import RankTimes
 from pl_pipedream.profile.graph import Profile
@@ -82,3 +83,29 @@ def test_an_action_slowed_by_losing_the_core_does_not_count() -> None:
     timeline = events([0.004, 0.004, 0.400], [0.008, 0.008, 0.008])
     times = rank_times(timeline, NODES, PROFILE, rank=0, window=3)
     assert sum(times.forward_ms.values()) == pytest.approx(4.0)  # the median, not 136 ms
+
+
+def test_a_layer_call_slowed_by_losing_the_core_does_not_shift_the_shares() -> None:
+    """Two layers of equal cost, one of whose five calls lost the core for 40 times its cost:
+    the shares stay even, as the stage's total ignores such an action."""
+    now = [0.0]
+
+    class Tick(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.costs = [0.001] * 5
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            now[0] += self.costs.pop(0)
+            return x
+
+    layers = {"a": Tick(), "b": Tick()}
+    layers["b"].costs[2] = 0.040
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stage_clock.time, "perf_counter", lambda: now[0])
+        clock = LayerClock(layers)
+        for _ in range(5):
+            for layer in layers.values():
+                layer(torch.zeros(1))
+    assert clock.shares() == pytest.approx({"a": 0.5, "b": 0.5})
+    clock.remove()

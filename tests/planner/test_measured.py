@@ -49,3 +49,20 @@ def test_a_change_on_every_rank_goes_into_the_layer_costs() -> None:
 def test_every_rank_must_report() -> None:
     with pytest.raises(PlanError, match="every rank must report"):
         measured_model(PROFILE, times({})[:2], 3)
+
+
+def test_noise_in_the_split_among_layers_does_not_overstate_a_slow_rank() -> None:
+    """A stage's time is split among its layers with some noise; the rank's slowdown pools its
+    least raised layers instead of taking the least of the noisy ratios."""
+    profile = Profile.chain([1.0] * 8, [2.0] * 8, [1.0] * 8, [0.0] * 8)
+    split = [0.85, 1.1, 1.05, 1.0]  # rank 0 at its old speed, its stage time split unevenly
+    fast = {f"layer{i}": 3.0 * split[i] for i in range(4)}
+    slow = {f"layer{i}": 9.0 for i in range(4, 8)}  # rank 1: 3x slower, split evenly
+    measured = [
+        RankTimes(0, {n: t / 3 for n, t in fast.items()}, {n: 2 * t / 3 for n, t in fast.items()}),
+        RankTimes(1, {n: t / 3 for n, t in slow.items()}, {n: 2 * t / 3 for n, t in slow.items()}),
+    ]
+    model = measured_model(profile, measured, 2)
+    assert model.speeds[0] / model.speeds[1] == pytest.approx(3.0, rel=0.02)
+    even = [measured[0], RankTimes(1, {n: 1.0 for n in slow}, {n: 2.0 for n in slow})]
+    assert measured_model(profile, even, 2).speeds == pytest.approx((1.0, 1.0), rel=0.02)

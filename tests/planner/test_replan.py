@@ -11,7 +11,7 @@ import pytest
 from pl_pipedream.planner import PlanError, Topology
 from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.replan import decide, fits_memory, move_bytes
+from pl_pipedream.planner.replan import CLEAR, Decision, confirm, decide, fits_memory, move_bytes
 from pl_pipedream.planner.speeds import plan_with_speeds
 from pl_pipedream.profile.graph import Profile
 
@@ -105,3 +105,17 @@ def test_moving_sends_parameters_and_optimizer_state_to_each_new_holder() -> Non
 def test_a_negative_threshold_is_refused() -> None:
     with pytest.raises(PlanError, match="threshold must be >= 0"):
         decide(current(), measure(current(), {}, {}), TOPOLOGY, threshold=-1.0)
+
+
+def test_a_large_gain_moves_at_once_and_a_small_one_is_confirmed_by_the_next_check() -> None:
+    plan = current()
+    model = measure(plan, {1: 2.0}, {})
+    large = decide(plan, model, TOPOLOGY, straight=True)
+    assert large.gain > 1 + CLEAR * 0.05
+    assert confirm(plan, large, None, 0.05) == (large, None)
+    small = Decision(True, large.plan, 1.1, 1.0, 0.0)
+    held, proposed = confirm(plan, small, None, 0.05)
+    assert not held.move and held.plan == plan and proposed == large.plan
+    assert confirm(plan, small, proposed, 0.05) == (small, None)
+    keep = Decision(False, plan, 1.0, 1.0, 0.0)
+    assert confirm(plan, keep, proposed, 0.05) == (keep, None)  # the proposal is forgotten

@@ -71,6 +71,15 @@ class LinearGradientSums:
         """Whether some sum was written since the last ``take``."""
         return bool(self._sums)
 
+    def add_linear(
+        self, weight_name: str, bias_name: str | None, rows: torch.Tensor, inputs: torch.Tensor
+    ) -> None:
+        """Add one Linear call's weight gradient ``rows^T inputs`` (output gradient rows, input
+        rows) and, for a captured bias, its bias gradient (the rows' sum)."""
+        self.add_product(weight_name, rows.t(), inputs)
+        if bias_name is not None:
+            self.add_row_sum(bias_name, rows)
+
     def add_product(self, name: str, left: torch.Tensor, right: torch.Tensor) -> None:
         """Add ``left @ right`` into the sum ``name`` (start it if there is none)."""
         held = self._held(name, (left.shape[0], right.shape[1]), left)
@@ -117,13 +126,17 @@ class HeldProducts:
             self.anchor = torch.zeros((), device=device, requires_grad=True)
         return self.anchor if self.anchor.device == device else None
 
+    def add_linear(
+        self, weight_name: str, bias_name: str | None, rows: torch.Tensor, inputs: torch.Tensor
+    ) -> None:
+        """Hold one Linear call's products (``LinearGradientSums.add_linear`` adds them later)."""
+        self.products.append((weight_name, bias_name, rows, inputs))
+
     def add_into(self, sums: LinearGradientSums) -> None:
         """Add every held product into ``sums``, in the order the backward made them, and
         forget them."""
-        for weight_name, bias_name, rows, inputs in self.products:
-            sums.add_product(weight_name, rows.t(), inputs)
-            if bias_name is not None:
-                sums.add_row_sum(bias_name, rows)
+        for product in self.products:
+            sums.add_linear(*product)
         self.products = []
 
 
@@ -166,11 +179,11 @@ class _CaptureLinear(TorchFunctionMode):
             return F.linear(input, weight, bias)
         bias_name = self._name(bias)
         if self.held is None:
-            return _SummedLinear.apply(input, weight, bias, self.sums, weight_name, bias_name)
+            return _SummedLinear.apply(input, weight, bias, None, self.sums, weight_name, bias_name)
         anchor = self.held.anchor_on(weight.device)
         if anchor is None:
             return F.linear(input, weight, bias)
-        return _HeldLinear.apply(input, weight, bias, anchor, self.held, weight_name, bias_name)
+        return _SummedLinear.apply(input, weight, bias, anchor, self.held, weight_name, bias_name)
 
     def _name(self, tensor: torch.Tensor | None) -> str | None:
         if tensor is None or not tensor.requires_grad:
@@ -204,13 +217,15 @@ def _hooks_pass_through(hooks: Any) -> bool:
 
 
 class _SummedLinear(torch.autograd.Function):
-    """``F.linear`` whose backward adds the weight (and bias) gradients into ``sums``.
+    """``F.linear`` whose backward returns the input's gradient and hands the weight (and a
+    captured bias) gradient's products to ``target``: a ``LinearGradientSums``, which adds them
+    into its sums at once, or a ``HeldProducts``, which holds them for the weight half.
 
-    The input ``(*, in_features)`` is flattened to rows for the weight gradient
-    ``g^T x``, which ``addmm_`` writes straight into the sum. ``forward`` takes the context
-    itself: with a separate ``setup_context``, every ``apply`` binds its arguments to the
-    signature through ``inspect`` (about 40 us per call, measured here: a fixed cost per layer and
-    microbatch).
+    The input ``(*, in_features)`` is flattened to rows for the weight gradient ``g^T x``, which
+    ``addmm_`` writes straight into the sum. ``anchor`` is None, or ``HeldProducts``' anchor
+    (see the module docstring); it gets no gradient. ``forward`` takes the context itself: with a
+    separate ``setup_context``, every ``apply`` binds its arguments to the signature through
+    ``inspect`` (about 40 us per call, measured here: a fixed cost per layer and microbatch).
     """
 
     @staticmethod
@@ -219,12 +234,13 @@ class _SummedLinear(torch.autograd.Function):
         input: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        sums: LinearGradientSums,
+        anchor: torch.Tensor | None,
+        target: LinearGradientSums | HeldProducts,
         weight_name: str,
         bias_name: str | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
-        ctx.sums = sums  # type: ignore[attr-defined]
+        ctx.target = target  # type: ignore[attr-defined]
         ctx.names = (weight_name, bias_name)  # type: ignore[attr-defined]
         return F.linear(input, weight, bias)
 
@@ -234,47 +250,7 @@ class _SummedLinear(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         weight_name, bias_name = ctx.names
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        ctx.sums.add_product(weight_name, rows.t(), input.reshape(-1, input.shape[-1]))
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_bias = None
-        if bias_name is not None:
-            ctx.sums.add_row_sum(bias_name, rows)
-        elif ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0)
-        return grad_input, None, grad_bias, None, None, None
-
-
-class _HeldLinear(torch.autograd.Function):
-    """``F.linear`` whose backward computes the input's gradient and holds the weight's product.
-
-    The output gradient and input rows go into ``held``; the weight (and a captured bias) get
-    no gradient from autograd here, the anchor none either. As ``_SummedLinear``, ``forward``
-    takes the context itself.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        input: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        anchor: torch.Tensor,
-        held: HeldProducts,
-        weight_name: str,
-        bias_name: str | None,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
-        ctx.held = held  # type: ignore[attr-defined]
-        ctx.names = (weight_name, bias_name)  # type: ignore[attr-defined]
-        return F.linear(input, weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        input, weight = ctx.saved_tensors
-        weight_name, bias_name = ctx.names
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        ctx.held.products.append((weight_name, bias_name, rows, input.reshape(-1, input.shape[-1])))
+        ctx.target.add_linear(weight_name, bias_name, rows, input.reshape(-1, input.shape[-1]))
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = None
         if bias_name is None and ctx.needs_input_grad[2]:

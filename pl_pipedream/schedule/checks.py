@@ -27,6 +27,8 @@ from pl_pipedream.schedule.problem import Cell, Problem
 from pl_pipedream.schedule.progress import Progress
 from pl_pipedream.schedule.segments import segment_indices
 from pl_pipedream.schedule.split_checks import (
+    Key,
+    cells_of,
     check_split_counts,
     check_split_order,
     check_split_versions,
@@ -128,10 +130,7 @@ def check_pairs(schedule: Schedule) -> Problem | None:
     the weight half)."""
     plan = schedule.plan
     backward_kind = ActionKind.BACKWARD_INPUT if schedule.sync.splits_backward else _B
-    seen: dict[tuple[ActionKind, int, int], list[Cell]] = defaultdict(list)
-    for rank, pos, action in _actions(schedule):
-        if action.kind in COMPUTE or action.kind in MESSAGES:
-            seen[(action.kind, action.stage, action.minibatch)].append((rank, pos))  # type: ignore[index]
+    seen = cells_of(schedule, COMPUTE | MESSAGES)
     for stage in plan.stages:
         if not all(schedule.holds(rank) for rank in stage.ranks):
             continue
@@ -161,7 +160,7 @@ def check_pairs(schedule: Schedule) -> Problem | None:
 
 def _check_wrapping(
     schedule: Schedule,
-    seen: dict[tuple[ActionKind, int, int], list[Cell]],
+    seen: dict[Key, list[Cell]],
     stage: int,
     i: int,
     f_pos: int,

@@ -12,16 +12,17 @@ and version rules, so a broken split is named as such.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from pl_pipedream.schedule.actions import Action, ActionKind, Schedule
 from pl_pipedream.schedule.problem import Cell, Problem
 
-__all__ = ["check_split_counts", "check_split_order", "check_split_versions"]
+__all__ = ["cells_of", "check_split_counts", "check_split_order", "check_split_versions"]
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 _I, _W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _HALVES = (_I, _W)
+_COMPUTES = (_F, _B, _I, _W)
 
 Key = tuple[ActionKind, int, int | None]  # kind, stage, minibatch
 
@@ -29,21 +30,25 @@ Key = tuple[ActionKind, int, int | None]  # kind, stage, minibatch
 def _computes(schedule: Schedule) -> Iterator[tuple[Cell, Action]]:
     for rank in schedule.held_ranks:
         for pos, action in enumerate(schedule.actions[rank]):
-            if action.kind in (_F, _B, _I, _W):
+            if action.kind in _COMPUTES:
                 yield (rank, pos), action
 
 
-def _seen(schedule: Schedule) -> dict[Key, list[Cell]]:
+def cells_of(schedule: Schedule, kinds: Collection[ActionKind]) -> dict[Key, list[Cell]]:
+    """Where each action of ``kinds`` in the held lists ran, by (kind, stage, minibatch); a key
+    that none has reads as an empty list."""
     seen: dict[Key, list[Cell]] = defaultdict(list)
-    for cell, action in _computes(schedule):
-        seen[(action.kind, action.stage, action.minibatch)].append(cell)
+    for rank in schedule.held_ranks:
+        for pos, action in enumerate(schedule.actions[rank]):
+            if action.kind in kinds:
+                seen[(action.kind, action.stage, action.minibatch)].append((rank, pos))
     return seen
 
 
 def _minibatches(schedule: Schedule) -> Iterator[tuple[int, int, dict[ActionKind, list[Cell]]]]:
     """Each minibatch of each stage whose every replica's list is held (module ``scope``), with
     where each compute kind of it ran."""
-    seen = _seen(schedule)
+    seen = cells_of(schedule, _COMPUTES)
     for stage in schedule.plan.stages:
         if all(schedule.holds(rank) for rank in stage.ranks):
             for i in range(schedule.num_minibatches):

@@ -220,7 +220,7 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     result = simulate(schedule, **times)
     modes = list(SyncMode) if args.compare else [m for m in SyncMode if m.flushes]
     rows = compare(chosen, modes, args.batches, microbatches, **times)
-    show = args.compare or mode.splits_backward or not mode.trains
+    show = args.compare or mode.splits_backward or mode.chunked
     if args.json:
         figures = result.to_dict()
         if show:

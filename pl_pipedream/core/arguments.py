@@ -8,15 +8,15 @@ from typing import Any
 
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.planner.chunks import CONTIGUOUS
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "check_arguments",
     "check_layer_sync",
     "check_memory_layout",
-    "check_one_stage_per_rank",
+    "check_placement",
 ]
 
 
@@ -42,18 +42,13 @@ def check_arguments(microbatches: Any, start_method: str, divergence: str, timeo
         )
 
 
-def check_one_stage_per_rank(plan: Plan) -> None:
-    """The runtime trains one stage per rank: a plan of several (``planner.chunks``) is for
-    the simulator only (docs/interleaved.md)."""
-    if plan.placement == CONTIGUOUS:
-        return
-    mode = next(m for m in SyncMode if m.placement == plan.placement)
-    raise PipelineSetupError(
-        f"training runs one stage per rank, and this plan gives each rank "
-        f"{plan.chunks_per_rank} (placement: {plan.placement!r}); give a plan of one stage per "
-        f"rank, e.g. Plan.from_balance([...]) without placement=, and weigh this one with "
-        f"'pl-pipedream simulate --plan plan.json --sync {mode}'"
-    )
+def check_placement(plan: Plan, sync: SyncMode, call: str) -> None:
+    """``schedule.rules.check_placement`` at a front end's setup: a sync mode runs the plans of
+    its placement; ``call`` is the front end's, quoted in the fix with a mode in ``{sync}``."""
+    try:
+        rules.check_placement(plan, sync, call)
+    except ValueError as error:
+        raise PipelineSetupError(str(error)) from None
 
 
 def check_memory_layout(

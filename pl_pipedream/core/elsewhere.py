@@ -81,7 +81,7 @@ def mark_other_stages(module: nn.Module, layers: nn.Sequential, plan: Plan, rank
     ``HeldElsewhere`` naming it; a parameter reachable under several names stays one object.
     Returns how many parameters were marked."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    here = plan.stage_of_rank(rank)
+    here = plan.stages_of_rank(rank)[0]
     describe_here = describe(rank, here.index)
     marked: dict[int, HeldElsewhere] = {}
     for index, layer in enumerate(layers):

@@ -2,7 +2,8 @@
 
 The pipeline is drained before a forward-only pass, so its messages never mix with training
 ones. A batch goes through the first replica of every stage in order, one message per boundary
-(whatever structure a stage returns, as in training: ``runtime.boundary``); the last stage hands
+(whatever structure a stage returns, as in training: ``runtime.boundary``; a rank of several
+stages, ``runtime.chunks``, runs each of its stages in turn); the last stage hands
 its output to the front end's ``finish`` (the Lightning hook, or the engine's loss function).
 ``to_every_rank`` sends the last stage's result to every other rank, so that every rank returns
 the same value.
@@ -15,11 +16,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 
 from pl_pipedream.core.stage import LocalStage
-from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.chunks import chunk_of
 from pl_pipedream.runtime.executor import ExecutorError
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.ranks import describe
@@ -55,28 +58,38 @@ class ForwardPipe:
         None. The layers run in ``context()``; ``what`` names the messages in errors."""
         if not self.evaluates:
             return None
-        stage = self.local.stage
+        last = self.plan.num_stages - 1
+        value: Any = None
         with torch.no_grad():
-            if stage.index == 0:
-                value = inputs()
-            else:
-                source = self.plan.stages[stage.index - 1].ranks[0]
-                message = self.channel.recv(source, Tag.EVALUATION, what)
-                value = unflatten(message.tensors, message.structure)
-            with context():
-                output = self.local.module(value)  # one argument, as nn.Sequential passes it on
-            if stage.index < self.plan.num_stages - 1:
-                message = self._message(output)  # fails here, before anything is sent
-                target = self.plan.stages[stage.index + 1].ranks[0]
-                self.channel.send(message, target, Tag.EVALUATION, what)
-                return None
-            return finish(output)
+            for stage in self.local.stages:  # several in a chunked plan, in pipeline order
+                if stage.index == 0:
+                    value = inputs()
+                elif not self._holds(stage.index - 1):  # else: the turn of a V, kept in memory
+                    source = self.plan.stages[stage.index - 1].ranks[0]
+                    message = self.channel.recv(source, Tag.EVALUATION, what)
+                    value = unflatten(message.tensors, message.structure)
+                with context():
+                    value = self._layers(stage)(value)  # one argument, as nn.Sequential passes it
+                if stage.index == last:
+                    return finish(value)
+                if not self._holds(stage.index + 1):
+                    message = self._message(value)  # fails here, before anything is sent
+                    target = self.plan.stages[stage.index + 1].ranks[0]
+                    self.channel.send(message, target, Tag.EVALUATION, what)
+        return None
+
+    def _holds(self, index: int) -> bool:
+        return any(stage.index == index for stage in self.local.stages)
+
+    def _layers(self, stage: Stage) -> nn.Module:
+        module = self.local.module
+        return module if len(self.local.stages) == 1 else chunk_of(module, stage)
 
     def to_every_rank(self, result: Any, what: str) -> Any:
         """The last stage's ``result``, on every rank: the last stage's first replica sends it
         to each other rank (one message each)."""
         last = self.metrics_source
-        others = sorted(r for stage in self.plan.stages for r in stage.ranks if r != last)
+        others = sorted({r for stage in self.plan.stages for r in stage.ranks if r != last})
         if not others:
             return result
         if self.rank == last:

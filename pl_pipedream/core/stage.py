@@ -11,6 +11,10 @@ records it as a ``planner.ties.Tie`` (the same value on every rank) so that the 
 gradient and apply the same updates (DESIGN.md, "Update rules"). A tensor reachable under
 several names (a tied weight, or a module that is an attribute twice) is saved under every name
 ``module.state_dict()`` gives it.
+
+In a plan of several stages per rank (chunks: ``planner.chunks``), the rank keeps the layers of
+every stage it holds; ``LocalStage.module`` holds them all (``runtime.chunks.chunk_of`` cuts
+out each stage's, the same layer objects under the same names).
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ __all__ = ["LocalStage", "cut_stage", "find_ties", "pipeline_layers"]
 
 @dataclass
 class LocalStage:
-    """The layers this rank runs and the module-level names of their state."""
+    """The layers this rank runs and the module-level names of their state. ``stage`` is the
+    rank's first stage; ``stages`` every stage it holds (several in a chunked plan)."""
 
     stage: Stage
-    module: nn.Sequential  # children named by layer index: "0", "3", ...
+    module: nn.Sequential  # children named by layer index: "0", "3", ... (of every stage held)
     names: dict[str, str]  # stage-module state name -> LightningModule state name
     shared: list[str]  # LightningModule state outside the pipeline (every rank has it)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> every name
     ties: list[Tie] = field(default_factory=list)  # every tie of the pipeline, in one order
+    stages: tuple[Stage, ...] = ()  # every stage held, in pipeline order (default: ``stage``)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            self.stages = (self.stage,)
 
     def ties_counted_elsewhere(self) -> frozenset[str]:
         """The tied parameters this stage holds that an earlier stage counts (in a global norm,
@@ -101,12 +111,12 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
             f"layer ids '0'..'{count - 1}' or pass balance= with {count} layers in total"
         )
     try:
-        stage = plan.stage_of_rank(rank)
+        held = plan.stages_of_rank(rank)
     except PlanError as error:
         raise PipelineSetupError(str(error)) from error
     full_names = _full_names(module)
-    local = [int(node) for node in stage.nodes]
-    stage_module = _stage_module(layers, stage)
+    local = [int(node) for stage in held for node in stage.nodes]
+    stage_module = _stage_module(layers, *held)
     names = {}
     for local_name, tensor in _state(stage_module):
         names[local_name] = full_names[id(tensor)][0]
@@ -119,7 +129,7 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     for index, layer in enumerate(layers):
         if index not in local:
             _to_meta(layer, keep, moved)
-    return LocalStage(stage, stage_module, names, shared, aliases, ties)
+    return LocalStage(held[0], stage_module, names, shared, aliases, ties, held)
 
 
 def find_ties(module: nn.Module, layers: nn.Sequential, plan: Plan) -> list[Tie]:
@@ -148,9 +158,10 @@ def find_ties(module: nn.Module, layers: nn.Sequential, plan: Plan) -> list[Tie]
     return ties
 
 
-def _stage_module(layers: nn.Sequential, stage: Stage) -> nn.Sequential:
-    """``stage``'s layers, named by their index in the pipeline: "0", "3", ..."""
-    return nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(map(int, stage.nodes))))
+def _stage_module(layers: nn.Sequential, *stages: Stage) -> nn.Sequential:
+    """The layers of ``stages``, named by their index in the pipeline: "0", "3", ..."""
+    nodes = [node for stage in stages for node in stage.nodes]
+    return nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(map(int, nodes))))
 
 
 def _to_meta(layer: nn.Module, keep: set[int], moved: dict[int, nn.Parameter]) -> None:

@@ -9,11 +9,11 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_pipedream.core.arguments import check_one_stage_per_rank
+from pl_pipedream.core.arguments import check_placement
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule.modes import SyncMode, check_trains
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "batch_pair",
@@ -84,7 +84,7 @@ def check_arguments(
             f"sync must be one of {choices} (sync: {sync!r}); for example "
             f"Pipeline(..., sync='{SyncMode.FLUSH}')"
         ) from None
-    return check_trains(mode, "Pipeline(..., sync='{sync}')")
+    return mode
 
 
 def check_built_optimizer(optimizer: Optimizer, layers: nn.Sequential) -> None:
@@ -108,10 +108,12 @@ def choose_plan(
     num_layers: int,
     world_size: int,
     automatically: Callable[[], Plan] | None = None,
+    sync: SyncMode = SyncMode.FLUSH,
 ) -> Plan:
     """The plan to run: ``plan`` as given, one built from ``balance`` (layers per stage, one
-    rank per stage), or ``automatically()`` (profiled and planned, when ``example_input`` was
-    given); checked against the layers and the process group."""
+    rank per stage, or placed as ``sync``'s chunks: ``planner.chunks``), or ``automatically()``
+    (profiled and planned, when ``example_input`` was given); checked against the layers, the
+    process group and ``sync``."""
     if balance is not None and plan is not None:
         raise ValueError(
             "the pipeline's layout must be given once, as balance= or plan= (both given); "
@@ -134,14 +136,15 @@ def choose_plan(
                 f"(layers: {num_layers}, balance: {counts}); give positive counts that sum to "
                 f"{num_layers}"
             )
-        plan = Plan.from_balance(counts)
+        ranks = world_size if sync.chunked else None
+        plan = Plan.from_balance(counts, placement=sync.placement, num_ranks=ranks)
     assert plan is not None
     if not isinstance(plan, Plan):
         raise ValueError(
             f"plan must be a pl_pipedream.Plan (plan: {type(plan).__name__}); build one with "
             "pl_pipedream.plan(...), Plan.from_balance([...]) or Plan.from_json(text)"
         )
-    check_one_stage_per_rank(plan)
+    check_placement(plan, sync, "Pipeline(..., sync='{sync}')")
     if plan.num_workers != world_size:
         raise ValueError(
             f"the plan must have one worker per process of the group (plan's workers: "

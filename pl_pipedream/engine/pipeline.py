@@ -75,7 +75,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_chunked
 
 __all__ = ["Pipeline"]
 
@@ -141,6 +141,7 @@ class Pipeline:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
         replanning = check_replan(replan, replan_every, replan_threshold)
+        check_chunked(self.sync, (), replanning, "Pipeline(..., sync='{sync}')")
         self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
@@ -165,7 +166,7 @@ class Pipeline:
             sizes = (self.device, microbatches, limit, recompute, self.sync)
             return plan_at_setup(self.layers, sample, topology, *sizes)[0]
 
-        self.plan = choose_plan(balance, plan, len(self.layers), world, automatically)
+        self.plan = choose_plan(balance, plan, len(self.layers), world, automatically, self.sync)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         create_stage(self.layers, self.local, self.device, pretrained, empty_build)
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)

@@ -25,7 +25,7 @@ from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.ties import check_ties
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_chunked
 
 __all__ = [
     "Running",
@@ -98,7 +98,9 @@ def check_plan_ties(ties: Sequence[Tie], plan: Plan, sync: SyncMode) -> None:
     """Raise for ``plan``'s ties (``core.stage.find_ties``) whose rule ``sync`` does not build
     under ``plan``."""
     replicas = [s.replicas for s in plan.stages]
-    check_ties(sync, [t.describe() for t in ties], replicas, "Pipeline")
+    described = [t.describe() for t in ties]
+    check_ties(sync, described, replicas, "Pipeline")
+    check_chunked(sync, described, False, "Pipeline(..., sync='{sync}')")
 
 
 def group_names_of(layers: nn.Module, optimizer: Optimizer) -> list[list[str]]:

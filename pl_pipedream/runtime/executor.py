@@ -117,6 +117,7 @@ class StageExecutor(SplitBackward):
         weight_prediction: bool = False,
         recompute: bool = False,
         precision: StagePrecision | None = None,
+        losses: LossBook | None = None,
     ) -> None:
         self.module = module
         self.precision = precision or StagePrecision()  # runtime.precision: autocast, loss scale
@@ -135,7 +136,8 @@ class StageExecutor(SplitBackward):
         self._call = StageCall(module)  # the module's forward on a version's tensors
         self.record_timeline = record_timeline
         self._timeline: list[tuple[Action, float, float]] = []  # made into events when read
-        self.losses = LossBook()  # the training losses this rank knows (runtime.losses)
+        self.losses = losses or LossBook()  # the training losses this rank knows (shared by its
+        # stages in a chunked plan: runtime.losses, runtime.chunks)
         self._feed: Feed | None = None
         self._update: Update | None = None
         self._received: dict[int, Message] = {}
@@ -178,42 +180,57 @@ class StageExecutor(SplitBackward):
         first receive of each link in either is posted at once. With ``flush``, return only
         once every message sent has left; without it the sends complete while later actions
         run, so this rank does not wait for its peer to post its receive."""
-        self._feed, self._update = feed, update
+        self.set_feed(feed, update)
         try:
             self._run(actions, lookahead)
         finally:
-            self._feed = self._update = None
+            self.set_feed(None, None)
         if flush:
             self.channel.flush()
 
+    def set_feed(self, feed: Feed | None, update: Update | None) -> None:
+        """What the next actions take their inputs and losses from, and apply updates with."""
+        self._feed, self._update = feed, update
+
     def _run(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
-        self.actions = tuple(actions)
+        self.load(actions, lookahead)
         ahead = (*self.actions, *lookahead)
-        self._last_use = last_uses(ahead, self.weight_prediction)
         first, following = receives_ahead(ahead)
         for link in first:
             self.channel.expect(*link)
+        for position, action in enumerate(self.actions):
+            self.run_one(action, position)
+            if position in following:
+                self.channel.expect(*following[position])
+        self.unload()
+
+    def load(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
+        """Take ``actions`` (this stage's) as the list to run; ``lookahead`` (this stage's
+        actions that will follow) decides which weight versions outlive them."""
+        self.actions = tuple(actions)
+        self._last_use = last_uses((*self.actions, *lookahead), self.weight_prediction)
         if self.stage == 0 and self._feed is not None:  # on a GPU: inputs copied ahead
             forwards = [minibatch_of(a) for a in self.actions if a.kind is ActionKind.FORWARD]
             self._ahead = prefetch_each(forwards, self._feed.inputs, self.device, self._side)
-        for position, action in enumerate(self.actions):
-            self.position = position
-            if self.record_timeline:  # on a GPU: the action's own time, not its launch's
-                settle(self.device)
-            start = time.perf_counter()
-            try:
-                self._handlers[action.kind](self, action)
-            except (ExecutorError, PeerError):
-                raise
-            except RuntimeError as error:
-                raise ExecutorError(
-                    f"{self.describe} failed at action {action}: {error}"
-                ) from error
-            if self.record_timeline:
-                settle(self.device)
-                self._timeline.append((action, start, time.perf_counter()))
-            if position in following:
-                self.channel.expect(*following[position])
+
+    def run_one(self, action: Action, position: int) -> None:
+        """Run ``action``, the one at ``position`` of the loaded list."""
+        self.position = position
+        if self.record_timeline:  # on a GPU: the action's own time, not its launch's
+            settle(self.device)
+        start = time.perf_counter()
+        try:
+            self._handlers[action.kind](self, action)
+        except (ExecutorError, PeerError):
+            raise
+        except RuntimeError as error:
+            raise ExecutorError(f"{self.describe} failed at action {action}: {error}") from error
+        if self.record_timeline:
+            settle(self.device)
+            self._timeline.append((action, start, time.perf_counter()))
+
+    def unload(self) -> None:
+        """After the loaded list ran."""
         self.position = len(self.actions)
         self._ahead = {}
 
@@ -242,6 +259,10 @@ class StageExecutor(SplitBackward):
             self.tied_versions.restart()
         self.stash.reset(0)
         self.losses.clear()  # the next run counts minibatches from 0
+
+    def close(self) -> None:
+        """Take the update side's hooks off the module."""
+        self.updates.close()
 
     # ----- messages ---------------------------------------------------------------------------
 

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.chunks import ChunkedExecutor, Loopback, chunk_of
 from pl_pipedream.runtime.executor import Feed, StageExecutor
-from pl_pipedream.runtime.losses import Logged
+from pl_pipedream.runtime.losses import Logged, LossBook
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.runtime.tags import Tag
@@ -60,7 +61,7 @@ class PipelineRunner:
         plan: Plan,
         sync: SyncMode,
         microbatches: int,
-        executor: StageExecutor,
+        executor: StageExecutor | ChunkedExecutor,
         update: Update,
     ) -> None:
         self.plan = plan
@@ -120,8 +121,8 @@ class PipelineRunner:
         # per-minibatch modes: a tied parameter has versions of its own (runtime.tied_versions)
         versioned = sync.updates_per_minibatch
         tied = TiedGradients.create(() if versioned else ties, rank, timeout)
-        stage = plan.stage_of_rank(rank)
-        describe = ranks.describe(rank, stage.index)
+        held_stages = plan.stages_of_rank(rank)
+        describe = ranks.describe(rank, held_stages[0].index)
         channel = Channel(rank, device, timeout, describe, messages)
         # A send older on its link than the messages the schedule can leave unreceived there has
         # been received: waiting for it only frees its frame (runtime.channel). Other links:
@@ -136,24 +137,37 @@ class PipelineRunner:
         held = versioned and any(t.name_on(rank) is not None for t in ties)
         delay = plan.num_stages - 1
         versions = TiedVersions(ties, rank, module, channel, delay, describe) if held else None
-        executor = StageExecutor(
-            module,
-            rank,
-            stage.index,
-            plan.num_stages,
-            channel,
-            update_settings(sync, microbatches, stage.replicas),
-            replica_group=replica_groups[stage.index],
-            num_replicas=stage.replicas,
-            device=device,
-            record_timeline=record_timeline,
-            ties=tied,
-            microbatches=microbatches,
-            tied_versions=versions,
-            weight_prediction=weight_prediction,
-            recompute=recompute,
-            precision=precision,
-        )
+
+        def executor_of(stage: Stage, layers: nn.Module, link: Any, losses: Any) -> StageExecutor:
+            return StageExecutor(
+                layers,
+                rank,
+                stage.index,
+                plan.num_stages,
+                link,
+                update_settings(sync, microbatches, stage.replicas),
+                replica_group=replica_groups[stage.index],
+                num_replicas=stage.replicas,
+                device=device,
+                record_timeline=record_timeline,
+                ties=tied,
+                microbatches=microbatches,
+                tied_versions=versions,
+                weight_prediction=weight_prediction,
+                recompute=recompute,
+                precision=precision,
+                losses=losses,
+            )
+
+        executor: StageExecutor | ChunkedExecutor
+        if len(held_stages) == 1:
+            executor = executor_of(held_stages[0], module, channel, None)
+        else:  # several stages (chunks): an executor each, one channel and loss book
+            losses, loop = LossBook(), Loopback(channel)
+            executor = ChunkedExecutor(
+                {s.index: executor_of(s, chunk_of(module, s), loop, losses) for s in held_stages},
+                channel,
+            )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups
         return runner
@@ -201,7 +215,7 @@ class PipelineRunner:
         does not know whole, which the schedule rules out, is passed over)."""
         for rank in self._first_stage:
             for action in self._segment(rank, t):
-                if action.kind in WEIGHT_GRADS and action.batch is not None:
+                if action.kind in WEIGHT_GRADS and action.stage == 0 and action.batch is not None:
                     self._finished[action.batch] = self._finished.get(action.batch, 0) + 1
         done = [b for b, count in self._finished.items() if count == self.microbatches]
         self._take_loss(max(done, default=-1))
@@ -266,7 +280,7 @@ class PipelineRunner:
         """Wait for the sends still under way (unless training failed: a peer that stopped
         would never take them), then give back the pipeline's process groups."""
         groups, self.groups = self.groups, []
-        self.executor.updates.close()
+        self.executor.close()
         try:
             self.executor.channel.close(flush=not failed)
         finally:

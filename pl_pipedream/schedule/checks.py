@@ -229,6 +229,29 @@ def check_messages(schedule: Schedule) -> Problem | None:
     return None
 
 
+def check_link_order(schedule: Schedule) -> Problem | None:
+    """Each link (sender, receiver, activations or gradients) delivers in the order it was sent:
+    the runtime's channel pairs a link's receives with its sends first come, first served."""
+    sent: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
+    taken: dict[tuple[object, ...], list[Cell]] = defaultdict(list)
+    for rank, pos, action in _actions(schedule):
+        if action.kind in MESSAGES and _linked(schedule, action):
+            tensor, _, source, target, _ = message_key(action)  # type: ignore[misc]
+            (sent if action.kind in SENDS else taken)[(source, target, tensor)].append((rank, pos))
+    for link, sends in sent.items():
+        receives = taken.get(link, [])
+        for (s_rank, s_pos), (r_rank, r_pos) in zip(sends, receives, strict=False):
+            send, receive = schedule.actions[s_rank][s_pos], schedule.actions[r_rank][r_pos]
+            if message_key(send) != message_key(receive):
+                return Problem(
+                    f"a link's messages are received in the order they are sent (rank "
+                    f"{s_rank} -> rank {r_rank}: {send} is sent when {receive} is taken); "
+                    "order the receives as their sends",
+                    ((s_rank, s_pos), (r_rank, r_pos)),
+                )
+    return None
+
+
 def check_deadlock(schedule: Schedule) -> Problem | None:
     """Blocking receives, unbounded sends: some rank can always move until all lists end."""
     progress = Progress(schedule)
@@ -277,6 +300,7 @@ def check_segments(schedule: Schedule) -> Problem | None:
 CHECKS = (
     check_shape,
     check_messages,
+    check_link_order,
     check_split_counts,
     check_pairs,
     check_split_order,

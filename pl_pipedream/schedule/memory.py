@@ -139,7 +139,7 @@ def frames_in_flight(
     test_memory.py`` holds it equal to longer runs). On a straight pipeline only the rank's and
     its neighbours' lists are built, so the cost does not grow with the stages."""
     batches, mode = _run_length(plan, sync, microbatches)
-    if _replicated(plan):
+    if _replicated(plan) or plan.chunks_per_rank > 1:
         return sends_in_flight(build(plan, mode, batches, microbatches), rank)
     mine = _rank_list(plan, mode, batches, microbatches, rank)
     counts: dict[Outgoing, int] = {}

@@ -13,6 +13,7 @@ stages per rank, in ``chunked``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, V_SHAPE
@@ -22,7 +23,7 @@ __all__ = [
     "SYNC_MODES",
     "SyncMode",
     "UpdateSettings",
-    "check_trains",
+    "check_chunked",
     "update_settings",
 ]
 
@@ -88,10 +89,9 @@ class SyncMode(str, enum.Enum):
         return V_SHAPE if self is SyncMode.ZBV else CONTIGUOUS
 
     @property
-    def trains(self) -> bool:
-        """The runtime runs it. The modes of several stages per rank are simulated only: the
-        runtime cuts, stashes and steps one stage per rank (docs/interleaved.md)."""
-        return self.placement == CONTIGUOUS
+    def chunked(self) -> bool:
+        """Each rank holds several stages (``planner.chunks``; ``runtime.chunks`` runs them)."""
+        return self.placement != CONTIGUOUS
 
     @property
     def stale_weights(self) -> bool:
@@ -122,18 +122,24 @@ SYNC_MODES = tuple(mode.value for mode in SyncMode)
 CONTIGUOUS_MODES = tuple(mode.value for mode in SyncMode if mode.placement == CONTIGUOUS)
 
 
-def check_trains(mode: SyncMode, call: str) -> SyncMode:
-    """``mode``, or a ``ValueError`` at setup for a mode the runtime does not run, naming what
-    works: ``call`` is the front end's call with the mode's name in ``{sync}``."""
-    if mode.trains:
-        return mode
-    working = ", ".join(m.value for m in SyncMode if m.trains)
-    raise ValueError(
-        f"sync='{mode}' runs several stages per rank, which the schedule builds and simulates "
-        f"but the runtime does not run: it cuts, stashes and steps one stage per rank (sync: "
-        f"'{mode}'); train with one of {working}, e.g. {call.format(sync=SyncMode.ZERO_BUBBLE)}, "
-        f"and weigh '{mode}' with 'pl-pipedream simulate --plan plan.json --compare'"
-    )
+def check_chunked(mode: SyncMode, ties: Sequence[str], replan: bool, call: str) -> None:
+    """Raise at setup for what a chunked mode (several stages per rank) does not train with:
+    tied parameters (``ties``: each described), whose holders would include one rank twice, and
+    re-planning, which moves one stage per rank (``core.relayout``). ``call``: the front end's
+    call, quoted in the fix with a mode's name in ``{sync}``."""
+    if not mode.chunked:
+        return
+    if ties:
+        raise ValueError(
+            f"sync='{mode}' trains without tied parameters (one parameter used by layers on "
+            f"several stages; tied: {'; '.join(ties)}); use "
+            f"{call.format(sync=SyncMode.ZERO_BUBBLE)} or untie them"
+        )
+    if replan:
+        raise ValueError(
+            f"sync='{mode}' keeps the plan it starts with (replan: 'auto'); use replan='off', "
+            f"or {call.format(sync=SyncMode.ZERO_BUBBLE)} to re-plan"
+        )
 
 
 @dataclass(frozen=True)

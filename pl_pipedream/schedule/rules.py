@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 
-from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, stage_ranks
+from pl_pipedream.planner.chunks import CONTIGUOUS, stage_ranks
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
 
 __all__ = [
     "SYNC_MODES",
     "check_arguments",
+    "check_placement",
     "fewest_microbatches",
     "num_updates",
     "rank_of",
@@ -128,7 +129,7 @@ def check_arguments(
     for name, value in (("num_batches", num_batches), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r}); pass >= 1")
-    _check_placement(plan, mode)
+    check_placement(plan, mode)
     fix = _use(fewest_microbatches(plan, mode, microbatches), mode)
     if mode is SyncMode.INTERLEAVED and microbatches % plan.num_workers:
         raise ValueError(
@@ -151,26 +152,25 @@ def check_arguments(
     return mode
 
 
-def _check_placement(plan: Plan, mode: SyncMode) -> None:
-    """A mode runs the stage-to-rank mapping it is built for (``SyncMode.placement``)."""
+def check_placement(
+    plan: Plan, mode: SyncMode, call: str = "pl-pipedream simulate --sync {sync}"
+) -> None:
+    """A mode runs the stage-to-rank mapping it is built for (``SyncMode.placement``); ``call``
+    is how the user picks a mode, quoted in the fix with the plan's mode in ``{sync}``."""
     if mode.placement == CONTIGUOUS and plan.placement == CONTIGUOUS:
         return
     ranks = tuple(stage.ranks[0] for stage in plan.stages)
     if mode.placement != CONTIGUOUS and plan.placement != CONTIGUOUS:
         if ranks == stage_ranks(mode.placement, plan.num_workers, plan.chunks_per_rank):
             return  # on one rank the interleaved and the V placement coincide
-    if mode.placement == CONTIGUOUS:
-        chunked = SyncMode.INTERLEAVED if plan.placement == INTERLEAVED else SyncMode.ZBV
-        fix = f"simulate it with sync='{chunked}', or give a plan of one stage per rank"
-    else:
-        fix = (
-            f"build the plan with Plan.from_balance(..., placement='{mode.placement}'), or recut "
-            "a plan of one stage per rank with planner.recut.recut(plan, "
-            f"'{mode.placement}')"
-        )
+    fitting = next(m for m in SyncMode if m.placement == plan.placement)
+    how = "Plan.from_balance([...], placement=" + repr(mode.placement) + ")"
+    if mode.placement != CONTIGUOUS:
+        how += f" or planner.recut.recut(plan, {mode.placement!r})"
     raise ValueError(
-        f"{mode} runs plans whose stages are placed {mode.placement!r} on the ranks "
-        f"(placement: {plan.placement!r}); {fix}"
+        f"sync='{mode}' runs plans placed {mode.placement!r}, and this plan is placed "
+        f"{plan.placement!r} ({plan.chunks_per_rank} stage(s) per rank); use "
+        f"{call.format(sync=fitting)} for this plan, or a plan placed {mode.placement!r}: {how}"
     )
 
 
@@ -202,10 +202,7 @@ def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
 
 
 def _use(microbatches: int, mode: SyncMode) -> str:
-    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag (the
-    flag alone for a mode the runtime does not run)."""
-    if not mode.trains:
-        return f"use pl-pipedream simulate --microbatches {microbatches}"
+    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag."""
     return (
         f"use PipeDreamStrategy(microbatches={microbatches}) (pl-pipedream simulate "
         f"--microbatches {microbatches})"

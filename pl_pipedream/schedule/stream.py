@@ -144,7 +144,7 @@ class SegmentStream:
         if steps == 0:
             return actions
         m = self.microbatches
-        stage = self.plan.stage_of_rank(rank)
+        stage = self.plan.stages_of_rank(rank)[0]  # chunks: one update per batch, one replica
         per_batch = m // stage.replicas if self.sync.updates_per_minibatch else 1
         return tuple(
             Action(

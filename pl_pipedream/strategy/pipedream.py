@@ -41,7 +41,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.schedule.modes import SyncMode, check_trains
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
@@ -129,7 +129,7 @@ class PipeDreamStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         check_arguments(microbatches, start_method, divergence, timeout)
-        self.sync = check_trains(SyncMode.parse(sync), "PipeDreamStrategy(sync='{sync}')")
+        self.sync = SyncMode.parse(sync)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.balance = list(balance) if balance is not None else None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from pl_pipedream.core.arguments import check_one_stage_per_rank
+from pl_pipedream.core.arguments import check_placement
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.memory_limit import gather_memory
 from pl_pipedream.core.planning import plan_at_setup
@@ -50,6 +50,7 @@ def choose_plan(
     num_layers: int,
     world_size: int,
     plan_automatically: Callable[[], Plan],
+    sync: SyncMode = SyncMode.FLUSH,
 ) -> Plan:
     """The plan this setup uses, in order of precedence: the one passed to the strategy, the
     one an earlier setup used (a validate/test/predict after fit keeps the training layout),
@@ -63,12 +64,18 @@ def choose_plan(
     elif previous is not None:
         plan = previous
     elif balance is not None:
-        plan = Plan.from_balance(balance, [str(i) for i in range(num_layers)])
-    elif resumed is not None and resumed.num_workers == world_size:
+        ranks = world_size if sync.chunked else None
+        ids = [str(i) for i in range(num_layers)]
+        plan = Plan.from_balance(balance, ids, placement=sync.placement, num_ranks=ranks)
+    elif (
+        resumed is not None
+        and resumed.num_workers == world_size
+        and resumed.placement == sync.placement
+    ):
         plan = resumed
     else:
         plan = plan_automatically()
-    check_one_stage_per_rank(plan)
+    check_placement(plan, sync, "PipeDreamStrategy(sync='{sync}')")
     if plan.num_workers != world_size:
         saved = (
             f", the checkpoint's plan: {resumed.shape} on {resumed.num_workers} workers"
@@ -240,4 +247,4 @@ class SetupPlanner:
             return plan
 
         sources = (self.given, self.balance, self.previous, self.resumed)
-        return choose_plan(*sources, len(layers), self.world_size, automatically)
+        return choose_plan(*sources, len(layers), self.world_size, automatically, self.sync)

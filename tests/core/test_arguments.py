@@ -8,9 +8,10 @@ from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.arguments import (
     check_arguments,
     check_memory_layout,
-    check_one_stage_per_rank,
+    check_placement,
 )
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.modes import SyncMode
 
 
 def test_good_arguments_pass() -> None:
@@ -55,12 +56,15 @@ def test_memory_with_a_layout_given_by_hand_bounds_re_planning() -> None:
 
 
 @pytest.mark.parametrize(("placement", "mode"), [("interleaved", "interleaved"), ("v", "zbv")])
-def test_a_plan_of_several_stages_per_rank_is_refused_for_training(
-    placement: str, mode: str
-) -> None:
-    check_one_stage_per_rank(Plan.from_balance([1, 1], replicas=[2, 1]))
+def test_a_plan_runs_in_the_sync_mode_of_its_placement(placement: str, mode: str) -> None:
+    call = "Pipeline(..., sync='{sync}')"
+    check_placement(Plan.from_balance([1, 1], replicas=[2, 1]), SyncMode.ASYNC, call)
+    chunked = Plan.from_balance([1] * 4, placement=placement)
+    check_placement(chunked, SyncMode(mode), call)
     with pytest.raises(ValueError) as error:
-        check_one_stage_per_rank(Plan.from_balance([1] * 4, placement=placement))
+        check_placement(chunked, SyncMode.ZERO_BUBBLE, call)
     message = str(error.value)
-    assert f"this plan gives each rank 2 (placement: {placement!r}); give a plan" in message
-    assert f"'pl-pipedream simulate --plan plan.json --sync {mode}'" in message
+    assert message.startswith(
+        f"sync='zero_bubble' runs plans placed 'contiguous', and this plan is placed "
+        f"{placement!r} (2 stage(s) per rank); use Pipeline(..., sync='{mode}') for this plan"
+    )

@@ -87,15 +87,6 @@ def test_good_arguments_give_the_mode() -> None:
             r"^sync must be one of async, .*\(sync: 'sync'\); for example "
             r"Pipeline\(\.\.\., sync='flush'\)",
         ),
-        (
-            (nn.functional.mse_loss, sgd, "interleaved", 4, 30, "error"),
-            r"^sync='interleaved' runs several stages per rank, .* \(sync: 'interleaved'\); "
-            r"train with one of .* e\.g\. Pipeline\(\.\.\., sync='zero_bubble'\), and weigh",
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "zbv", 4, 30, "error"),
-            r"^sync='zbv' runs several stages per rank, .*pl-pipedream simulate --plan plan\.json",
-        ),
     ],
 )
 def test_bad_arguments(arguments: tuple, message: str) -> None:
@@ -128,10 +119,24 @@ def test_balance_becomes_a_plan_with_a_rank_per_stage() -> None:
     assert choose_plan(None, given, 3, 2) is given
 
 
-def test_a_plan_of_several_stages_per_rank_is_refused() -> None:
+def test_a_plan_runs_in_the_modes_of_its_placement() -> None:
     chunked = Plan.from_balance([1] * 4, placement="interleaved")
-    with pytest.raises(ValueError, match=r"^training runs one stage per rank, .*--sync interl"):
+    with pytest.raises(ValueError) as error:
         choose_plan(None, chunked, 4, 2)
+    assert str(error.value) == (
+        "sync='flush' runs plans placed 'contiguous', and this plan is placed 'interleaved' "
+        "(2 stage(s) per rank); use Pipeline(..., sync='interleaved') for this plan, or a plan "
+        "placed 'contiguous': Plan.from_balance([...], placement='contiguous')"
+    )
+    assert choose_plan(None, chunked, 4, 2, sync=SyncMode.INTERLEAVED) is chunked
+    with pytest.raises(ValueError, match=r"^sync='zbv' runs plans placed 'v', and this plan is"):
+        choose_plan(None, chunked, 4, 2, sync=SyncMode.ZBV)
+
+
+def test_balance_is_placed_as_the_chunked_mode_asks() -> None:
+    plan = choose_plan([1, 1, 1, 1], None, 4, 2, sync=SyncMode.ZBV)
+    assert plan == Plan.from_balance([1, 1, 1, 1], placement="v", num_ranks=2)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
 
 
 @pytest.mark.parametrize(

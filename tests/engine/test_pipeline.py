@@ -137,6 +137,29 @@ def test_flush_equals_one_device(balance: list[int], sync: str) -> None:
             assert torch.equal(value["restored"]["model"][name], tensor), (rank, name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sync", "balance"),
+    [("interleaved", [2, 1, 2, 1]), ("zbv", [2, 1, 2, 1]), ("zbv", [1] * 6)],
+    ids=["interleaved 2 ranks", "zbv 2 ranks", "zbv 3 ranks"],
+)
+def test_the_chunked_modes_equal_one_device(sync: str, balance: list[int]) -> None:
+    """Several stages per rank (``runtime.chunks``): each rank's stages run its one action list,
+    a V's turn is handed over in memory, the rank's optimizer steps once per batch; training,
+    evaluation, predictions and the state round trip equal one device."""
+    results = run(len(balance) // 2, _train, sync, balance, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    assert merged.keys() == weights.keys()
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    _check_forward_only(results, weights)
+    for rank, (_, value) in results.items():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6), rank
+        for name, tensor in value["state"]["model"].items():
+            assert torch.equal(value["restored"]["model"][name], tensor), (rank, name)
+
+
 def _train_planned(rank: int, world: int) -> dict:
     inputs = make_batches()[0][0]
     example = inputs[: len(inputs) // M]  # one microbatch of the first layer's input

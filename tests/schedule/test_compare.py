@@ -11,7 +11,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import SyncMode, build, simulate
 from pl_pipedream.schedule.compare import compare, plan_for, render_comparison
 
-CONTIGUOUS = [mode for mode in SyncMode if mode.trains]
+CONTIGUOUS = [mode for mode in SyncMode if not mode.chunked]
 
 
 def timed(p: int) -> Plan:

@@ -17,7 +17,7 @@ from pl_pipedream.schedule.in_flight import (
 )
 from pl_pipedream.schedule.progress import Progress
 
-CONTIGUOUS = [mode for mode in SyncMode if mode.trains]
+CONTIGUOUS = [mode for mode in SyncMode if not mode.chunked]
 
 # Every replica layout of 2 to 4 stages on at most 6 workers, straight ones included.
 LAYOUTS = [

@@ -20,7 +20,7 @@ from pl_pipedream.schedule.memory import (
     versions_kept,
 )
 
-CONTIGUOUS = [mode for mode in SyncMode if mode.trains]
+CONTIGUOUS = [mode for mode in SyncMode if not mode.chunked]
 
 # Every replica layout of 2 to 4 stages on at most 6 workers, straight ones included.
 LAYOUTS = [

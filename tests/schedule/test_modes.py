@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.schedule import SYNC_MODES, SyncMode
-from pl_pipedream.schedule.modes import check_trains, update_settings
+from pl_pipedream.schedule.modes import check_chunked, update_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
@@ -58,18 +58,20 @@ def test_min_microbatches() -> None:
         assert {m.min_microbatches(stages) for m in SyncMode if m is not SyncMode.TWO_BW} == {1}
 
 
-def test_only_the_modes_of_one_stage_per_rank_train() -> None:
-    assert [m for m in SyncMode if not m.trains] == [SyncMode.INTERLEAVED, SyncMode.ZBV]
+def test_the_chunked_modes_refuse_ties_and_replanning() -> None:
+    assert [m for m in SyncMode if m.chunked] == [SyncMode.INTERLEAVED, SyncMode.ZBV]
     assert (SyncMode.INTERLEAVED.placement, SyncMode.ZBV.placement) == ("interleaved", "v")
     assert SyncMode.ZBV.splits_backward and not SyncMode.INTERLEAVED.splits_backward
-    check_trains(SyncMode.FLUSH, "Pipeline(..., sync='{sync}')")
+    call = "Pipeline(..., sync='{sync}')"
+    check_chunked(SyncMode.FLUSH, ["w: stages 0, 1"], True, call)  # not chunked: no rule
+    check_chunked(SyncMode.ZBV, [], False, call)
     with pytest.raises(ValueError) as error:
-        check_trains(SyncMode.INTERLEAVED, "Pipeline(..., sync='{sync}')")
+        check_chunked(SyncMode.INTERLEAVED, ["head.weight: stages 0, 3"], False, call)
     message = str(error.value)
-    assert "sync='interleaved' runs several stages per rank" in message
-    assert "(sync: 'interleaved'); train with one of async, vertical_sync, 2bw, flush" in message
-    assert "Pipeline(..., sync='zero_bubble')" in message
-    assert "pl-pipedream simulate --plan plan.json --compare" in message
+    assert "sync='interleaved' trains without tied parameters" in message
+    assert "tied: head.weight: stages 0, 3); use Pipeline(..., sync='zero_bubble')" in message
+    with pytest.raises(ValueError, match=r"sync='zbv' keeps the plan it starts with"):
+        check_chunked(SyncMode.ZBV, [], True, call)
 
 
 def test_parse_takes_a_name_or_a_mode() -> None:

@@ -103,15 +103,20 @@ def test_a_mode_runs_the_placement_it_is_built_for() -> None:
     flat = Plan.from_balance([1] * 4)
     chunked = Plan.from_balance([1] * 4, placement="interleaved")
     v_shape = Plan.from_balance([1] * 4, placement="v")
-    with pytest.raises(
-        ValueError, match=r"placement: 'interleaved'\); simulate it with sync='interleaved'"
-    ):
+    with pytest.raises(ValueError) as error:
         rules.check_arguments(chunked, "flush", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: 'v'\); simulate it with sync='zbv'"):
+    assert str(error.value) == (
+        "sync='flush' runs plans placed 'contiguous', and this plan is placed 'interleaved' (2 "
+        "stage(s) per rank); use pl-pipedream simulate --sync interleaved for this plan, or a "
+        "plan placed 'contiguous': Plan.from_balance([...], placement='contiguous')"
+    )
+    with pytest.raises(ValueError, match=r"placed 'v' \(2 stage\(s\) per rank\); use .* zbv for"):
         rules.check_arguments(v_shape, "zero_bubble", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: 'contiguous'\); build the plan with"):
+    with pytest.raises(ValueError, match=r"or planner\.recut\.recut\(plan, 'interleaved'\)$"):
         rules.check_arguments(flat, "interleaved", 1, 2)
-    with pytest.raises(ValueError, match=r"placement: 'interleaved'\); build the plan with"):
+    with pytest.raises(
+        ValueError, match=r"^sync='zbv' runs plans placed 'v', and this plan is pla"
+    ):
         rules.check_arguments(chunked, "zbv", 1, 2)
     assert rules.check_arguments(chunked, "interleaved", 1, 2) is SyncMode.INTERLEAVED
     assert rules.check_arguments(v_shape, "zbv", 1, 1) is SyncMode.ZBV
@@ -123,6 +128,6 @@ def test_interleaved_takes_microbatches_in_groups_of_one_per_rank() -> None:
     assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED, 4) == 6
     with pytest.raises(
         ValueError,
-        match=r"microbatches: 4, ranks: 3\); use pl-pipedream simulate --microbatches 6$",
+        match=r"microbatches: 4, ranks: 3\); use PipeDreamStrategy\(microbatches=6\)",
     ):
         rules.check_arguments(plan, "interleaved", 1, 4)

@@ -16,6 +16,7 @@ from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.planning import plan_profile
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.planning import (
     announce,
     choose_plan,
@@ -245,9 +246,13 @@ def test_a_balance_for_another_number_of_processes_than_the_resumed_run_names_th
     ) in str(error.value)
 
 
-def test_a_plan_of_several_stages_per_rank_is_refused_at_setup() -> None:
+def test_a_plan_of_several_stages_per_rank_runs_in_its_chunked_mode_only() -> None:
     chunked = Plan.from_balance([1] * 4, placement="v")
     with pytest.raises(
-        PipelineSetupError, match=r"^training runs one stage per rank, .*--sync zbv"
-    ):
+        PipelineSetupError, match=r"^sync='flush' runs plans placed 'contiguous', and this plan"
+    ) as error:
         choose(chunked)
+    assert "use PipeDreamStrategy(sync='zbv') for this plan" in str(error.value)
+    assert choose_plan(chunked, None, None, None, 4, 2, never, SyncMode.ZBV) is chunked
+    placed = choose_plan(None, [1, 1, 1, 1], None, None, 4, 2, never, SyncMode.INTERLEAVED)
+    assert [s.ranks for s in placed.stages] == [(0,), (1,), (0,), (1,)]

@@ -217,6 +217,11 @@ class ChunkedExecutor:
         for executor in self.executors.values():
             executor.restart()
 
+    def memory_peaks(self) -> tuple[int, int]:
+        """Each stage's peaks added up: at most, the rank's own peaks."""
+        peaks = [executor.memory_peaks() for executor in self.executors.values()]
+        return sum(p[0] for p in peaks), sum(p[1] for p in peaks)
+
     def close(self) -> None:
         for executor in self.executors.values():
             executor.close()

@@ -260,6 +260,11 @@ class StageExecutor(SplitBackward):
         self.stash.reset(0)
         self.losses.clear()  # the next run counts minibatches from 0
 
+    def memory_peaks(self) -> tuple[int, int]:
+        """The peaks of the weight versions stashed beyond the live ones and of the activations
+        kept for backward passes, in bytes (``strategy.memory_report``)."""
+        return int(self.stash.peak_bytes), int(self.activations.peak_bytes)
+
     def close(self) -> None:
         """Take the update side's hooks off the module."""
         self.updates.close()

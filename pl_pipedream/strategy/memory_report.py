@@ -12,7 +12,7 @@ the rows as ``strategy.memory_report``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,9 +97,9 @@ def estimate_frames(
 ) -> tuple[float | None, float | None]:
     """The plan's estimate of the frames ``rank`` holds, sent and posted to receive
     (``schedule.memory.rank_frame_bytes``); Nones for a plan without profiled sizes."""
-    stage = plan.stage_of_rank(rank)
-    if stage.parameter_bytes == 0 and stage.activation_bytes == 0:
-        return None, None
+    stages = plan.stages_of_rank(rank)
+    if len(stages) > 1 or (stages[0].parameter_bytes == 0 and stages[0].activation_bytes == 0):
+        return None, None  # a rank of several stages: its links' sizes are not modelled
     return rank_frame_bytes(plan, sync, microbatches, rank)
 
 
@@ -108,30 +108,36 @@ def measure(
     plan: Plan,
     module: torch.nn.Module,
     stashed: int,
-    activations: Activations,
+    activations: Activations | int,
     optimizers: Iterable[torch.optim.Optimizer],
     device: torch.device,
     sync: SyncMode,
     microbatches: int,
     frames: tuple[int, int] = (0, 0),
+    recompute: bool | None = None,
 ) -> StageMemory:
-    """This rank's row: its stage's peaks (``stashed``: the weight stash's, ``activations``:
-    the executor's meter, ``frames``: the channel's, sent and posted to receive), its
-    weights' and optimizer state's bytes now."""
-    stage = plan.stage_of_rank(rank)
+    """This rank's row: its stages' peaks (``stashed``: the weight stash's, ``activations``:
+    the executor's meter or its peak, ``frames``: the channel's, sent and posted to receive),
+    its weights' and optimizer state's bytes now. A rank of several stages (chunks) adds up
+    its stages' estimates (and their peaks: at most the sum)."""
+    stages = plan.stages_of_rank(rank)
+    if isinstance(activations, Activations):
+        recompute = activations.recompute
+        activations = activations.peak_bytes
     weights = _bytes(p for p in module.parameters() if p.device.type != "meta")
     state = (t for o in optimizers for s in o.state.values() for t in s.values())
     optimizer = _bytes(t for t in state if isinstance(t, torch.Tensor))
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    each = [estimate(plan, stage, sync, microbatches, bool(recompute)) for stage in stages]
     return StageMemory(
         rank,
-        stage.index,
+        stages[0].index,
         weights,
         int(stashed),
-        int(activations.peak_bytes),
+        int(activations),
         optimizer,
         peak,
-        *estimate(plan, stage, sync, microbatches, activations.recompute),
+        *_sums(each),
         *frames,
         *estimate_frames(plan, rank, sync, microbatches),
     )
@@ -158,12 +164,19 @@ def of_fit(strategy: Any) -> list[StageMemory]:
     if runner is None or local is None or plan is None:
         return []
     executor = runner.executor
-    measured: tuple[Any, ...] = (local.module, executor.stash.peak_bytes, executor.activations)
+    stashed, activations = executor.memory_peaks()
+    measured: tuple[Any, ...] = (local.module, stashed, activations)
     measured += (strategy.optimizers, strategy.root_device)
     channel = executor.channel
     frames = (channel.peak_sent_bytes, channel.peak_received_bytes)
     return report(
-        strategy.global_rank, plan, *measured, strategy.sync, strategy.microbatches, frames
+        strategy.global_rank,
+        plan,
+        *measured,
+        strategy.sync,
+        strategy.microbatches,
+        frames,
+        strategy.recompute,
     )
 
 
@@ -184,6 +197,14 @@ def render(rows: Iterable[StageMemory]) -> str:
             f"{_mib(r.planner)}"
         )
     return "\n".join(lines)
+
+
+def _sums(
+    estimates: Sequence[tuple[float | None, ...]],
+) -> tuple[float | None, float | None, float | None, float | None]:
+    """Each part of several stages' estimates added up (None where any stage has none)."""
+    parts = [None if None in part else sum(part) for part in zip(*estimates, strict=True)]
+    return parts[0], parts[1], parts[2], parts[3]  # type: ignore[arg-type]
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -40,6 +40,7 @@ from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.runtime.update import Update
+from pl_pipedream.schedule.modes import check_chunked
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.batches import shape_forward
 from pl_pipedream.strategy.evaluation import EvaluationPipe
@@ -108,6 +109,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     replicas = [s.replicas for s in strategy.plan.stages]
     ties = [tie.describe() for tie in local_stage.ties]
     check_ties(strategy.sync, ties, replicas)
+    check_chunked(strategy.sync, ties, strategy.replanning.on, "PipeDreamStrategy(sync='{sync}')")
     check_corrections(strategy.sync, strategy.weight_prediction, strategy.lr_warmup_per_delay, ties)
     mark_other_stages(module, layers, strategy.plan, strategy.global_rank)
     move_to_device(module, strategy.root_device)

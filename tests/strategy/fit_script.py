@@ -208,7 +208,8 @@ def fit(
             **corrections,
             **launch,
         )
-        devices = len(args.balance)
+        chunks = 2 if sync in ("interleaved", "zbv") else 1  # stages per rank
+        devices = len(args.balance) // chunks
     trainer = Trainer(
         strategy=strategy,
         accelerator=args.accelerator,

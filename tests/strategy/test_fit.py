@@ -111,6 +111,26 @@ def test_fit_then_consolidate_equals_the_oracle(every_mode, label: str) -> None:
 
 
 @pytest.mark.slow
+def test_the_chunked_modes_fit_as_one_device(tmp_path: Path) -> None:
+    """``sync="interleaved"`` and ``"zbv"``: 4 stages on 2 ranks (``runtime.chunks``) under a
+    Lightning Trainer, SGD and Adam stepped by Lightning once per batch, equal one device."""
+    configs = ["interleaved:sgd", "zbv:sgd", "zbv:adam"]
+    fork(tmp_path, [2, 1, 2, 1], None, 2, configs)
+    for config in configs:
+        sync, name = config.split(":")
+        out = tmp_path / f"{sync}-{name}"
+        assert json.loads((out / "done.json").read_text())["global_step"] == NUM_BATCHES
+        got = torch.load(out / "weights.pt")
+        plan = Plan.from_balance([3, 3])
+        expected = oracle.train(
+            make_model(), plan, "flush", make_batches(2), 2, loss_fn, OPTIMIZERS[name]
+        )
+        for key, tensor in expected.items():
+            diff = (got[f"net.{key}"] - tensor).abs().max().item()
+            assert diff <= 1e-5, f"{sync}/{name} {key}: {diff}"
+
+
+@pytest.mark.slow
 def test_fit_with_both_staleness_corrections_equals_the_oracle(tmp_path: Path) -> None:
     """``weight_prediction=True, lr_warmup_per_delay=2`` through the Trainer (the warm-up's
     wrapper around the stage's updates and Lightning's hooks) on the oracle's rules."""

@@ -128,13 +128,3 @@ def test_every_lightning_hook_is_marked_override_and_held_by_the_class_itself() 
 def test_the_hooks_come_in_lightnings_call_order() -> None:
     order = [m.name for m in _methods() if m.name in HOOK_ORDER]
     assert order == list(HOOK_ORDER)
-
-
-@pytest.mark.parametrize("sync", ["interleaved", "zbv"])
-def test_the_modes_of_several_stages_per_rank_are_refused_at_construction(sync: str) -> None:
-    with pytest.raises(ValueError) as error:
-        PipeDreamStrategy(sync=sync)
-    message = str(error.value)
-    assert f"sync='{sync}' runs several stages per rank" in message
-    assert f"(sync: '{sync}'); train with one of async, vertical_sync, 2bw, flush" in message
-    assert "PipeDreamStrategy(sync='zero_bubble')" in message

@@ -1,7 +1,8 @@
 """The engine's precisions on one CUDA device, against one device running the same microbatches
 under the same autocast (and ``torch.amp.GradScaler`` for fp16); skipped without CUDA.
 
-One rank, and two ranks sharing the GPU over gloo. On one H100 (torch 2.11) every case gave the
+One rank, and two ranks sharing the GPU over gloo; the chunked modes (``zbv``, ``interleaved``)
+with several stages per rank, a whole pipeline on one rank too. On one H100 (torch 2.11) every case gave the
 same weights as one device to the last bit, losses within 6e-8 (docs/engine.md).
 """
 
@@ -40,8 +41,12 @@ def sgd(params):  # type: ignore[no-untyped-def]
     return torch.optim.SGD(params, lr=0.05)
 
 
+CHUNKED = {("zbv", 1): [3, 2], ("zbv", 2): [2, 1, 1, 1], ("interleaved", 1): [2, 1, 1, 1]}
+
+
 def _train(rank: int, world: int, precision: str, sync: str) -> tuple[list[float], dict]:
-    balance = [3, 2] if world == 2 else [5]
+    balance = CHUNKED.get((sync, world), [2, 1, 1, 1] if sync == "interleaved" else None)
+    balance = balance or ([3, 2] if world == 2 else [5])
     with Pipeline(
         model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M, balance=balance,
         device="cuda:0", precision=precision,
@@ -84,6 +89,9 @@ def one_device(precision: str) -> tuple[list[float], dict]:
         ("16-mixed", "flush"),
         ("16-mixed", "gpipe"),
         ("16-mixed", "zero_bubble"),
+        ("32-true", "zbv"),
+        ("16-mixed", "zbv"),
+        ("bf16-mixed", "interleaved"),
     ],
 )
 def test_the_flushed_pipeline_equals_one_gpu(precision: str, sync: str, world: int) -> None:

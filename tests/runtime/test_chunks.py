@@ -94,3 +94,29 @@ def test_the_chunked_modes_refuse_a_tie_and_re_planning_at_construction() -> Non
             Pipeline(tied, nn.functional.mse_loss, sgd, sync="zbv", balance=[2, 1])
         with pytest.raises(ValueError, match=r"^sync='interleaved' keeps the plan it starts wi"):
             Pipeline(make_model(), nn.functional.mse_loss, sgd, sync="interleaved", replan="auto")
+
+
+def _trained(sync: str, balance: list[int], options: dict) -> tuple[list[float], dict]:
+    with Pipeline(
+        make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=2, balance=balance,
+        **options,
+    ) as pipeline:  # fmt: skip
+        losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+        return losses, pipeline.state_dict()["model"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"recompute": True}, {"clip_grad_norm": 0.5}, {"precision": "bf16-mixed"}],
+    ids=["recompute", "clip", "bf16"],
+)
+def test_recompute_clipping_and_mixed_precision_compose_with_chunks(options: dict) -> None:
+    """Each as one stage trains with it: recompute replays each chunk's forward, the norm
+    counts every chunk's gradients once, autocast wraps each chunk's forward."""
+    with one_rank_group():
+        expected_losses, expected = _trained("flush", [6], options)
+        for sync, balance in (("zbv", [3, 3]), ("interleaved", [2, 1, 2, 1])):
+            losses, weights = _trained(sync, balance, options)
+            assert losses == expected_losses, sync
+            for name, tensor in expected.items():
+                assert torch.equal(weights[name], tensor), (sync, name)

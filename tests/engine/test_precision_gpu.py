@@ -2,8 +2,8 @@
 under the same autocast (and ``torch.amp.GradScaler`` for fp16); skipped without CUDA.
 
 One rank, and two ranks sharing the GPU over gloo; the chunked modes (``zbv``, ``interleaved``)
-with several stages per rank, a whole pipeline on one rank too. On one H100 (torch 2.11) every case gave the
-same weights as one device to the last bit, losses within 6e-8 (docs/engine.md).
+with several stages per rank, a whole pipeline on one rank too. On one H100 (torch 2.11) every
+case gave the same weights as one device to the last bit, losses within 6e-8 (docs/engine.md).
 """
 
 from __future__ import annotations

@@ -120,3 +120,27 @@ def test_recompute_clipping_and_mixed_precision_compose_with_chunks(options: dic
             assert losses == expected_losses, sync
             for name, tensor in expected.items():
                 assert torch.equal(weights[name], tensor), (sync, name)
+
+
+def test_a_checkpoint_saved_in_a_v_resumes_interleaved_and_in_one_stage(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The rank's stages save under the model's names: any plan over the layers resumes."""
+    batches = make_batches()
+    expected_losses, expected = one_device(batches)
+    with one_rank_group():
+        with Pipeline(
+            make_model(), nn.functional.mse_loss, sgd, sync="zbv", microbatches=2, balance=[3, 3]
+        ) as pipeline:
+            for batch in batches[:2]:
+                pipeline.train_step(batch)
+            pipeline.save(tmp_path / "checkpoint")
+        for sync, balance in (("interleaved", [1, 2, 1, 2]), ("flush", [6])):
+            with Pipeline(
+                make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=2,
+                balance=balance,
+            ) as pipeline:  # fmt: skip
+                pipeline.load(tmp_path / "checkpoint")
+                losses = [pipeline.train_step(batch).item() for batch in batches[2:]]
+                weights = pipeline.state_dict()["model"]
+            assert losses == pytest.approx(expected_losses[2:], abs=1e-6), sync
+            for name, tensor in expected.items():
+                assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-6), (sync, name)

@@ -33,8 +33,8 @@ from pl_pipedream.planner.plan import Stage
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.runtime.frames import Message
-from pl_pipedream.runtime.lookahead import ExecutorError, receives_ahead
-from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.runtime.lookahead import ExecutorError, run_posting_ahead
+from pl_pipedream.runtime.timeline import Recording, TimelineEvent
 from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action
 
@@ -147,9 +147,9 @@ class ChunkedExecutor:
         self.tied_versions = None  # the chunked modes refuse tied parameters at setup
         self.record_timeline = first.record_timeline
         self._update = RankUpdate(list(executors))
-        self._timeline: list[tuple[Action, float, float]] = []
+        self.recording = Recording(self.rank)
         for executor in executors.values():
-            executor._timeline = self._timeline  # one timeline, in the rank's order
+            executor.recording = self.recording  # one timeline, in the rank's order
 
     def execute(
         self,
@@ -175,17 +175,12 @@ class ChunkedExecutor:
         for index, executor in self.executors.items():
             executor.load(_of(actions, index), _of(lookahead, index))
         positions = dict.fromkeys(self.executors, 0)
-        first, following = receives_ahead((*actions, *lookahead))
-        for peer, tag in first:
-            if peer != self.rank:
-                self.channel.expect(peer, tag)
-        for position, action in enumerate(actions):
-            executor = self._executor(action)
-            executor.run_one(action, positions[action.stage])
+
+        def run(action: Action, _: int) -> None:
+            self._executor(action).run_one(action, positions[action.stage])
             positions[action.stage] += 1
-            link = following.get(position)
-            if link is not None and link[0] != self.rank:
-                self.channel.expect(*link)
+
+        run_posting_ahead(actions, lookahead, self.channel, run)
         for executor in self.executors.values():
             executor.unload()
 
@@ -200,12 +195,10 @@ class ChunkedExecutor:
 
     @property
     def timeline(self) -> list[TimelineEvent]:
-        return [TimelineEvent(self.rank, str(a), a.kind.value, s, e) for a, s, e in self._timeline]
+        return self.recording.events
 
     def take_timeline(self) -> list[TimelineEvent]:
-        events = self.timeline
-        self._timeline.clear()
-        return events
+        return self.recording.take()
 
     def restart(self) -> None:
         """After a drain: every stage starts again at version 0."""

@@ -40,7 +40,7 @@ from pl_pipedream.runtime.lookahead import (
     last_uses,
     minibatch_of,
     peer_of,
-    receives_ahead,
+    run_posting_ahead,
     version_of,
 )
 from pl_pipedream.runtime.losses import LossBook
@@ -55,7 +55,7 @@ from pl_pipedream.runtime.streams import Ahead, SideStreams, prefetch_each, read
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
-from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.runtime.timeline import Recording, TimelineEvent
 from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
@@ -135,7 +135,7 @@ class StageExecutor(SplitBackward):
         self.stash = WeightStash(module, self.describe, tied)
         self._call = StageCall(module)  # the module's forward on a version's tensors
         self.record_timeline = record_timeline
-        self._timeline: list[tuple[Action, float, float]] = []  # made into events when read
+        self.recording = Recording(rank)  # while record_timeline is on
         self.losses = losses or LossBook()  # the training losses this rank knows (shared by its
         # stages in a chunked plan: runtime.losses, runtime.chunks)
         self._feed: Feed | None = None
@@ -194,14 +194,7 @@ class StageExecutor(SplitBackward):
 
     def _run(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
         self.load(actions, lookahead)
-        ahead = (*self.actions, *lookahead)
-        first, following = receives_ahead(ahead)
-        for link in first:
-            self.channel.expect(*link)
-        for position, action in enumerate(self.actions):
-            self.run_one(action, position)
-            if position in following:
-                self.channel.expect(*following[position])
+        run_posting_ahead(self.actions, lookahead, self.channel, self.run_one)
         self.unload()
 
     def load(self, actions: Sequence[Action], lookahead: Sequence[Action]) -> None:
@@ -227,7 +220,7 @@ class StageExecutor(SplitBackward):
             raise ExecutorError(f"{self.describe} failed at action {action}: {error}") from error
         if self.record_timeline:
             settle(self.device)
-            self._timeline.append((action, start, time.perf_counter()))
+            self.recording.add(action, start, time.perf_counter())
 
     def unload(self) -> None:
         """After the loaded list ran."""
@@ -236,16 +229,13 @@ class StageExecutor(SplitBackward):
 
     @property
     def timeline(self) -> list[TimelineEvent]:
-        """The actions run while ``record_timeline`` was on; each named when read (1.4 us), as
-        running one keeps only the action and two clock readings."""
-        return [TimelineEvent(self.rank, str(a), a.kind.value, s, e) for a, s, e in self._timeline]
+        """The actions run while ``record_timeline`` was on."""
+        return self.recording.events
 
     def take_timeline(self) -> list[TimelineEvent]:
         """The timeline so far, which then starts again empty: a reader that needs only the
         actions since its last read (the re-plan check) keeps it short."""
-        events = self.timeline
-        self._timeline = []
-        return events
+        return self.recording.take()
 
     def restart(self) -> None:
         """After a drain: nothing is in flight; the live weights become version 0 again."""

@@ -1,5 +1,5 @@
 """Reading a rank's action list: the fields each action must carry, when each weight version is
-last used, and which receives can be posted ahead.
+last used, and which receives can be posted ahead (``run_posting_ahead`` runs a list so).
 
 The executor runs its actions one by one, but two decisions need the whole list (the loaded
 actions and the next steps' as far as they are known): a weight version may be released once no
@@ -9,9 +9,9 @@ rank computes (``receives_ahead``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from pl_pipedream.runtime.channel import Link
+from pl_pipedream.runtime.channel import Channel, Link
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.schedule.actions import COMPUTE, Action, ActionKind
 
@@ -23,6 +23,7 @@ __all__ = [
     "minibatch_of",
     "peer_of",
     "receives_ahead",
+    "run_posting_ahead",
     "version_of",
 ]
 
@@ -102,3 +103,24 @@ def receives_ahead(actions: Sequence[Action]) -> tuple[list[Link], dict[int, Lin
                 following[last[link]] = link
             last[link] = position
     return list(last), following
+
+
+def run_posting_ahead(
+    actions: Sequence[Action],
+    lookahead: Sequence[Action],
+    channel: Channel,
+    run: Callable[[Action, int], None],
+) -> None:
+    """``run(action, position)`` for each of ``actions`` in order, the first receive of each
+    link of ``actions`` and ``lookahead`` posted on ``channel`` at once and each later one as
+    soon as the receive before it on its link is done (``receives_ahead``). A link from the
+    rank to itself (``runtime.chunks``) is not the channel's and is not posted."""
+    first, following = receives_ahead((*actions, *lookahead))
+    for peer, tag in first:
+        if peer != channel.rank:
+            channel.expect(peer, tag)
+    for position, action in enumerate(actions):
+        run(action, position)
+        link = following.get(position)
+        if link is not None and link[0] != channel.rank:
+            channel.expect(*link)

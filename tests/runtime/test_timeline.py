@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.runtime.timeline import (
+    Recording,
     TimelineEvent,
     bubble_fractions,
     chrome_trace,
     gather_trace,
     write_trace,
 )
-from pl_pipedream.schedule.actions import ActionKind
+from pl_pipedream.schedule.actions import Action, ActionKind
 from tests.runtime.distributed import one_rank_group
 
 EVENTS = [
@@ -90,3 +91,13 @@ def test_gather_trace_in_a_group_writes_every_ranks_events(tmp_path: Path) -> No
     assert bubbles == bubble_fractions(EVENTS)
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert [e["name"] for e in spans] == [e.action for e in EVENTS]
+
+
+def test_a_recording_names_its_actions_when_read_and_take_empties_it() -> None:
+    recording = Recording(3)
+    forward = Action(ActionKind.FORWARD, 3, 1, 0, 0, 0, 0)
+    recording.add(forward, 1.0, 1.5)
+    expected = [TimelineEvent(3, str(forward), "FORWARD", 1.0, 1.5)]
+    assert recording.events == expected
+    assert recording.take() == expected
+    assert recording.events == []

@@ -68,7 +68,16 @@ def test_every_group_has_its_options() -> None:
         "wmt16",
     ]
     assert options("cluster") == ["cluster_a", "cluster_b", "cluster_c", "local"]
-    assert options("sync") == ["2bw", "async", "flush", "gpipe", "vertical_sync"]
+    assert options("sync") == [
+        "2bw",
+        "async",
+        "flush",
+        "gpipe",
+        "interleaved",
+        "vertical_sync",
+        "zbv",
+        "zero_bubble",
+    ]
     assert options("trainer") == ["cpu", "gpu"]
 
 

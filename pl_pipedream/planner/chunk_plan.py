@@ -2,12 +2,15 @@
 
 The chunked sync modes (interleaved 1F1B, Narayanan et al., SC'21 section 2.2; ZB-V, Qi et al.,
 ICLR'24 section 6) run a fixed stage-to-rank mapping (module ``chunks``), so the plan is a straight
-pipeline of exactly ``p v`` single-replica stages placed by that mapping. The cut minimises the
-slowest stage: a dynamic program over the chain's contiguous segments, each priced by the cost
-model (``costs.stage_time``: its compute, at least the time to move what it receives and sends;
-a message between two stages of one rank, the turn of a V, costs nothing). A rank runs every one
-of its stages for each minibatch, so the plan's predicted time per minibatch is the slowest
-rank's total over its stages.
+pipeline of exactly ``p v`` single-replica stages placed by that mapping. Each stage is priced
+by the cost model (``costs.stage_time``: its compute, at least the time to move what it receives
+and sends; a message between two stages of one rank, the turn of a V, costs nothing). A rank
+runs every one of its stages for each minibatch, so the plan's predicted time per minibatch is
+the slowest rank's total over its stages, and that is what the cut minimises first, then the
+slowest stage (the bubbles). A rank's stages are not contiguous, so no interval DP gives that
+optimum: two DPs over the chain's contiguous segments (the slowest stage least; the sum of
+squared stage times least) each give a balanced start, and single cuts moved by one layer
+while that improves (slowest rank, slowest stage) refine both; the better one is kept.
 """
 
 from __future__ import annotations
@@ -59,11 +62,21 @@ def plan_chunks(profile: Profile, topology: Topology, placement: str, chunks: in
         sent = outputs[stop - 1] if apart(stage + 1) else 0.0
         return float(stage_time(sums[stop] - sums[start], 0.0, 1, bandwidth, 1, received, sent))
 
-    ends = _cut(len(nodes), count, seconds)
-    stages, totals = [], [0.0] * ranks
+    def worst(ends: list[int]) -> tuple[float, float]:
+        """(slowest rank's total, slowest stage) of the cut ending its stages at ``ends``."""
+        times = [
+            seconds(i, a, b) for i, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
+        ]
+        totals = [0.0] * ranks
+        for index, time in enumerate(times):
+            totals[mapping[index]] += time
+        return max(totals), max(times)
+
+    starts = (_cut(len(nodes), count, seconds, square) for square in (False, True))
+    ends = min((_refine(cut, worst) for cut in starts), key=worst)
+    stages = []
     for index, (start, stop) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
         members = nodes[start:stop]
-        totals[mapping[index]] += seconds(index, start, stop)
         stages.append(
             Stage(
                 index=index,
@@ -79,12 +92,12 @@ def plan_chunks(profile: Profile, topology: Topology, placement: str, chunks: in
             )
         )
     params = math.fsum(node.parameter_bytes for node in nodes)
-    meta = {"chunks": f"{placement}, {chunks} stages per rank, cut by the slowest stage"}
+    meta = {"chunks": f"{placement}, {chunks} stages per rank, cut by the slowest rank"}
     return Plan(
         with_warmup(stages),
         topology,
         straight=True,
-        slowest_stage_time=max(totals),
+        slowest_stage_time=worst(ends)[0],
         data_parallel_time=data_parallel_time(sums[-1], params, topology),
         single_worker_time=sums[-1],
         meta=meta,
@@ -98,20 +111,43 @@ def _prefix_sums(values: list[float]) -> list[float]:
     return sums
 
 
-def _cut(length: int, count: int, price: Callable[[int, int, int], float]) -> list[int]:
+def _cut(
+    length: int, count: int, price: Callable[[int, int, int], float], square: bool
+) -> list[int]:
     """The ends of ``count`` non-empty consecutive segments of ``length`` items whose slowest
-    ``price(stage, start, stop)`` is least (ties: the earliest cut found)."""
+    ``price(stage, start, stop)`` is least, or with ``square`` the sum of squared prices (ties:
+    the earliest cut found)."""
     best = [[math.inf] * (length + 1) for _ in range(count + 1)]
     choice = [[0] * (length + 1) for _ in range(count + 1)]
     best[0][0] = 0.0
     for stage in range(1, count + 1):
         for stop in range(stage, length - (count - stage) + 1):
             for start in range(stage - 1, stop):
-                worst = max(best[stage - 1][start], price(stage - 1, start, stop))
-                if worst < best[stage][stop]:
-                    best[stage][stop], choice[stage][stop] = worst, start
+                cost = price(stage - 1, start, stop)
+                before = best[stage - 1][start]
+                value = before + cost * cost if square else max(before, cost)
+                if value < best[stage][stop]:
+                    best[stage][stop], choice[stage][stop] = value, start
     ends, stop = [], length
     for stage in range(count, 0, -1):
         ends.append(stop)
         stop = choice[stage][stop]
     return ends[::-1]
+
+
+def _refine(ends: list[int], worst: Callable[[list[int]], tuple[float, float]]) -> list[int]:
+    """``ends`` with single cuts moved by one item while that lowers ``worst`` (a local
+    optimum: each move strictly improves, so it ends)."""
+    current = worst(ends)
+    moved = True
+    while moved:
+        moved = False
+        for cut in range(len(ends) - 1):
+            for step in (-1, 1):
+                trial = [*ends[:cut], ends[cut] + step, *ends[cut + 1 :]]
+                low = trial[cut - 1] if cut > 0 else 0
+                if not low < trial[cut] < trial[cut + 1]:
+                    continue
+                if (value := worst(trial)) < current:
+                    ends, current, moved = trial, value, True
+    return ends

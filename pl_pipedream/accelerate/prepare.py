@@ -61,6 +61,7 @@ def prepare_pipeline(
     replan_every: int = 50,
     replan_threshold: float = 0.05,
     replan_history: str | os.PathLike | None = None,
+    chunks_per_rank: int | None = None,
 ) -> Pipeline:
     """This process's part of a pipeline over ``model``'s layers (an ``nn.Sequential`` or a
     list of modules, the same on every process, not passed to ``accelerator.prepare``),
@@ -68,7 +69,8 @@ def prepare_pipeline(
     of a stage's parameters) on ``loss_fn(output, targets)``. The other arguments are
     ``Pipeline``'s (docs/engine.md: a layout as ``balance``/``plan`` or planned from
     ``example_input``; ``pretrained``/``empty_build`` for a model larger than one process;
-    ``replan``: ``"auto"`` re-plans from measured stage times, docs/replan.md);
+    ``replan``: ``"auto"`` re-plans from measured stage times, docs/replan.md;
+    ``chunks_per_rank``: stages per rank of ``sync="interleaved"``, docs/chunked-planning.md);
     the device and the precision are the Accelerator's."""
     check_accelerator(accelerator)
     precision = engine_precision(accelerator)
@@ -97,6 +99,7 @@ def prepare_pipeline(
         replan_every=replan_every,
         replan_threshold=replan_threshold,
         replan_history=replan_history,
+        chunks_per_rank=chunks_per_rank,
     )
     carry_scaler(accelerator, pipeline.scaler)
     guards.install(accelerator, pipeline, optimizer if isinstance(optimizer, Optimizer) else None)

@@ -10,10 +10,11 @@ from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_chunks_per_rank
 
 __all__ = [
     "check_arguments",
+    "check_chunk_options",
     "check_layer_sync",
     "check_memory_layout",
     "check_placement",
@@ -42,13 +43,58 @@ def check_arguments(microbatches: Any, start_method: str, divergence: str, timeo
         )
 
 
-def check_placement(plan: Plan, sync: SyncMode, call: str) -> None:
+def check_placement(plan: Plan, sync: SyncMode, call: str, chunks: int | None = None) -> None:
     """``schedule.rules.check_placement`` at a front end's setup: a sync mode runs the plans of
-    its placement; ``call`` is the front end's, quoted in the fix with a mode in ``{sync}``."""
+    its placement; ``call`` is the front end's, quoted in the fix with a mode in ``{sync}``.
+    ``chunks``: the ``chunks_per_rank`` given, which the plan must have."""
     try:
         rules.check_placement(plan, sync, call)
     except ValueError as error:
         raise PipelineSetupError(str(error)) from None
+    if chunks is not None and sync.chunked and plan.chunks_per_rank != chunks:
+        raise PipelineSetupError(
+            f"the plan must give each rank the chunks_per_rank stages asked for (chunks_per_rank: "
+            f"{chunks}, plan: {plan.num_stages} stages on {plan.num_workers} ranks); give "
+            f"{chunks * plan.num_workers} stages (balance= of {chunks * plan.num_workers} "
+            f"counts), or chunks_per_rank={plan.chunks_per_rank}"
+        )
+
+
+def check_chunk_options(
+    sync: SyncMode,
+    chunks: Any,
+    memory: float | None,
+    balance: Any,
+    plan: Any,
+    call: str = "PipeDreamStrategy({args})",
+) -> None:
+    """``chunks_per_rank`` fits ``sync`` (``schedule.modes.check_chunks_per_rank``) and the
+    layout given (each rank the same number of stages: a balance of a multiple of it, a plan of
+    that many per rank); ``memory=`` is refused with a chunked mode, whose plan is cut by compute
+    alone (``planner.chunk_plan``) while the limit is what automatic planning fits. ``call``:
+    the front end's, with its arguments in ``{args}``."""
+    check_chunks_per_rank(sync, chunks, call)
+    if memory is not None and sync.chunked:
+        fits = call.format(args=f"sync='{SyncMode.ZERO_BUBBLE}', memory=...")
+        raise ValueError(
+            f"memory= is the limit automatic planning fits, and a chunked mode's plan is cut by "
+            f"compute alone (memory: {memory:.0f} bytes, sync: '{sync}'); leave out memory=, or "
+            f"use {fits} to plan within it"
+        )
+    if chunks is None:
+        return
+    if isinstance(plan, Plan) and plan.chunks_per_rank != chunks:
+        raise ValueError(
+            f"the plan given must hold chunks_per_rank stages on each rank (chunks_per_rank: "
+            f"{chunks}, plan: {plan.chunks_per_rank} per rank); leave out chunks_per_rank or "
+            f"give a plan of {chunks} stages per rank"
+        )
+    if balance is not None and len(balance) % chunks:
+        raise ValueError(
+            f"a balance gives each rank chunks_per_rank stages, so it has a multiple of it "
+            f"(chunks_per_rank: {chunks}, balance: {list(balance)}); give devices x {chunks} "
+            "layer counts, or leave out chunks_per_rank"
+        )
 
 
 def check_memory_layout(

@@ -8,7 +8,8 @@ the versions the schedule keeps plus activations x its minibatches in flight plu
 its messages in flight). The planner's own limit (``planner.costs.held_bytes``, PipeDream's
 ceil(workers after the stage / replicas) x (weights + activations), plus the frames) is lowered
 until its plan fits by that rule. If no plan fits, the error names the smallest memory with
-which one would, found by bisection.
+which one would, found by bisection. A plan of several stages per rank (the chunked modes) is
+cut by compute alone (``planner.chunk_plan``) and only checked: each rank holds all its stages.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import torch.distributed as dist
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.costs import held_bytes
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
-from pl_pipedream.schedule.memory import stage_bytes
+from pl_pipedream.schedule.memory import kept_bytes, stage_bytes
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
+    "check_ranks_fit",
     "device_memory",
     "fitting",
     "gather_memory",
@@ -176,6 +178,24 @@ def plan_within(
             f"no pipeline fits the memory per device (memory: {_size(memory)}, the smallest that "
             f"fits: {_size(need)}, sync: {sync}); use {fixes}, or allow memory= of at least that"
         ) from None
+
+
+def check_ranks_fit(
+    plan: Plan, memory: float, sync: SyncMode, microbatches: int, recompute: bool = False
+) -> None:
+    """Raise when a rank's stages together need more than ``memory`` by what ``sync`` keeps
+    (``schedule.memory.kept_bytes``: weights x versions plus activations in flight; the message
+    frames of a rank of several stages are not modelled, so this is a lower bound)."""
+    for rank in range(plan.num_workers):
+        stages = plan.stages_of_rank(rank)
+        need = sum(kept_bytes(plan, sync, microbatches, s.index, recompute) for s in stages)
+        if need > memory:
+            raise PipelineSetupError(
+                f"a rank holds every one of its stages, and rank {rank}'s need more than the "
+                f"memory per device (memory: {_size(memory)}, rank {rank}: {_size(need)} for "
+                f"stages {[s.index for s in stages]}, sync: {sync}); use more devices, "
+                "recompute=True or a smaller batch"
+            )
 
 
 def _size(value: float) -> str:

@@ -6,7 +6,9 @@ stops every rank with the same message instead of a hang. Without a topology, th
 ranks 0 and 1 is measured with a few round trips and the cluster is taken as one level of that
 bandwidth. A model built empty (``core.materialize``) is profiled one layer at a time, each
 created, timed and freed, and planned straight. A memory limit is fitted by what the sync mode
-keeps (``core.memory_limit``).
+keeps (``core.memory_limit``). A chunked sync mode (several stages per rank) gets a plan of
+``chunks_per_rank`` stages per rank placed as it needs (``planner.chunk_plan``), checked against
+the memory limit rather than fitted to it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pl_pipedream.core.materialize import loaded, model_tensors
-from pl_pipedream.core.memory_limit import plan_within
+from pl_pipedream.core.memory_limit import check_ranks_fit, plan_within
 from pl_pipedream.core.stage import find_ties
 from pl_pipedream.planner.advice import advise
+from pl_pipedream.planner.chunk_plan import plan_chunks
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.ties import with_tied_traffic
@@ -70,6 +73,7 @@ def plan_at_setup(
     memory: float | None = None,
     recompute: bool = False,
     sync: SyncMode = SyncMode.ASYNC,
+    chunks_per_rank: int | None = None,
 ) -> tuple[Plan, float]:
     """Profile on rank 0, plan, and broadcast; returns the plan and the seconds it took.
 
@@ -77,7 +81,7 @@ def plan_at_setup(
     empty is profiled one layer at a time and planned straight: a replica would hold its stage
     whole again. ``memory`` (bytes per worker) rules out plans whose stages do not fit what
     ``sync`` keeps (``schedule.memory``; with ``recompute`` stages keep inputs instead of
-    activations).
+    activations). A chunked ``sync`` gets ``chunks_per_rank`` stages per rank (default 2).
     """
     start = time.perf_counter()
     if topology is not None and topology.num_workers != dist.get_world_size():
@@ -95,7 +99,8 @@ def plan_at_setup(
         try:
             empty = any(t.is_meta for t in model_tensors(layers))
             profile = _profile(layers, sample, device, empty)
-            planned = plan_profile(profile, topology, microbatches, memory, sync, recompute, empty)
+            sizes = (microbatches, memory, sync, recompute, empty, chunks_per_rank)
+            planned = plan_profile(profile, topology, *sizes)
             planned = _count_ties(_by_layer_index(planned), layers, topology)
             advice = planned.meta.get("advice") or advise(planned, None, microbatches)
             if advice:  # the tied parameters' traffic can make a plan slower than DP
@@ -118,11 +123,20 @@ def plan_profile(
     sync: SyncMode = SyncMode.ASYNC,
     recompute: bool = False,
     empty: bool = False,
+    chunks_per_rank: int | None = None,
 ) -> Plan:
     """The fastest plan whose replica counts divide ``microbatches`` (``planner.admission``:
     replicas share a batch's microbatches round robin), fitting ``memory`` by what ``sync``
     keeps; straight for a model built empty. A plan predicted slower than data parallelism says
-    what it would need (``plan.meta["advice"]``, printed with the plan)."""
+    what it would need (``plan.meta["advice"]``, printed with the plan). A chunked ``sync``
+    gets ``chunks_per_rank`` (default 2) stages per rank, its slowest stage as short as the cut
+    allows (``planner.chunk_plan``), and ``memory`` only checks it (``check_ranks_fit``)."""
+    if sync.chunked:
+        chunks = sync.chunks_per_rank(chunks_per_rank)
+        chunked = plan_chunks(profile, topology, sync.placement, chunks)
+        if memory is not None:
+            check_ranks_fit(chunked, memory, sync, microbatches, recompute)
+        return chunked
     total = sum(n.parameter_bytes + n.output_bytes for n in profile.nodes)
     make = lambda m: make_plan(profile, topology, empty, m, microbatches=microbatches)  # noqa: E731
     planned = plan_within(make, memory, total, sync, microbatches, recompute)

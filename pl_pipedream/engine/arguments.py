@@ -109,11 +109,12 @@ def choose_plan(
     world_size: int,
     automatically: Callable[[], Plan] | None = None,
     sync: SyncMode = SyncMode.FLUSH,
+    chunks: int | None = None,
 ) -> Plan:
     """The plan to run: ``plan`` as given, one built from ``balance`` (layers per stage, one
     rank per stage, or placed as ``sync``'s chunks: ``planner.chunks``), or ``automatically()``
     (profiled and planned, when ``example_input`` was given); checked against the layers, the
-    process group and ``sync``."""
+    process group, ``sync`` and ``chunks`` (the ``chunks_per_rank`` given)."""
     if balance is not None and plan is not None:
         raise ValueError(
             "the pipeline's layout must be given once, as balance= or plan= (both given); "
@@ -144,7 +145,7 @@ def choose_plan(
             f"plan must be a pl_pipedream.Plan (plan: {type(plan).__name__}); build one with "
             "pl_pipedream.plan(...), Plan.from_balance([...]) or Plan.from_json(text)"
         )
-    check_placement(plan, sync, "Pipeline(..., sync='{sync}')")
+    check_placement(plan, sync, "Pipeline(..., sync='{sync}')", chunks)
     if plan.num_workers != world_size:
         raise ValueError(
             f"the plan must have one worker per process of the group (plan's workers: "

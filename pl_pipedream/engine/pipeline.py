@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from pl_pipedream.core.arguments import check_chunk_options
 from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
@@ -37,10 +38,7 @@ from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
-from pl_pipedream.core.placement import (
-    keep_local_parameters,
-    move_to_device,
-)
+from pl_pipedream.core.placement import keep_local_parameters, move_to_device
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
@@ -80,6 +78,7 @@ from pl_pipedream.schedule.modes import SyncMode, check_chunked
 __all__ = ["Pipeline"]
 
 DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
+CALL = "Pipeline(..., {args})"  # quoted in the fixes of the argument checks
 
 
 class Pipeline:
@@ -89,7 +88,8 @@ class Pipeline:
 
     ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``zero_bubble`` (flush
     with each backward split, its weight half in the bubbles: docs/zero-bubble.md), ``gpipe``,
-    ``2bw``, ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"); ``microbatches``:
+    ``2bw``, ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"), ``interleaved`` or ``zbv``
+    (``chunks_per_rank`` stages per rank, default 2: docs/chunked-planning.md); ``microbatches``:
     slices per batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or
     planned automatically (``core.planning``) from ``example_input`` (one microbatch of the first
     layer's input, profiled on rank 0) for ``topology`` (default: one level, the link between
@@ -137,11 +137,13 @@ class Pipeline:
         replan_every: int = 50,
         replan_threshold: float = 0.05,
         replan_history: str | os.PathLike | None = None,
+        chunks_per_rank: int | None = None,
     ) -> None:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
         replanning = check_replan(replan, replan_every, replan_threshold)
         check_chunked(self.sync, (), replanning, "Pipeline(..., sync='{sync}')")
+        check_chunk_options(self.sync, chunks_per_rank, parse_memory(memory), balance, plan, CALL)
         self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
@@ -163,10 +165,11 @@ class Pipeline:
         def automatically() -> Plan:
             limit = gather_memory(self.device, parse_memory(memory))
             sample = self._to_device(example_input)  # one microbatch, profiled on rank 0
-            sizes = (self.device, microbatches, limit, recompute, self.sync)
+            sizes = (self.device, microbatches, limit, recompute, self.sync, chunks_per_rank)
             return plan_at_setup(self.layers, sample, topology, *sizes)[0]
 
-        self.plan = choose_plan(balance, plan, len(self.layers), world, automatically, self.sync)
+        layout = (balance, plan, len(self.layers), world, automatically, self.sync)
+        self.plan = choose_plan(*layout, chunks_per_rank)
         self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
         create_stage(self.layers, self.local, self.device, pretrained, empty_build)
         mark_other_stages(self.layers, self.layers, self.plan, self.rank)

@@ -44,7 +44,7 @@ from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_chunks_per_rank
 
 __all__ = ["PipeDreamFabricStrategy"]
 
@@ -58,7 +58,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
         sync, microbatches, balance, plan, example_input, topology, memory, clip_grad_norm,
             pretrained, timeout, recompute, weight_prediction, divergence, preempt_signals,
-            replan, replan_every, replan_threshold, replan_history: as
+            replan, replan_every, replan_threshold, replan_history, chunks_per_rank: as
             ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
             one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
@@ -87,6 +87,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         replan_every: int = 50,
         replan_threshold: float = 0.05,
         replan_history: str | os.PathLike | None = None,
+        chunks_per_rank: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[Any] | None = None,
@@ -106,6 +107,8 @@ class PipeDreamFabricStrategy(DDPStrategy):
             start_method=start_method,
         )
         check_replan_options(replan, replan_every, replan_threshold, "PipeDreamFabricStrategy")
+        call = "PipeDreamFabricStrategy({args})"  # quoted in the fix
+        check_chunks_per_rank(SyncMode.parse(sync), chunks_per_rank, call)
         self._backward_sync_control = NoAccumulation()  # type: ignore[assignment]
         self.loss_fn = loss_fn
         self.engine_arguments: dict[str, Any] = {
@@ -127,6 +130,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "replan_every": replan_every,
             "replan_threshold": replan_threshold,
             "replan_history": replan_history,
+            "chunks_per_rank": chunks_per_rank,
         }
         self._module: PipelineModule | None = None
         self._build = EmptyBuild()  # what fabric.init_module(empty_init=True) recorded

@@ -308,8 +308,9 @@ class Plan:
                 f"placement            {self.placement}, {self.chunks_per_rank} stages per rank"
             )
         if self.slowest_stage_time > 0:
+            slowest = "stage" if self.placement == CONTIGUOUS else "rank "  # a rank's stages
             lines.append(
-                f"slowest stage        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
+                f"slowest {slowest}        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
             )
             lines.append(f"throughput           {self.throughput:.2f} minibatches/s (predicted)")
             lines.append(

@@ -24,6 +24,7 @@ __all__ = [
     "SyncMode",
     "UpdateSettings",
     "check_chunked",
+    "check_chunks_per_rank",
     "update_settings",
 ]
 
@@ -93,6 +94,13 @@ class SyncMode(str, enum.Enum):
         """Each rank holds several stages (``planner.chunks``; ``runtime.chunks`` runs them)."""
         return self.placement != CONTIGUOUS
 
+    def chunks_per_rank(self, given: int | None = None) -> int:
+        """The stages each rank holds in the mode's plans: 1 for a mode of one stage per rank;
+        ``given`` (``check_chunks_per_rank``), else 2, for a chunked one (a V always has 2)."""
+        if not self.chunked:
+            return 1
+        return 2 if given is None or self is SyncMode.ZBV else given
+
     @property
     def stale_weights(self) -> bool:
         """Some minibatches run on weights that lack the newest updates (``rules.update_delay``
@@ -139,6 +147,34 @@ def check_chunked(mode: SyncMode, ties: Sequence[str], replan: bool, call: str) 
         raise ValueError(
             f"sync='{mode}' keeps the plan it starts with (replan: 'auto'); use replan='off', "
             f"or {call.format(sync=SyncMode.ZERO_BUBBLE)} to re-plan"
+        )
+
+
+def check_chunks_per_rank(mode: SyncMode, chunks: object, call: str) -> None:
+    """Raise for a ``chunks_per_rank`` that ``mode`` cannot take: an integer of at least 2, only
+    with a chunked mode (a mode of one stage per rank would ignore it), and 2 in a V. None: the
+    mode's default (``SyncMode.chunks_per_rank``). ``call``: the front end's call, quoted in
+    the fix with its arguments in ``{args}``."""
+    if chunks is None:
+        return
+    interleaved = call.format(args=f"sync='{SyncMode.INTERLEAVED}', chunks_per_rank={chunks!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+        example = call.format(args=f"sync='{SyncMode.INTERLEAVED}', chunks_per_rank=2")
+        raise ValueError(
+            f"chunks_per_rank must be an integer of at least 2, the stages each rank holds "
+            f"(chunks_per_rank: {chunks!r}); for example {example}"
+        )
+    if not mode.chunked:
+        raise ValueError(
+            f"chunks_per_rank sets the stages per rank of the chunked modes, "
+            f"{SyncMode.INTERLEAVED} and {SyncMode.ZBV}, and sync='{mode}' holds one stage per "
+            f"rank (chunks_per_rank: {chunks}, sync: '{mode}'); use {interleaved}, or leave out "
+            "chunks_per_rank"
+        )
+    if mode is SyncMode.ZBV and chunks != 2:
+        raise ValueError(
+            f"sync='{mode}' places two stages on each rank, in a V (chunks_per_rank: {chunks}); "
+            f"leave out chunks_per_rank, or use {interleaved}"
         )
 
 

@@ -26,9 +26,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from pl_pipedream.core import arguments, collectives
 from pl_pipedream.core import checkpoint as sharded
-from pl_pipedream.core import collectives
-from pl_pipedream.core.arguments import check_arguments, check_layer_sync, check_memory_layout
 from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import parse_memory
@@ -57,8 +56,9 @@ class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
-        sync: ``"async"`` (weight stashing), ``"vertical_sync"``, ``"2bw"``, ``"flush"``,
-            ``"gpipe"`` or ``"zero_bubble"`` (``SyncMode``); the update rules are in DESIGN.md.
+        sync: a ``SyncMode`` (update rules: DESIGN.md): ``"async"``, ``"vertical_sync"``, ``"2bw"``,
+            ``"flush"``, ``"gpipe"``, ``"zero_bubble"``, ``"interleaved"`` or ``"zbv"``, whose
+            ranks hold ``chunks_per_rank`` stages each (2 or more, default 2; ``"zbv"``: 2).
         microbatches: each Lightning batch is split along dim 0 into this many equal slices.
         balance: layers per stage of a straight pipeline (``len(balance)`` stages).
         plan: a ``Plan`` (replicated stages) over the pipeline indices "0", "1", ... With neither
@@ -73,10 +73,8 @@ class PipeDreamStrategy(ParallelStrategy):
             weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
             linearly over this many updates per update of its delay (0: no warm-up).
-        divergence: what a diverging training loss does, judged on every rank at one step:
-            ``"error"`` (default), ``"strict"``, ``"warn"`` or ``"off"`` (docs/divergence.md);
-            divergence_rise, divergence_patience, divergence_window: when a loss gave back its
-            progress.
+        divergence: ``"error"`` (default), ``"strict"``, ``"warn"`` or ``"off"`` on a diverging loss
+            (docs/divergence.md); divergence_rise, _patience, _window: when it gave back progress.
         preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
             (``core.preemption``); ``()`` leaves them to Lightning.
         recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
@@ -114,6 +112,7 @@ class PipeDreamStrategy(ParallelStrategy):
         replan: str = "off",
         replan_every: int = 50,
         replan_threshold: float = 0.05,
+        chunks_per_rank: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -128,8 +127,8 @@ class PipeDreamStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_arguments(microbatches, start_method, divergence, timeout)
-        self.sync = SyncMode.parse(sync)
+        arguments.check_arguments(microbatches, start_method, divergence, timeout)
+        self.sync, self.chunks_per_rank = SyncMode.parse(sync), chunks_per_rank
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.balance = list(balance) if balance is not None else None
@@ -156,7 +155,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory, self.microbatches = parse_memory(memory), microbatches
         self.replanning = Replanning(replan, replan_every, replan_threshold)
-        check_memory_layout(self.memory, balance, plan, self.replanning.on)
+        arguments.check_memory_layout(self.memory, balance, plan, self.replanning.on)
+        arguments.check_chunk_options(self.sync, chunks_per_rank, self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     @property
@@ -182,7 +182,7 @@ class PipeDreamStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Lightning has just handed over Trainer(sync_batchnorm=...): refused before any launch
-        check_layer_sync(lightning_patches.layer_sync(self))
+        arguments.check_layer_sync(lightning_patches.layer_sync(self))
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = PipelineScriptLauncher(

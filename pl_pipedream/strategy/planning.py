@@ -51,12 +51,14 @@ def choose_plan(
     world_size: int,
     plan_automatically: Callable[[], Plan],
     sync: SyncMode = SyncMode.FLUSH,
+    chunks: int | None = None,
 ) -> Plan:
     """The plan this setup uses, in order of precedence: the one passed to the strategy, the
     one an earlier setup used (a validate/test/predict after fit keeps the training layout),
     one from ``balance``, the one a resumed checkpoint saved when it has as many workers as
     there are processes, else an automatic one. A checkpoint resumes under any plan
-    (``core.resume``): the plan that saved it is only the default."""
+    (``core.resume``): the plan that saved it is only the default. ``chunks``: the
+    ``chunks_per_rank`` given, which the plan must have."""
     if given is not None and balance is not None:
         raise PipelineSetupError("pass either balance= or plan= to PipeDreamStrategy, not both")
     if given is not None:
@@ -71,11 +73,12 @@ def choose_plan(
         resumed is not None
         and resumed.num_workers == world_size
         and resumed.placement == sync.placement
+        and chunks in (None, resumed.chunks_per_rank)
     ):
         plan = resumed
     else:
         plan = plan_automatically()
-    check_placement(plan, sync, "PipeDreamStrategy(sync='{sync}')")
+    check_placement(plan, sync, "PipeDreamStrategy(sync='{sync}')", chunks)
     if plan.num_workers != world_size:
         saved = (
             f", the checkpoint's plan: {resumed.shape} on {resumed.num_workers} workers"
@@ -106,17 +109,19 @@ def plan_automatically(
     memory: float | None = None,
     recompute: bool = False,
     sync: SyncMode = SyncMode.ASYNC,
+    chunks: int | None = None,
 ) -> tuple[Plan, float]:
     """Rank 0 profiles one microbatch of the first batch (``sample`` when rank 0 already took
     it) and plans; every rank gets the plan. Returns it with the seconds it took; rank 0 prints
-    it and writes it beside the logs. ``memory`` is fitted by what ``sync`` keeps."""
+    it and writes it beside the logs. ``memory`` is fitted by what ``sync`` keeps; a chunked
+    ``sync`` gets ``chunks`` stages per rank (None: 2)."""
     if dist.get_rank() == 0 and sample is None:
         sample = sample_input(trainer, module, microbatches, to_device)
     device = trainer.strategy.root_device
     limit = gather_memory(device, memory)  # core.memory_limit
     layers = pipeline_layers(module)
     plan, seconds = plan_at_setup(
-        layers, sample, topology, device, microbatches, limit, recompute, sync
+        layers, sample, topology, device, microbatches, limit, recompute, sync, chunks
     )
     announce(trainer, plan, seconds)
     return plan, seconds
@@ -218,6 +223,7 @@ class SetupPlanner:
     recompute: bool = False  # stages keep inputs only: the memory the plan must fit
     seconds: float = 0.0  # spent profiling and planning, when planned automatically
     sync: SyncMode = SyncMode.ASYNC  # what each stage keeps: the memory the plan must fit
+    chunks: int | None = None  # chunks_per_rank given: stages per rank of a chunked mode
 
     def plan(self, trainer: Any, module: Any, layers: nn.Sequential) -> Plan:
         """Rank 0 takes one sample when ``forward`` is to be checked or the plan profiled;
@@ -243,8 +249,10 @@ class SetupPlanner:
                 self.memory,
                 self.recompute,
                 self.sync,
+                self.chunks,
             )
             return plan
 
         sources = (self.given, self.balance, self.previous, self.resumed)
-        return choose_plan(*sources, len(layers), self.world_size, automatically, self.sync)
+        world = self.world_size
+        return choose_plan(*sources, len(layers), world, automatically, self.sync, self.chunks)

@@ -91,6 +91,7 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.memory,
         strategy.recompute,
         sync=strategy.sync,
+        chunks=strategy.chunks_per_rank,
     )
     strategy.plan = planner.plan(trainer, module, layers)
     strategy.setup_seconds = planner.seconds or strategy.setup_seconds

@@ -286,3 +286,30 @@ def test_a_slowed_rank_moves_the_plan_and_flush_still_equals_one_device() -> Non
     for rank, (_, value) in results.items():
         assert value["losses"] == pytest.approx(losses, abs=1e-6), rank
         assert len(value["plan"].stage_of_rank(1).nodes) < 3, value["plan"].render()
+
+
+def _planned_chunks(rank: int, world: int) -> dict:
+    accelerator = accelerator_on(rank, world)
+    model = make_model()
+    inputs = make_batches()[0][0]
+    pipeline = prepare_pipeline(
+        accelerator, model, sgd(model.parameters()), nn.functional.mse_loss, microbatches=M,
+        sync="interleaved", chunks_per_rank=3, example_input=inputs[: len(inputs) // M],
+    )  # fmt: skip
+    losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+    state, plan = pipeline.state_dict()["model"], pipeline.plan
+    pipeline.close()
+    return {"losses": losses, "model": state, "plan": plan}
+
+
+@pytest.mark.slow
+def test_chunks_per_rank_reaches_the_engine_and_a_planned_pipeline_equals_one_device() -> None:
+    """One process: ``sync="interleaved", chunks_per_rank=3`` planned from the example gives
+    its rank 3 stages (``planner.chunk_plan``), trained as one device."""
+    status, value = run(1, _planned_chunks, timeout=120.0)[0]
+    assert status == "ok", value
+    assert value["plan"].num_stages == 3 and value["plan"].placement == "interleaved"
+    losses, weights = one_device(make_batches())
+    assert value["losses"] == pytest.approx(losses, abs=1e-6)
+    for name, expected in weights.items():
+        assert torch.allclose(value["model"][name], expected, rtol=0, atol=1e-6), name

@@ -377,6 +377,13 @@ def test_every_sync_mode_builds_the_strategy(sync: str) -> None:
     assert (strategy.sync, strategy.microbatches) == (sync, 4)
 
 
+def test_chunks_per_rank_reaches_the_strategy_and_defaults_to_the_modes() -> None:
+    assert instantiate(composed().strategy).chunks_per_rank is None
+    cfg = composed("strategy.sync=interleaved", "strategy.chunks_per_rank=3")
+    strategy = instantiate(cfg.strategy)
+    assert (strategy.sync, strategy.chunks_per_rank) == ("interleaved", 3)
+
+
 def test_the_replan_options_reach_the_strategy_and_default_to_off() -> None:
     assert instantiate(composed().strategy).replanning.mode == "off"
     cfg = composed(

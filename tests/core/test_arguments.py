@@ -7,6 +7,7 @@ import pytest
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.arguments import (
     check_arguments,
+    check_chunk_options,
     check_memory_layout,
     check_placement,
 )
@@ -67,4 +68,55 @@ def test_a_plan_runs_in_the_sync_mode_of_its_placement(placement: str, mode: str
     assert message.startswith(
         f"sync='zero_bubble' runs plans placed 'contiguous', and this plan is placed "
         f"{placement!r} (2 stage(s) per rank); use Pipeline(..., sync='{mode}') for this plan"
+    )
+
+
+def test_chunks_per_rank_is_checked_at_construction() -> None:
+    strategy = PipeDreamStrategy(sync="interleaved", chunks_per_rank=3)
+    assert strategy.chunks_per_rank == 3 and PipeDreamStrategy(sync="zbv").chunks_per_rank is None
+    with pytest.raises(ValueError, match=r"\(chunks_per_rank: 2, sync: 'flush'\); use Pipe"):
+        PipeDreamStrategy(sync="flush", chunks_per_rank=2)
+    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(sync='interleaved', chunks_per"):
+        PipeDreamStrategy(sync="zbv", chunks_per_rank=3)
+    with pytest.raises(ValueError, match=r"at least 2, the stages each rank holds"):
+        PipeDreamStrategy(sync="interleaved", chunks_per_rank=1)
+
+
+def test_chunks_per_rank_must_agree_with_the_layout_given() -> None:
+    with pytest.raises(ValueError) as error:
+        PipeDreamStrategy(sync="interleaved", chunks_per_rank=3, balance=[1, 1, 1, 1])
+    assert str(error.value) == (
+        "a balance gives each rank chunks_per_rank stages, so it has a multiple of it "
+        "(chunks_per_rank: 3, balance: [1, 1, 1, 1]); give devices x 3 layer counts, or leave "
+        "out chunks_per_rank"
+    )
+    plan = Plan.from_balance([1] * 4, placement="interleaved")  # 2 ranks, 2 stages each
+    with pytest.raises(ValueError, match=r"\(chunks_per_rank: 4, plan: 2 per rank\); leave out"):
+        PipeDreamStrategy(sync="interleaved", chunks_per_rank=4, plan=plan)
+    PipeDreamStrategy(sync="interleaved", chunks_per_rank=2, plan=plan)
+    PipeDreamStrategy(sync="interleaved", chunks_per_rank=3, balance=[1] * 6)
+
+
+def test_memory_with_a_chunked_mode_is_refused() -> None:
+    """A chunked plan is cut by compute alone (planner.chunk_plan): a limit would go unfitted."""
+    with pytest.raises(ValueError) as error:
+        PipeDreamStrategy(sync="zbv", memory="1KiB")
+    assert str(error.value) == (
+        "memory= is the limit automatic planning fits, and a chunked mode's plan is cut by "
+        "compute alone (memory: 1024 bytes, sync: 'zbv'); leave out memory=, or use "
+        "PipeDreamStrategy(sync='zero_bubble', memory=...) to plan within it"
+    )
+    check_chunk_options(SyncMode.FLUSH, None, 1024.0, None, None)
+
+
+def test_a_plan_must_have_the_chunks_per_rank_asked_for() -> None:
+    call = "Pipeline(..., sync='{sync}')"
+    plan = Plan.from_balance([1] * 6, placement="interleaved", num_ranks=2)  # 3 per rank
+    check_placement(plan, SyncMode.INTERLEAVED, call, 3)
+    check_placement(plan, SyncMode.INTERLEAVED, call)
+    with pytest.raises(ValueError) as error:
+        check_placement(plan, SyncMode.INTERLEAVED, call, 2)
+    assert str(error.value) == (
+        "the plan must give each rank the chunks_per_rank stages asked for (chunks_per_rank: 2, "
+        "plan: 6 stages on 2 ranks); give 4 stages (balance= of 4 counts), or chunks_per_rank=3"
     )

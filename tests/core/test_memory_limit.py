@@ -6,11 +6,18 @@ from __future__ import annotations
 import pytest
 
 from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.core.memory_limit import parse_memory, plan_within, planner_bytes
+from pl_pipedream.core.memory_limit import (
+    check_ranks_fit,
+    parse_memory,
+    plan_within,
+    planner_bytes,
+)
+from pl_pipedream.planner.chunk_plan import plan_chunks
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
+from pl_pipedream.schedule.memory import kept_bytes
 from pl_pipedream.schedule.memory import stage_bytes as mode_bytes
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -111,3 +118,21 @@ def test_vertical_sync_is_refused_a_plan_that_async_fits() -> None:
     assert 89 * MiB <= need <= 89 * MiB * 1.002
     kept = plan_within(make, need, 47 * MiB, SyncMode.VERTICAL_SYNC, 4)
     assert [len(s.nodes) for s in kept.stages] == [2, 2]
+
+
+def test_a_chunked_plan_is_checked_by_the_sum_of_each_ranks_stages() -> None:
+    """A rank holds both stages of its V: weights plus the activations each keeps in flight."""
+    chain = Profile.chain([1.0] * 4, [2.0] * 4, [1 * MiB] * 4, [4 * MiB] * 4)
+    plan = plan_chunks(chain, Topology.flat(2, 1e9), "v")
+    sync = SyncMode.ZBV
+    need = [sum(kept_bytes(plan, sync, 4, s.index) for s in plan.stages_of_rank(r)) for r in (0, 1)]
+    assert min(need) > 8 * MiB  # more than one stage's weights and activation
+    check_ranks_fit(plan, max(need), sync, 4)
+    with pytest.raises(PipelineSetupError) as error:
+        check_ranks_fit(plan, max(need) - 1, sync, 4)
+    rank = need.index(max(need))
+    assert str(error.value).startswith(
+        f"a rank holds every one of its stages, and rank {rank}'s need more than the memory per "
+        "device (memory: "
+    )
+    assert "sync: zbv); use more devices, recompute=True or a smaller batch" in str(error.value)

@@ -227,3 +227,28 @@ def test_topology_and_memory_bound_replanning_beside_a_given_layout() -> None:
         check_automatic(True, torch.zeros(1), topology, None, 2, replanning=True)
     with pytest.raises(ValueError, match=r'also bound replan="auto"'):
         check_automatic(True, None, None, "1GiB", 2)
+
+
+def test_chunks_per_rank_must_give_the_plan_its_stages_per_rank() -> None:
+    plan = choose_plan([1] * 6, None, 6, 2, sync=SyncMode.INTERLEAVED, chunks=3)
+    assert plan.chunks_per_rank == 3
+    with pytest.raises(ValueError, match=r"\(chunks_per_rank: 2, plan: 6 stages on 2 ranks\); gi"):
+        choose_plan([1] * 6, None, 6, 2, sync=SyncMode.INTERLEAVED, chunks=2)
+
+
+def test_pipeline_refuses_a_chunks_per_rank_its_mode_would_ignore() -> None:
+    """Checked before the pipeline joins anything; the fixes quote Pipeline's call."""
+    from pl_pipedream import Pipeline
+    from tests.runtime.distributed import one_rank_group
+
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    with one_rank_group():
+        with pytest.raises(ValueError, match=r"use Pipeline\(\.\.\., sync='interleaved', chunks_"):
+            Pipeline(layers, nn.functional.mse_loss, sgd, sync="flush", chunks_per_rank=2)
+        with pytest.raises(ValueError, match=r"^sync='zbv' places two stages on each rank"):
+            Pipeline(layers, nn.functional.mse_loss, sgd, sync="zbv", chunks_per_rank=4)
+        with pytest.raises(ValueError, match=r"\(memory: 1073741824 bytes, sync: 'zbv'\); leave"):
+            Pipeline(
+                layers, nn.functional.mse_loss, sgd, sync="zbv", memory="1GiB",
+                example_input=torch.ones(1, 2),
+            )  # fmt: skip

@@ -186,6 +186,35 @@ def test_without_a_layout_it_plans_from_an_example_and_flush_equals_one_device()
         assert value["losses"] == pytest.approx(losses, abs=1e-6)
 
 
+def _train_chunks_planned(rank: int, world: int, sync: str, chunks: int | None) -> dict:
+    inputs = make_batches()[0][0]
+    with Pipeline(
+        make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=M,
+        example_input=inputs[: len(inputs) // M], chunks_per_rank=chunks,
+    ) as pipeline:  # fmt: skip
+        losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+        return {"losses": losses, "state": pipeline.state_dict(), "plan": pipeline.plan}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sync", "chunks"), [("zbv", None), ("interleaved", 3)])
+def test_without_a_layout_the_chunked_modes_plan_their_chunks_and_equal_one_device(
+    sync: str, chunks: int | None
+) -> None:
+    """Rank 0 profiles and cuts 2 x chunks_per_rank stages placed as the mode runs them
+    (``planner.chunk_plan``); every rank trains as one device does."""
+    results = run(2, _train_chunks_planned, sync, chunks, timeout=120.0)
+    losses, weights = one_device(make_batches())
+    merged = _merged(results)
+    for name, expected in weights.items():
+        assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
+    plans = [value["plan"] for _, value in results.values()]
+    assert plans[0] == plans[1] and plans[0].num_stages == 2 * (chunks or 2)
+    assert plans[0].placement == ("v" if sync == "zbv" else "interleaved")
+    for _, value in results.values():
+        assert value["losses"] == pytest.approx(losses, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["2 ranks", "3 ranks"])
 def test_async_equals_the_oracle(balance: list[int]) -> None:

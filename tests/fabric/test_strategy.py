@@ -441,6 +441,14 @@ def test_the_example_runs_with_fabric_launching_its_ranks(tmp_path: Path) -> Non
     assert pl_pipedream.consolidate_checkpoint(tmp_path / "lightning_logs" / "fabric_pipeline.ckpt")
 
 
+def test_chunks_per_rank_reaches_the_engine_and_a_bad_one_is_refused_at_once() -> None:
+    strategy = PipeDreamFabricStrategy(MSE, sync="interleaved", chunks_per_rank=3)
+    assert strategy.engine_arguments["chunks_per_rank"] == 3
+    assert PipeDreamFabricStrategy(MSE, sync="zbv").engine_arguments["chunks_per_rank"] is None
+    with pytest.raises(ValueError, match=r"use PipeDreamFabricStrategy\(sync='interleaved', c"):
+        PipeDreamFabricStrategy(MSE, sync="flush", chunks_per_rank=2)
+
+
 def test_the_replan_options_reach_the_engine_and_bad_ones_are_refused_at_once() -> None:
     strategy = PipeDreamFabricStrategy(MSE, balance=[3, 3], replan="auto", replan_every=7)
     assert strategy.engine_arguments["replan"] == "auto"

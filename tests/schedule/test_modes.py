@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.schedule import SYNC_MODES, SyncMode
-from pl_pipedream.schedule.modes import check_chunked, update_settings
+from pl_pipedream.schedule.modes import check_chunked, check_chunks_per_rank, update_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
@@ -72,6 +72,40 @@ def test_the_chunked_modes_refuse_ties_and_replanning() -> None:
     assert "tied: head.weight: stages 0, 3); use Pipeline(..., sync='zero_bubble')" in message
     with pytest.raises(ValueError, match=r"sync='zbv' keeps the plan it starts with"):
         check_chunked(SyncMode.ZBV, [], True, call)
+
+
+def test_chunks_per_rank_default_to_two_and_a_v_has_two() -> None:
+    assert [m.chunks_per_rank() for m in SyncMode if m.chunked] == [2, 2]
+    assert SyncMode.INTERLEAVED.chunks_per_rank(3) == 3 and SyncMode.ZBV.chunks_per_rank(2) == 2
+    assert {m.chunks_per_rank() for m in SyncMode if not m.chunked} == {1}
+
+
+@pytest.mark.parametrize(
+    ("sync", "chunks", "message"),
+    [
+        ("interleaved", 1, r"^chunks_per_rank must be an integer of at least 2, the stages each "
+         r"rank holds \(chunks_per_rank: 1\); for example S\(sync='interleaved', chunks_per_r"),
+        ("interleaved", 2.0, r"\(chunks_per_rank: 2\.0\)"),
+        ("zbv", True, r"\(chunks_per_rank: True\)"),
+        ("flush", 2, r"^chunks_per_rank sets the stages per rank of the chunked modes, interleaved "
+         r"and zbv, and sync='flush' holds one stage per rank \(chunks_per_rank: 2, sync: "
+         r"'flush'\); use S\(sync='interleaved', chunks_per_rank=2\), or leave out"),
+        ("zbv", 3, r"^sync='zbv' places two stages on each rank, in a V \(chunks_per_rank: 3\); "
+         r"leave out chunks_per_rank, or use S\(sync='interleaved', chunks_per_rank=3\)$"),
+    ],
+)  # fmt: skip
+def test_a_chunks_per_rank_the_mode_cannot_take_is_refused(
+    sync: str, chunks: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_chunks_per_rank(SyncMode(sync), chunks, "S({args})")
+
+
+def test_a_chunks_per_rank_the_mode_takes_passes() -> None:
+    for mode in SyncMode:
+        check_chunks_per_rank(mode, None, "S({args})")  # the default: any mode
+    check_chunks_per_rank(SyncMode.INTERLEAVED, 4, "S({args})")
+    check_chunks_per_rank(SyncMode.ZBV, 2, "S({args})")
 
 
 def test_parse_takes_a_name_or_a_mode() -> None:

@@ -256,3 +256,45 @@ def test_a_plan_of_several_stages_per_rank_runs_in_its_chunked_mode_only() -> No
     assert choose_plan(chunked, None, None, None, 4, 2, never, SyncMode.ZBV) is chunked
     placed = choose_plan(None, [1, 1, 1, 1], None, None, 4, 2, never, SyncMode.INTERLEAVED)
     assert [s.ranks for s in placed.stages] == [(0,), (1,), (0,), (1,)]
+
+
+def test_chunks_per_rank_picks_the_resumed_plan_and_checks_a_balance() -> None:
+    """A resumed plan of other chunks per rank gives way to an automatic one; a balance must
+    give every rank the chunks asked for."""
+    resumed = Plan.from_balance([1] * 4, placement="interleaved", num_ranks=2)  # 2 per rank
+    planned = Plan.from_balance([1] * 6, placement="interleaved", num_ranks=2)  # 3 per rank
+    mode = SyncMode.INTERLEAVED
+    assert choose_plan(None, None, None, resumed, 6, 2, never, mode, 2) is resumed
+    assert choose_plan(None, None, None, resumed, 6, 2, never, mode) is resumed
+    assert choose_plan(None, None, None, resumed, 6, 2, lambda: planned, mode, 3) is planned
+    with pytest.raises(PipelineSetupError, match=r"\(chunks_per_rank: 3, plan: 4 stages on 2 r"):
+        choose_plan(None, [2, 1, 2, 1], None, None, 6, 2, never, mode, 3)
+
+
+@pytest.mark.slow
+def test_a_fit_without_a_layout_plans_the_chunked_modes_and_equals_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PipeDreamStrategy(sync="zbv")`` and ``"interleaved"`` without balance= or plan=: rank 0
+    profiles and cuts 4 stages for 2 ranks (``planner.chunk_plan``), Lightning trains them."""
+    from tests.runtime import oracle
+    from tests.runtime.test_executor import NUM_BATCHES, OPTIMIZERS, loss_fn
+    from tests.runtime.test_executor import make_batches as batches_of
+    from tests.runtime.test_executor import make_model as model_of
+    from tests.strategy.test_fit import fork
+
+    monkeypatch.chdir(tmp_path)  # the plan is written beside the logs: here, without a logger
+    configs = ["zbv:sgd", "interleaved:sgd"]
+    fork(tmp_path, [0], None, 2, configs)
+    expected = oracle.train(
+        model_of(), Plan.from_balance([3, 3]), "flush", batches_of(2), 2, loss_fn, OPTIMIZERS["sgd"]
+    )
+    for config in configs:
+        out = tmp_path / config.replace(":", "-")
+        assert json.loads((out / "done.json").read_text())["global_step"] == NUM_BATCHES
+        got = torch.load(out / "weights.pt")
+        for key, tensor in expected.items():
+            diff = (got[f"net.{key}"] - tensor).abs().max().item()
+            assert diff <= 1e-5, f"{config} {key}: {diff}"
+    plan = Plan.from_json((tmp_path / "pipedream_plan.json").read_text())  # the last fit's
+    assert (plan.placement, plan.num_stages, plan.num_workers) == ("interleaved", 4, 2)

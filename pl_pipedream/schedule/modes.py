@@ -19,6 +19,7 @@ from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, V_SHAPE
 
 __all__ = [
     "CONTIGUOUS_MODES",
+    "FUSED_LINEAR_MIN_ELEMENTS",
     "SYNC_MODES",
     "SyncMode",
     "UpdateSettings",
@@ -136,6 +137,14 @@ def check_trains(mode: SyncMode, call: str) -> SyncMode:
     )
 
 
+# The fewest elements a stage's largest 2-D weight has for its Linear layers to sum their weight
+# gradients inside the GEMM (``UpdateSettings.fused_linear_min_elements``). Below it, the capture's
+# fixed cost (a torch function mode over the forward and a Python autograd function per layer,
+# about 50 us per layer and microbatch on CPU) is more than the pass over the gradient it saves:
+# measured break-even between 100 K and 200 K elements (docs/fixed-cost.md).
+FUSED_LINEAR_MIN_ELEMENTS = 1 << 17
+
+
 @dataclass(frozen=True)
 class UpdateSettings:
     """How a stage turns its backward passes into the gradient an update applies.
@@ -145,17 +154,26 @@ class UpdateSettings:
     already divided. ``sum_linear_gradients``: several backward passes make one update, so Linear
     layers add their weight gradients into the sum inside the matrix product. ``split_backward``:
     the backward runs in two halves, and the Linear layers' weight products wait for the weight
-    half (``runtime.linear_sums.HeldProducts``).
+    half (``runtime.linear_sums.HeldProducts``). ``fused_linear_min_elements``: a stage does
+    either only if one of its 2-D weights has at least this many elements; otherwise autograd
+    computes every gradient and the input half computes the weights' too (0: always).
     """
 
     update_size: int
     loss_scale: float
     sum_linear_gradients: bool
     split_backward: bool = False
+    fused_linear_min_elements: int = FUSED_LINEAR_MIN_ELEMENTS
 
 
-def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateSettings:
-    """The settings of a stage with ``replicas`` replicas under ``mode``.
+def update_settings(
+    mode: SyncMode,
+    microbatches: int,
+    replicas: int,
+    fused_linear_min_elements: int = FUSED_LINEAR_MIN_ELEMENTS,
+) -> UpdateSettings:
+    """The settings of a stage with ``replicas`` replicas under ``mode``, its Linear layers'
+    gradients fused from ``fused_linear_min_elements`` (``UpdateSettings``).
 
     An update averages its minibatches: one per replica in the per-minibatch modes (replicas
     sum their gradients, so divide by ``replicas``), the batch's ``microbatches`` otherwise.
@@ -163,11 +181,17 @@ def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateS
     ``1 / microbatches`` is (a power of two); otherwise the update divides.
     """
     if mode.updates_per_minibatch:
-        return UpdateSettings(update_size=replicas, loss_scale=1.0, sum_linear_gradients=False)
+        return UpdateSettings(
+            update_size=replicas,
+            loss_scale=1.0,
+            sum_linear_gradients=False,
+            fused_linear_min_elements=fused_linear_min_elements,
+        )
     exact = microbatches & (microbatches - 1) == 0
     return UpdateSettings(
         update_size=1 if exact else microbatches,
         loss_scale=1.0 / microbatches if exact else 1.0,
         sum_linear_gradients=microbatches > replicas,  # backward passes per update
         split_backward=mode.splits_backward,
+        fused_linear_min_elements=fused_linear_min_elements,
     )

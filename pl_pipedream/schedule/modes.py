@@ -19,7 +19,6 @@ from pl_pipedream.planner.chunks import CONTIGUOUS, INTERLEAVED, V_SHAPE
 
 __all__ = [
     "CONTIGUOUS_MODES",
-    "FUSED_LINEAR_MIN_ELEMENTS",
     "SYNC_MODES",
     "SyncMode",
     "UpdateSettings",
@@ -137,14 +136,6 @@ def check_trains(mode: SyncMode, call: str) -> SyncMode:
     )
 
 
-# The fewest elements a stage's largest 2-D weight has for its Linear layers to sum their weight
-# gradients inside the GEMM (``UpdateSettings.fused_linear_min_elements``). Below it, the capture's
-# fixed cost (a torch function mode over the forward and a Python autograd function per layer,
-# about 50 us per layer and microbatch on CPU) is more than the pass over the gradient it saves:
-# measured break-even between 100 K and 200 K elements (docs/fixed-cost.md).
-FUSED_LINEAR_MIN_ELEMENTS = 1 << 17
-
-
 @dataclass(frozen=True)
 class UpdateSettings:
     """How a stage turns its backward passes into the gradient an update applies.
@@ -155,22 +146,23 @@ class UpdateSettings:
     layers add their weight gradients into the sum inside the matrix product. ``split_backward``:
     the backward runs in two halves, and the Linear layers' weight products wait for the weight
     half (``runtime.linear_sums.HeldProducts``). ``fused_linear_min_elements``: a stage does
-    either only if one of its 2-D weights has at least this many elements; otherwise autograd
-    computes every gradient and the input half computes the weights' too (0: always).
+    either only if one of its 2-D weights has at least this many elements (None: the measured
+    default of the weights' device, ``runtime.linear_sums.fused_from``; 0: always); otherwise
+    autograd computes every gradient, and a split backward's input half the weights' too.
     """
 
     update_size: int
     loss_scale: float
     sum_linear_gradients: bool
     split_backward: bool = False
-    fused_linear_min_elements: int = FUSED_LINEAR_MIN_ELEMENTS
+    fused_linear_min_elements: int | None = None
 
 
 def update_settings(
     mode: SyncMode,
     microbatches: int,
     replicas: int,
-    fused_linear_min_elements: int = FUSED_LINEAR_MIN_ELEMENTS,
+    fused_linear_min_elements: int | None = None,
 ) -> UpdateSettings:
     """The settings of a stage with ``replicas`` replicas under ``mode``, its Linear layers'
     gradients fused from ``fused_linear_min_elements`` (``UpdateSettings``).

@@ -14,7 +14,7 @@ from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.schedule.actions import Action, ActionKind
-from pl_pipedream.schedule.modes import FUSED_LINEAR_MIN_ELEMENTS, SyncMode, update_settings
+from pl_pipedream.schedule.modes import SyncMode, update_settings
 
 aten = torch.ops.aten
 K = ActionKind
@@ -33,9 +33,10 @@ def data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return xs, ys
 
 
-def last_stage(module: nn.Module, fused_from: int = 0) -> StageExecutor:
+def last_stage(module: nn.Module, fused_from: int | None = 0) -> StageExecutor:
     """Stage 1 of 2 (it receives activations that require grad and computes the loss); its
-    Linear layers hold their products from ``fused_from`` elements (0: these small ones too)."""
+    Linear layers hold their products from ``fused_from`` elements (0: these small ones too;
+    None: the default, above them)."""
     settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1, fused_from)
     return StageExecutor(module, 1, 1, 2, Channel(1, torch.device("cpu"), timeout=5.0), settings)
 
@@ -45,9 +46,9 @@ def action(kind: ActionKind, i: int | None, version: int) -> Action:
     return Action(kind, rank=1, stage=1, replica=0, minibatch=i, batch=batch, version=version)
 
 
-@pytest.mark.parametrize("fused_from", [0, FUSED_LINEAR_MIN_ELEMENTS])
-def test_the_halves_give_what_a_whole_backward_gives(fused_from: int) -> None:
-    """With the products held (``fused_from`` 0) and without (layers below the default size:
+@pytest.mark.parametrize("fused_from", [0, None])
+def test_the_halves_give_what_a_whole_backward_gives(fused_from: int | None) -> None:
+    """With the products held (``fused_from`` 0) and without (None: layers below the default:
     the input half computes every gradient, the weight half adds none)."""
     xs, ys = data()
     reference = make_stage()
@@ -139,10 +140,11 @@ def test_the_halves_run_the_products_of_one_backward_and_no_more() -> None:
 
 
 def test_small_layers_hold_nothing_the_input_half_runs_a_whole_backwards_products() -> None:
-    """Layers below ``FUSED_LINEAR_MIN_ELEMENTS``: the input half runs the 4 products of a whole
-    backward, the weight half none (its fixed cost would exceed a pass over the gradient)."""
+    """Layers below the default size (``linear_sums.fused_from``): the input half runs the 4
+    products of a whole backward, the weight half none (holding them would cost more than it
+    saves)."""
     xs, ys = data()
-    executor = last_stage(make_stage(), FUSED_LINEAR_MIN_ELEMENTS)
+    executor = last_stage(make_stage(), None)
     for i, x in enumerate(xs):
         executor._received[i] = Message([x.clone().requires_grad_()])
     feed = Feed(lambda i: None, lambda out, i: nn.functional.mse_loss(out, ys[i]))
@@ -172,9 +174,9 @@ class FirstStage(nn.Module):
         return nn.functional.linear(x, self.embedding.weight)  # (rows, 3, 7)
 
 
-@pytest.mark.parametrize("fused_from", [0, FUSED_LINEAR_MIN_ELEMENTS])
+@pytest.mark.parametrize("fused_from", [0, None])
 def test_a_first_stage_with_a_tie_and_a_layer_norm_gets_a_whole_backwards_gradients(
-    fused_from: int,
+    fused_from: int | None,
 ) -> None:
     """Stage 0 of 2 receives the output's gradients: the weights a held Linear covers come from
     the weight half, the others (LayerNorm, the embedding's own use) from the input half; their

@@ -16,13 +16,14 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.frames import MinibatchLoss, PeerError
+from pl_pipedream.runtime.linear_sums import FUSED_FROM_CPU
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.stage_updates import Needed, StageUpdates, replica_stopped
 from pl_pipedream.runtime.stash import WeightStash
 from pl_pipedream.schedule.actions import Action, ActionKind
-from pl_pipedream.schedule.modes import FUSED_LINEAR_MIN_ELEMENTS, SyncMode, update_settings
+from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime.distributed import one_rank_group, run
 from tests.runtime.test_executor import loss_fn, make_batches, make_model, optimizer_update
 
@@ -31,12 +32,13 @@ def _updates(  # type: ignore[no-untyped-def]
     sync: str = "async",
     microbatches: int = 2,
     replicas: int = 1,
-    fused_from: int = 0,
+    fused_from: int | None = 0,
     module: nn.Module | None = None,
     **kw,
 ) -> StageUpdates:
     """A stage of ``module`` (a Linear(3, 2) by default) whose Linear layers fuse their sums
-    from ``fused_from`` elements (0: whatever their size, as the fused path's tests need)."""
+    from ``fused_from`` elements (0: whatever their size, as the fused path's tests need; None:
+    the default)."""
     torch.manual_seed(0)
     module = module if module is not None else nn.Sequential(nn.Linear(3, 2))
     settings = update_settings(SyncMode(sync), microbatches, replicas, fused_from)
@@ -156,13 +158,13 @@ def _microbatches(updates: StageUpdates, inputs: list[torch.Tensor]) -> dict[str
 @pytest.mark.parametrize("sync", ["flush", "zero_bubble"])
 def test_a_stage_of_small_linear_layers_does_not_fuse_and_a_large_one_does(sync: str) -> None:
     """Fusing costs a fixed amount per layer and microbatch: a stage whose weights are all below
-    ``FUSED_LINEAR_MIN_ELEMENTS`` leaves its gradients to autograd (and holds no products for a
-    split backward's weight half); a stage with one weight that large fuses."""
+    the default (``FUSED_FROM_CPU`` on CPU) leaves its gradients to autograd (and holds no
+    products for a split backward's weight half); a stage with one weight that large fuses."""
     width = 512
-    assert width * width >= FUSED_LINEAR_MIN_ELEMENTS > 16 * 16
-    small = _updates(sync, 8, fused_from=FUSED_LINEAR_MIN_ELEMENTS, module=_layers(16))
+    assert width * width >= FUSED_FROM_CPU > 16 * 16
+    small = _updates(sync, 8, fused_from=None, module=_layers(16))
     assert small.linear_sums is None and small.hold() is None
-    large = _updates(sync, 8, fused_from=FUSED_LINEAR_MIN_ELEMENTS, module=_layers(width))
+    large = _updates(sync, 8, fused_from=None, module=_layers(width))
     assert large.linear_sums is not None
     assert (large.hold() is not None) == (sync == "zero_bubble")
     per_minibatch = _updates("async", 8, fused_from=0, module=_layers(width))
@@ -175,7 +177,7 @@ def test_the_sums_are_the_same_fused_or_not() -> None:
     generator = torch.Generator().manual_seed(2)
     inputs = [torch.randn(8, 16, generator=generator) for _ in range(4)]
     fused = _updates("flush", 4, fused_from=0, module=_layers(16))
-    plain = _updates("flush", 4, fused_from=FUSED_LINEAR_MIN_ELEMENTS, module=_layers(16))
+    plain = _updates("flush", 4, fused_from=None, module=_layers(16))
     assert fused.linear_sums is not None and plain.linear_sums is None
     found, expected = _microbatches(fused, inputs), _microbatches(plain, inputs)
     for name, total in expected.items():

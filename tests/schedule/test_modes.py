@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.schedule import SYNC_MODES, SyncMode
-from pl_pipedream.schedule.modes import FUSED_LINEAR_MIN_ELEMENTS, check_trains, update_settings
+from pl_pipedream.schedule.modes import check_trains, update_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
@@ -112,10 +112,10 @@ def test_update_settings_match_the_formulas(sync: str) -> None:
 
 
 def test_the_fused_linear_threshold_has_a_default_and_passes_through() -> None:
-    """Every mode's settings carry the threshold above which Linear layers fuse their sums."""
+    """Every mode's settings carry the size from which Linear layers fuse their sums: None by
+    default (the runtime's measured default for the weights' device), or the one given."""
     for mode in SyncMode:
-        default = update_settings(mode, 8, 1)
-        assert default.fused_linear_min_elements == FUSED_LINEAR_MIN_ELEMENTS
+        assert update_settings(mode, 8, 1).fused_linear_min_elements is None
         assert update_settings(mode, 8, 1, 0).fused_linear_min_elements == 0
 
 

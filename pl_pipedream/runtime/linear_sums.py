@@ -15,6 +15,12 @@ exactly (autocast, mixed dtypes or devices, grad disabled, tensor subclasses, sa
 such as activation checkpointing, whose recomputation would not go through the mode) runs
 unchanged; hooks marked as passing every tensor through (``_hooks_pass_through``) do not stop it.
 
+The capture has a fixed cost (the mode sees every torch call of the forward, and each fused
+layer runs a Python autograd function): about 50 us of CPU per layer and microbatch, more than
+the pass it saves over a gradient of 100 K elements on CPU, or of a few million on a GPU.
+``pays`` says whether a stage's weights are large enough for it (``fused_from``: the measured
+break-even by device, docs/fixed-cost.md).
+
 A split backward (zero bubble) holds the products back instead: captured with ``HeldProducts``,
 a fused call's backward computes the input's gradient only and keeps its output gradient and
 input rows; ``HeldProducts.add_into`` later adds ``g^T x`` (and the bias's row sums) into the
@@ -27,7 +33,7 @@ so the input half asks for the anchor too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +42,38 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HeldProducts", "LinearGradientSums"]
+__all__ = [
+    "FUSED_FROM_ACCELERATOR",
+    "FUSED_FROM_CPU",
+    "HeldProducts",
+    "LinearGradientSums",
+    "fused_from",
+    "pays",
+]
+
+# The fewest elements of a weight for fusing to pay: the break-even measured on a 2-core CPU
+# (between 100 K and 200 K) and on an H100 (between 1 M and 16 M), docs/fixed-cost.md.
+FUSED_FROM_CPU = 1 << 17
+FUSED_FROM_ACCELERATOR = 1 << 22
+
+
+def fused_from(device: torch.device) -> int:
+    """The default threshold of ``pays`` for weights on ``device``."""
+    return FUSED_FROM_CPU if device.type == "cpu" else FUSED_FROM_ACCELERATOR
+
+
+def pays(params: Iterable[torch.Tensor], min_elements: int | None = None) -> bool:
+    """Whether fusing is worth its fixed cost for a stage of ``params``: one of its 2-D weights
+    (those ``F.linear`` may be called with) that require a gradient has ``min_elements`` or
+    more elements (None: ``fused_from`` its device). ``min_elements`` 0 says yes always."""
+    if min_elements is not None and min_elements <= 0:
+        return True
+    return any(
+        p.dim() == 2
+        and p.requires_grad
+        and p.numel() >= (fused_from(p.device) if min_elements is None else min_elements)
+        for p in params
+    )
 
 
 class LinearGradientSums:

@@ -12,9 +12,11 @@ embeddings, convolutions, a Linear that cannot be fused) to the update's sums, a
 graph. The weight half adds the held products, ``g^T x`` per Linear layer, into the update's
 Linear sums with the GEMMs a whole backward uses, and then releases the activations and the
 version as a whole backward releases them. The two halves cost what one backward costs, and the
-result is exactly a whole backward's. Where the roots and seeds come from (``_seeds``: the loss,
-or the gradients received; under recompute the forward run again) is the same for a whole
-backward, which the executor runs.
+result is exactly a whole backward's. A stage whose weights are all too small for fusing to pay
+(``UpdateSettings.fused_linear_min_elements``) holds nothing: its input half computes every
+weight's gradient, as a whole backward does, and its weight half only releases. Where the
+roots and seeds come from (``_seeds``: the loss, or the gradients received; under recompute the
+forward run again) is the same for a whole backward, which the executor runs.
 """
 
 from __future__ import annotations

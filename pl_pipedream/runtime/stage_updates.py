@@ -7,9 +7,12 @@ by ``update_size``, so an update sees the mean gradient, as single-device traini
 minibatches would (``update_size`` is 1 where the last stage's backward seeds were scaled
 instead). Where an update sums several backward passes (``sum_linear_gradients``), Linear layers
 add their weight gradients into the sum inside the GEMM that computes them (``capture``,
-``runtime.linear_sums``), saving a pass over the gradients per backward. Where the backward is
-split (``split_backward``), those products wait for the weight half instead (``hold``,
-``add_held``). ``schedule.modes.update_settings`` chooses these for a mode.
+``runtime.linear_sums``), saving a pass over the gradients per backward, on a stage where some
+weight is large enough for that to pay (``UpdateSettings.fused_linear_min_elements``). Where the
+backward is split (``split_backward``), those products wait for the weight half instead
+(``hold``, ``add_held``); on a stage of small layers, the input half computes every gradient,
+as a whole backward does, and the weight half has nothing to add.
+``schedule.modes.update_settings`` chooses these for a mode.
 
 A ``STEP`` means the same in every mode: the mean gradient is final and the ``Update`` applies it
 to the live weights (in the modes that step inside the pipeline) or holds it for the trainer's
@@ -37,7 +40,7 @@ from torch import nn
 
 from pl_pipedream.runtime.frames import PeerError
 from pl_pipedream.runtime.gradient_sums import GradientSums
-from pl_pipedream.runtime.linear_sums import HeldProducts, LinearGradientSums
+from pl_pipedream.runtime.linear_sums import HeldProducts, LinearGradientSums, pays
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.ranks import describe, group_failure
@@ -93,9 +96,10 @@ class StageUpdates:
         self.stage = stage
         self.describe = describe(rank, stage)
         self.update_size = settings.update_size
-        self.split_backward = settings.split_backward
         summed = settings.sum_linear_gradients or settings.split_backward
-        self.linear_sums = LinearGradientSums() if summed else None
+        fused = summed and pays(module.parameters(), settings.fused_linear_min_elements)
+        self.linear_sums = LinearGradientSums() if fused else None
+        self.holds_products = settings.split_backward and fused  # for the weight halves
         self.losses = losses
         self.replica_group = replica_group  # its ranks: to name a replica that stopped
         self.replica_ranks = dist.get_process_group_ranks(replica_group) if replica_group else []
@@ -115,16 +119,17 @@ class StageUpdates:
         return bool(self.sums) or linear or stats
 
     def hold(self) -> HeldProducts | None:
-        """Where the backward is split, what a forward's Linear layers leave for its weight
-        half (None otherwise)."""
-        return HeldProducts() if self.split_backward else None
+        """Where the backward is split and the Linear layers fused, what a forward's Linear
+        layers leave for its weight half (None otherwise)."""
+        return HeldProducts() if self.holds_products else None
 
     def capture(
         self, params: dict[str, torch.Tensor], held: HeldProducts | None = None
     ) -> AbstractContextManager:
-        """Where several backward passes make one update, Linear layers sum their weight
-        gradients inside the GEMM (``linear_sums``) instead of returning them to be added;
-        with ``held`` (``hold``), their products wait there for ``add_held``."""
+        """Where several backward passes make one update and the stage's weights are large
+        enough, Linear layers sum their weight gradients inside the GEMM (``linear_sums``)
+        instead of returning them to be added; with ``held`` (``hold``), their products wait
+        there for ``add_held``."""
         if self.linear_sums is None:
             return nullcontext()
         return self.linear_sums.capture(params, held)

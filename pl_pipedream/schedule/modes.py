@@ -187,17 +187,27 @@ class UpdateSettings:
     already divided. ``sum_linear_gradients``: several backward passes make one update, so Linear
     layers add their weight gradients into the sum inside the matrix product. ``split_backward``:
     the backward runs in two halves, and the Linear layers' weight products wait for the weight
-    half (``runtime.linear_sums.HeldProducts``).
+    half (``runtime.linear_sums.HeldProducts``). ``fused_linear_min_elements``: a stage does
+    either only if one of its 2-D weights has at least this many elements (None: the measured
+    default of the weights' device, ``runtime.linear_sums.fused_from``; 0: always); otherwise
+    autograd computes every gradient, and a split backward's input half the weights' too.
     """
 
     update_size: int
     loss_scale: float
     sum_linear_gradients: bool
     split_backward: bool = False
+    fused_linear_min_elements: int | None = None
 
 
-def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateSettings:
-    """The settings of a stage with ``replicas`` replicas under ``mode``.
+def update_settings(
+    mode: SyncMode,
+    microbatches: int,
+    replicas: int,
+    fused_linear_min_elements: int | None = None,
+) -> UpdateSettings:
+    """The settings of a stage with ``replicas`` replicas under ``mode``, its Linear layers'
+    gradients fused from ``fused_linear_min_elements`` (``UpdateSettings``).
 
     An update averages its minibatches: one per replica in the per-minibatch modes (replicas
     sum their gradients, so divide by ``replicas``), the batch's ``microbatches`` otherwise.
@@ -205,11 +215,17 @@ def update_settings(mode: SyncMode, microbatches: int, replicas: int) -> UpdateS
     ``1 / microbatches`` is (a power of two); otherwise the update divides.
     """
     if mode.updates_per_minibatch:
-        return UpdateSettings(update_size=replicas, loss_scale=1.0, sum_linear_gradients=False)
+        return UpdateSettings(
+            update_size=replicas,
+            loss_scale=1.0,
+            sum_linear_gradients=False,
+            fused_linear_min_elements=fused_linear_min_elements,
+        )
     exact = microbatches & (microbatches - 1) == 0
     return UpdateSettings(
         update_size=1 if exact else microbatches,
         loss_scale=1.0 / microbatches if exact else 1.0,
         sum_linear_gradients=microbatches > replicas,  # backward passes per update
         split_backward=mode.splits_backward,
+        fused_linear_min_elements=fused_linear_min_elements,
     )

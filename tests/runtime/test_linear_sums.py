@@ -11,7 +11,14 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.linear_sums import HeldProducts, LinearGradientSums
+from pl_pipedream.runtime.linear_sums import (
+    FUSED_FROM_ACCELERATOR,
+    FUSED_FROM_CPU,
+    HeldProducts,
+    LinearGradientSums,
+    fused_from,
+    pays,
+)
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Params = Mapping[str, torch.Tensor]
@@ -377,3 +384,25 @@ def test_a_fused_layer_binds_no_signature_per_call(monkeypatch: pytest.MonkeyPat
     _run(_captured(sums, params, forward), params, _inputs(2, (4, 5), torch.float32))
     assert calls == []
     assert sums.pending  # the three layers were fused
+
+
+def test_fusing_pays_from_a_two_dimensional_weight_of_the_threshold_size() -> None:
+    """Only 2-D weights that require a gradient count (those ``F.linear`` may take); 0 is
+    always."""
+    small, large = nn.Linear(16, 16), nn.Linear(64, 64)  # 256 and 4096 elements
+    assert not pays(small.parameters(), 4096)
+    assert pays([*small.parameters(), *large.parameters()], 4096)
+    assert not pays([torch.zeros(4096, requires_grad=True)], 4096)  # a bias, a norm's weight
+    assert not pays([large.weight.detach()], 4096)  # frozen
+    assert pays(small.parameters(), 0) and pays([], 0)
+
+
+def test_the_default_threshold_is_the_devices() -> None:
+    """On a GPU the pass fusing saves is cheaper against the same CPU cost: a larger default.
+    A 1024 x 1024 weight pays on CPU and not elsewhere (meta stands in for an accelerator)."""
+    assert FUSED_FROM_CPU < 1024 * 1024 < FUSED_FROM_ACCELERATOR <= 4096 * 4096
+    assert fused_from(torch.device("cpu")) == FUSED_FROM_CPU
+    assert fused_from(torch.device("meta")) == FUSED_FROM_ACCELERATOR
+    assert pays([torch.zeros(1024, 1024, requires_grad=True)])
+    assert not pays([torch.zeros(1024, 1024, device="meta", requires_grad=True)])
+    assert pays([torch.zeros(4096, 4096, device="meta", requires_grad=True)])

@@ -33,9 +33,11 @@ def data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return xs, ys
 
 
-def last_stage(module: nn.Module) -> StageExecutor:
-    """Stage 1 of 2 (it receives activations that require grad and computes the loss)."""
-    settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1)
+def last_stage(module: nn.Module, fused_from: int | None = 0) -> StageExecutor:
+    """Stage 1 of 2 (it receives activations that require grad and computes the loss); its
+    Linear layers hold their products from ``fused_from`` elements (0: these small ones too;
+    None: the default, above them)."""
+    settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1, fused_from)
     return StageExecutor(module, 1, 1, 2, Channel(1, torch.device("cpu"), timeout=5.0), settings)
 
 
@@ -44,7 +46,10 @@ def action(kind: ActionKind, i: int | None, version: int) -> Action:
     return Action(kind, rank=1, stage=1, replica=0, minibatch=i, batch=batch, version=version)
 
 
-def test_the_halves_give_what_a_whole_backward_gives() -> None:
+@pytest.mark.parametrize("fused_from", [0, None])
+def test_the_halves_give_what_a_whole_backward_gives(fused_from: int | None) -> None:
+    """With the products held (``fused_from`` 0) and without (None: layers below the default:
+    the input half computes every gradient, the weight half adds none)."""
     xs, ys = data()
     reference = make_stage()
     expected_inputs = []
@@ -54,7 +59,7 @@ def test_the_halves_give_what_a_whole_backward_gives() -> None:
         expected_inputs.append(given.grad)
 
     module = make_stage()
-    executor = last_stage(module)
+    executor = last_stage(module, fused_from)
     received = [x.clone().requires_grad_() for x in xs]
     for i, tensor in enumerate(received):
         executor._received[i] = Message([tensor])
@@ -134,6 +139,23 @@ def test_the_halves_run_the_products_of_one_backward_and_no_more() -> None:
     executor.execute([action(K.STEP, None, 1)], feed, update)
 
 
+def test_small_layers_hold_nothing_the_input_half_runs_a_whole_backwards_products() -> None:
+    """Layers below the default size (``linear_sums.fused_from``): the input half runs the 4
+    products of a whole backward, the weight half none (holding them would cost more than it
+    saves)."""
+    xs, ys = data()
+    executor = last_stage(make_stage(), None)
+    for i, x in enumerate(xs):
+        executor._received[i] = Message([x.clone().requires_grad_()])
+    feed = Feed(lambda i: None, lambda out, i: nn.functional.mse_loss(out, ys[i]))
+    update = lambda gradients, storage: 0  # noqa: E731
+    executor.execute([action(K.FORWARD, 0, 0), action(K.FORWARD, 1, 0)], feed, flush=False)
+    inputs = [counted(executor, [action(K.BACKWARD_INPUT, i, 0)], feed, update) for i in (0, 1)]
+    weights = [counted(executor, [action(K.BACKWARD_WEIGHT, i, 0)], feed, update) for i in (0, 1)]
+    assert inputs == [4, 4] and weights == [0, 0]
+    executor.execute([action(K.STEP, None, 1)], feed, update)
+
+
 class FirstStage(nn.Module):
     """An embedding whose weight a Linear reuses (a tie inside the stage), a LayerNorm, a Linear
     with a bias and one without: the input (tokens) needs no gradient."""
@@ -152,10 +174,13 @@ class FirstStage(nn.Module):
         return nn.functional.linear(x, self.embedding.weight)  # (rows, 3, 7)
 
 
-def test_a_first_stage_with_a_tie_and_a_layer_norm_gets_a_whole_backwards_gradients() -> None:
+@pytest.mark.parametrize("fused_from", [0, None])
+def test_a_first_stage_with_a_tie_and_a_layer_norm_gets_a_whole_backwards_gradients(
+    fused_from: int | None,
+) -> None:
     """Stage 0 of 2 receives the output's gradients: the weights a held Linear covers come from
     the weight half, the others (LayerNorm, the embedding's own use) from the input half; their
-    sum is a whole backward's."""
+    sum is a whole backward's. Without held products (small layers), all from the input half."""
     generator = torch.Generator().manual_seed(3)
     tokens = [torch.randint(7, (5, 3), generator=generator) for _ in range(M)]
     seeds = [torch.randn(5, 3, 7, generator=generator) for _ in range(M)]
@@ -163,7 +188,7 @@ def test_a_first_stage_with_a_tie_and_a_layer_norm_gets_a_whole_backwards_gradie
     for t, g in zip(tokens, seeds, strict=True):
         reference(t).backward(g)
 
-    settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1)
+    settings = update_settings(SyncMode.ZERO_BUBBLE, M, 1, fused_from)
     channel = Channel(0, torch.device("cpu"), timeout=5.0)
     executor = StageExecutor(FirstStage(), 0, 0, 2, channel, settings)
     for i, g in enumerate(seeds):

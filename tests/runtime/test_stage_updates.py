@@ -16,6 +16,7 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.frames import MinibatchLoss, PeerError
+from pl_pipedream.runtime.linear_sums import FUSED_FROM_CPU
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.pipeline import PipelineRunner
@@ -27,10 +28,20 @@ from tests.runtime.distributed import one_rank_group, run
 from tests.runtime.test_executor import loss_fn, make_batches, make_model, optimizer_update
 
 
-def _updates(sync: str = "async", microbatches: int = 2, replicas: int = 1, **kw) -> StageUpdates:  # type: ignore[no-untyped-def]
+def _updates(  # type: ignore[no-untyped-def]
+    sync: str = "async",
+    microbatches: int = 2,
+    replicas: int = 1,
+    fused_from: int | None = 0,
+    module: nn.Module | None = None,
+    **kw,
+) -> StageUpdates:
+    """A stage of ``module`` (a Linear(3, 2) by default) whose Linear layers fuse their sums
+    from ``fused_from`` elements (0: whatever their size, as the fused path's tests need; None:
+    the default)."""
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(3, 2))
-    settings = update_settings(SyncMode(sync), microbatches, replicas)
+    module = module if module is not None else nn.Sequential(nn.Linear(3, 2))
+    settings = update_settings(SyncMode(sync), microbatches, replicas, fused_from)
     stash = WeightStash(module, "rank 1 (stage 0)")
     return StageUpdates(module, stash, 1, 0, settings, LossBook(), replicas=replicas, **kw)
 
@@ -122,6 +133,55 @@ def test_linear_layers_sum_inside_the_gemm_and_the_allreduce_takes_those_sums() 
     assert not updates.linear_sums.pending
     for name, total in expected.items():
         torch.testing.assert_close(updates.sums.get(name), total)
+
+
+def _layers(width: int) -> nn.Sequential:
+    """Linear(16, width), ReLU, Linear(width, width)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width))
+
+
+def _microbatches(updates: StageUpdates, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Backward passes of ``inputs`` through ``updates`` (captured as the executor captures),
+    then the all-reduce: the update's summed gradients."""
+    module, params = updates.module, dict(updates.module.named_parameters())
+    for x in inputs:
+        with updates.capture(params):
+            loss = module(x).square().sum()
+        updates.add(
+            list(params), torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        )
+    updates.allreduce(_action(ActionKind.ALLREDUCE, version=1, batch=0))
+    return {name: updates.sums.get(name) for name in params}
+
+
+@pytest.mark.parametrize("sync", ["flush", "zero_bubble"])
+def test_a_stage_of_small_linear_layers_does_not_fuse_and_a_large_one_does(sync: str) -> None:
+    """Fusing costs a fixed amount per layer and microbatch: a stage whose weights are all below
+    the default (``FUSED_FROM_CPU`` on CPU) leaves its gradients to autograd (and holds no
+    products for a split backward's weight half); a stage with one weight that large fuses."""
+    width = 512
+    assert width * width >= FUSED_FROM_CPU > 16 * 16
+    small = _updates(sync, 8, fused_from=None, module=_layers(16))
+    assert small.linear_sums is None and small.hold() is None
+    large = _updates(sync, 8, fused_from=None, module=_layers(width))
+    assert large.linear_sums is not None
+    assert (large.hold() is not None) == (sync == "zero_bubble")
+    per_minibatch = _updates("async", 8, fused_from=0, module=_layers(width))
+    assert per_minibatch.linear_sums is None  # one backward per update: nothing to sum
+
+
+def test_the_sums_are_the_same_fused_or_not() -> None:
+    """The same stage and microbatches, fused (threshold 0) and not (the default): the update's
+    summed gradients agree to float32 rounding (the sum's order of additions differs)."""
+    generator = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(8, 16, generator=generator) for _ in range(4)]
+    fused = _updates("flush", 4, fused_from=0, module=_layers(16))
+    plain = _updates("flush", 4, fused_from=None, module=_layers(16))
+    assert fused.linear_sums is not None and plain.linear_sums is None
+    found, expected = _microbatches(fused, inputs), _microbatches(plain, inputs)
+    for name, total in expected.items():
+        torch.testing.assert_close(found[name], total, rtol=1e-6, atol=1e-6)
 
 
 def test_the_replica_allreduce_sums_over_the_group_and_shares_the_losses() -> None:

@@ -147,6 +147,14 @@ def test_update_settings_match_the_formulas(sync: str) -> None:
             ) == expected, (sync, m, replicas)
 
 
+def test_the_fused_linear_threshold_has_a_default_and_passes_through() -> None:
+    """Every mode's settings carry the size from which Linear layers fuse their sums: None by
+    default (the runtime's measured default for the weights' device), or the one given."""
+    for mode in SyncMode:
+        assert update_settings(mode, 8, 1).fused_linear_min_elements is None
+        assert update_settings(mode, 8, 1, 0).fused_linear_min_elements == 0
+
+
 def mode_literals(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     return [

@@ -14,7 +14,9 @@ fresh processes:
   ``single-x2``: two independent copies of ``single`` at once (what sharing the 2 cores costs).
 * ``ours-<sync>-<m>``: ``Trainer(strategy=PipeDreamStrategy(sync=..., balance=[...],
   microbatches=m), accelerator="cpu", devices=2)``; Lightning's script launcher re-runs this file
-  for rank 1.
+  for rank 1. The modes of two stages per rank (``interleaved``, ``zbv``) get the blocks in
+  quarters (``stage_count``), placed by the strategy; they are not simulated (``--simulate``
+  measures one stage per rank).
 * ``torch-<schedule>-<m>``: ``torch.distributed.pipelining`` (``PipelineStage`` over gloo,
   ``Schedule1F1B`` or ``ScheduleGPipe`` with m microbatches), one optimizer step per batch.
 

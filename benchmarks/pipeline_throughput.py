@@ -14,7 +14,9 @@ fresh processes:
   ``single-x2``: two independent copies of ``single`` at once (what sharing the 2 cores costs).
 * ``ours-<sync>-<m>``: ``Trainer(strategy=PipeDreamStrategy(sync=..., balance=[...],
   microbatches=m), accelerator="cpu", devices=2)``; Lightning's script launcher re-runs this file
-  for rank 1.
+  for rank 1. The modes of two stages per rank (``interleaved``, ``zbv``) get the blocks in
+  quarters (``stage_count``), placed by the strategy; they are not simulated (``--simulate``
+  measures one stage per rank).
 * ``torch-<schedule>-<m>``: ``torch.distributed.pipelining`` (``PipelineStage`` over gloo,
   ``Schedule1F1B`` or ``ScheduleGPipe`` with m microbatches), one optimizer step per batch.
 
@@ -123,7 +125,7 @@ from pl_pipedream.planner.plan import Plan  # noqa: E402
 from pl_pipedream.runtime.affinity import bind_threads, cpu_share, current_cpus  # noqa: E402
 from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
 from pl_pipedream.runtime.memory import retain_freed_memory  # noqa: E402
-from pl_pipedream.schedule import SYNC_MODES, build, simulate  # noqa: E402
+from pl_pipedream.schedule import SYNC_MODES, SyncMode, build, simulate  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 NUM_STAGES = 2
@@ -295,8 +297,9 @@ class BatchClock:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
-        if runner is not None:
-            runner.executor.record_timeline = True
+        if runner is not None:  # a rank of several stages records through each stage's executor
+            for executor in [runner.executor, *getattr(runner.executor, "executors", {}).values()]:
+                executor.record_timeline = True
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         self.times.append(time.perf_counter())
@@ -324,7 +327,7 @@ def run_lightning(args: argparse.Namespace) -> Result:
     if args.sync:
         strategy = PipeDreamStrategy(
             sync=args.sync,
-            balance=work.balance(args),
+            balance=work.balance(args, stage_count(args.sync)),
             microbatches=args.m,
             retain_freed_memory=not args.default_allocator,
             bind_cpus=not args.unbound,
@@ -345,6 +348,13 @@ def run_lightning(args: argparse.Namespace) -> Result:
     loader = DataLoader(work.make_batches(args, args.batch), batch_size=None, shuffle=False)
     trainer.fit(lightning_module(args), loader)
     return clock.result()
+
+
+def stage_count(sync: str) -> int:
+    """Stages our pipeline cuts for ``sync``: one per rank, or two per rank for the modes of
+    several stages per rank (placed by the strategy: interleaved, or in a V), the 4 stages
+    torch's loop and V schedules cut."""
+    return 2 * NUM_STAGES if SyncMode.parse(sync).chunked else NUM_STAGES
 
 
 def lightning_module(args: argparse.Namespace) -> Any:
@@ -853,8 +863,8 @@ def simulated(
 ) -> tuple[float | None, float | None]:
     """Predicted ms per batch from stage costs measured alone, and from this run's action
     times."""
-    if not config.piped:
-        return None, None
+    if not config.piped or (config.owner == "ours" and stage_count(config.schedule) > NUM_STAGES):
+        return None, None  # the stage costs are measured for one stage per rank
     rows = str(config.microbatch_rows(args))
     ours = config.owner == "ours"
     alone = predict_ms_per_batch(args, config, costs[rows], bandwidth[rows], ours)

@@ -1,7 +1,7 @@
 """The models, samples and losses that benchmarks/pipeline_throughput.py trains, one per workload.
 
 * ``mlp``: ``--depth`` blocks of Linear(``--width``) (+ ReLU but the last), mean-squared error
-  against random targets; half the blocks per stage.
+  against random targets; half the blocks per stage (a quarter with 4 stages).
 * ``gpt``: a GPT-style decoder: the token and position embedding, ``--depth`` pre-LayerNorm
   blocks (causal self-attention, then an MLP; ``pl_pipedream.models.gpt``'s blocks) and the head
   (final LayerNorm, projection to ``--vocab``, untied so that torch's pipelining, which cannot
@@ -68,15 +68,20 @@ def make_layers(args: argparse.Namespace) -> nn.Sequential:
     return nn.Sequential(*linear, nn.Sequential(nn.Linear(args.width, args.width)))
 
 
-def balance(args: argparse.Namespace) -> list[int]:
-    """Layers per stage: half the blocks each (gpt: the embedding first, the head last)."""
-    if args.depth % 2:
+def balance(args: argparse.Namespace, stages: int = 2) -> list[int]:
+    """Layers per stage, in stage order: the blocks in ``stages`` equal parts (gpt: the
+    embedding with the first, the head with the last). Our pipelines and torch's cut the same
+    layers for the same number of stages."""
+    if args.depth % stages:
         raise ValueError(
-            f"every workload splits its blocks in half over 2 stages (depth: {args.depth}); "
-            "give an even --depth"
+            f"the blocks are cut into {stages} equal stages (depth: {args.depth}); give a "
+            f"--depth that {stages} divides"
         )
-    extra = 1 if args.workload == "gpt" else 0
-    return [args.depth // 2 + extra] * 2
+    sizes = [args.depth // stages] * stages
+    if args.workload == "gpt":
+        sizes[0] += 1
+        sizes[-1] += 1
+    return sizes
 
 
 def stage_layers(layers: nn.Sequential, args: argparse.Namespace, stage: int) -> nn.Sequential:

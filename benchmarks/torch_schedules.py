@@ -8,7 +8,11 @@ trains batches of m x ``--microbatch`` rows, the same samples, plain SGD, one th
 each rank bound to a core of its own. Configurations, interleaved, in fresh processes:
 
 * ``ours-<sync>-<m>``: ``PipeDreamStrategy(sync=flush|gpipe|zero_bubble, microbatches=m)`` under
-  a Lightning ``Trainer`` with 2 CPU devices; ``ours-async-1``: async, one microbatch per batch.
+  a Lightning ``Trainer`` with 2 CPU devices, one stage per rank; ``ours-interleaved-<m>`` and
+  ``ours-zbv-<m>``: the same with ``sync=interleaved|zbv`` and a balance of the 4 stages torch's
+  loop and V schedules cut (below), which the strategy places as torch does (interleaved: rank r
+  holds stages r and r + 2; zbv: rank 0 holds stages 0 and 3); ``ours-async-1``: async, one
+  microbatch per batch.
 * ``torch-<schedule>-<m>``: ``PipelineStage`` over gloo, one optimizer step per batch, for every
   schedule torch ships: ``1F1B`` and ``GPipe`` with one stage per rank (the same 2 stages as
   ours); ``Interleaved1F1B``, ``LoopedBFS`` and ``InterleavedZeroBubble`` with 2 stages per rank
@@ -57,9 +61,9 @@ SCHEDULES = {
     "ZBVZeroBubble": "v",
     "DualPipeV": "v",
 }
-OURS_FLUSHED = ("flush", "gpipe", "zero_bubble")
+OURS_FLUSHED = ("flush", "gpipe", "zero_bubble", "interleaved", "zbv")
 MICROBATCHES = (4, 8, 16)
-FAST = {  # fewer batches than pipeline_throughput's defaults: 31 configurations per repeat
+FAST = {  # fewer batches than pipeline_throughput's defaults: 37 configurations per repeat
     "mlp": {"steps": 10, "warmup": 3},
     "gpt": {"steps": 6, "warmup": 2},
     "overhead": {"steps": 60, "warmup": 10},
@@ -92,17 +96,10 @@ def stage_count(schedule: str) -> int:
 
 
 def cut(layers: nn.Sequential, args: argparse.Namespace, stages: int) -> list[nn.Sequential]:
-    """The layers in ``stages`` stages: the blocks in equal parts (gpt: the embedding with the
-    first, the head with the last), as ``throughput_workloads.balance`` cuts them in 2."""
-    if args.depth % stages:
-        raise ValueError(
-            f"the blocks are cut into {stages} equal stages (depth: {args.depth}); give a "
-            f"--depth that {stages} divides"
-        )
-    sizes = [args.depth // stages] * stages
-    if args.workload == "gpt":
-        sizes[0] += 1
-        sizes[-1] += 1
+    """The layers in ``stages`` stages as ``throughput_workloads.balance`` cuts them (the blocks
+    in equal parts; gpt: the embedding with the first, the head with the last): the same stages
+    our chunked modes train."""
+    sizes = work.balance(args, stages)
     starts = [sum(sizes[:i]) for i in range(stages)]
     return [layers[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
@@ -276,7 +273,7 @@ def config_name(name: str) -> str:
     )
     if not known:
         raise argparse.ArgumentTypeError(
-            f"a configuration is ours-<flush|gpipe|zero_bubble|async>-<m> or "
+            f"a configuration is ours-<{'|'.join((*OURS_FLUSHED, 'async'))}>-<m> or "
             f"torch-<{'|'.join(SCHEDULES)}>-<m> (config: {name}); e.g. torch-ZBVZeroBubble-8"
         )
     return name

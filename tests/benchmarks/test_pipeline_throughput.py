@@ -79,6 +79,15 @@ def test_the_two_stages_compose_to_the_whole_model(workload: str) -> None:
         assert sum(type(layer).__name__ == "Block" for layer in first) == args.depth // 2
 
 
+def test_a_mode_of_several_stages_per_rank_is_not_simulated_on_two_stages_costs() -> None:
+    """The stage costs are measured for one stage per rank: ours-zbv and ours-interleaved run
+    (on 4 stages, ``stage_count``) without a prediction."""
+    args = sizes("mlp")
+    for name in ("ours-zbv-8", "ours-interleaved-8"):
+        assert bench.config_name(name) == name
+        assert bench.simulated(args, bench.Config.parse(name), [], {}, {}) == (None, None)
+
+
 def test_verdicts_compare_the_median_against_the_goal(capsys: pytest.CaptureFixture[str]) -> None:
     bench.print_check("async-1 / torch-1F1B-8", [1.2, 1.0, 1.05], 1.1, higher=True)
     bench.print_check("ms per step", [1.4, 1.6, 1.45], 1.5, higher=False)

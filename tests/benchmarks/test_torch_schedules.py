@@ -1,5 +1,5 @@
-"""benchmarks/torch_schedules.py: where torch's stages sit, the 4-stage cut, the configurations,
-the verdicts, and a quick run of a multi-stage schedule beside ours."""
+"""benchmarks/torch_schedules.py: where torch's stages sit, the 4-stage cut (ours and torch's),
+the configurations, the verdicts, and a quick run of the multi-stage schedules, ours and torch's."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import pipeline_throughput as bench  # noqa: E402
 import throughput_workloads as work  # noqa: E402
 import torch_schedules as schedules  # noqa: E402
+
+from pl_pipedream.planner.plan import Plan  # noqa: E402
+from pl_pipedream.schedule import SyncMode  # noqa: E402
 
 
 def sizes(workload: str, **given: int) -> argparse.Namespace:
@@ -53,11 +57,33 @@ def test_the_four_stages_compose_to_the_whole_model(workload: str) -> None:
         schedules.cut(layers, sizes(workload, depth=2), 4)
 
 
+@pytest.mark.parametrize("workload", ["mlp", "gpt"])
+@pytest.mark.parametrize(
+    ("sync", "torch_schedule"), [("interleaved", "LoopedBFS"), ("zbv", "DualPipeV")]
+)
+def test_our_chunked_modes_train_the_stages_torch_places_where_torch_places_them(
+    workload: str, sync: str, torch_schedule: str
+) -> None:
+    """Like for like: ``ours-interleaved``/``ours-zbv`` give the strategy a balance of the 4
+    stages torch's loop/V schedules cut, and the strategy's placement (``Plan.from_balance`` as
+    ``strategy.planning`` calls it) puts them on the ranks torch does."""
+    args = sizes(workload, depth=4)
+    assert bench.stage_count(sync) == 4 and bench.stage_count("zero_bubble") == 2
+    parts = schedules.cut(work.make_layers(args), args, schedules.stage_count(torch_schedule))
+    balance = work.balance(args, bench.stage_count(sync))
+    assert balance == [len(part) for part in parts]
+    plan = Plan.from_balance(balance, placement=SyncMode(sync).placement, num_ranks=2)
+    for rank in range(2):
+        held = [stage.index for stage in plan.stages_of_rank(rank)]
+        assert held == schedules.stages_of(torch_schedule, rank), (sync, rank)
+
+
 def test_the_default_configurations_are_known_and_cover_every_schedule_at_every_m() -> None:
     names = schedules.default_configs((4, 8))
-    assert len(names) == 1 + 2 * (3 + len(schedules.SCHEDULES))
+    assert len(names) == 1 + 2 * (5 + len(schedules.SCHEDULES))
     assert all(schedules.config_name(name) == name for name in names)
     assert "torch-DualPipeV-8" in names and "ours-zero_bubble-4" in names
+    assert "ours-interleaved-4" in names and "ours-zbv-8" in names
     for wrong in ("torch-Interleaved-8", "ours-2bw-8", "torch-1F1B-8-minibatch"):
         with pytest.raises(argparse.ArgumentTypeError, match="a configuration is"):
             schedules.config_name(wrong)
@@ -78,22 +104,30 @@ def test_targets_compare_the_best_of_each_side_within_a_repeat(
     assert lines[1].split()[:2] == ["zero_bubble-8", "/"] and "0.950  MISSED" in lines[1]
     # best ours over best torch: 110 / 105 and 90 / 100
     assert "best ours-8 / best torch-8 >= 1.0" in lines[2] and "(1.048, 0.900)" in lines[2]
+    runs["ours-zbv-8"] = [100.0, 120.0]  # a chunked mode is one of our flushed modes
+    schedules.print_targets(argparse.Namespace(workload="gpt"), runs)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert "best ours-8 / best torch-8 >= 1.0" in lines[2] and "(1.048, 1.200)" in lines[2]
 
 
 @pytest.mark.slow
 @pytest.mark.bench
-def test_quick_run_of_a_v_schedule_beside_ours() -> None:
+def test_quick_run_of_the_v_and_loop_schedules_ours_and_torchs() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(BENCHMARKS / "torch_schedules.py"), "--quick"]
-    command += ["--configs", "ours-zero_bubble-4", "torch-ZBVZeroBubble-4", "torch-1F1B-4"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    configs = ["ours-zero_bubble-4", "ours-interleaved-4", "ours-zbv-4"]
+    configs += ["torch-ZBVZeroBubble-4", "torch-1F1B-4"]
+    result = subprocess.run(
+        [*command, "--configs", *configs], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED" not in result.stdout, result.stdout[-3000:]
     rows = {
         line.split()[0]: line.split()[1:]
         for line in result.stdout.splitlines()
         if line.startswith(("ours-", "torch-"))
     }
-    assert set(rows) == {"ours-zero_bubble-4", "torch-ZBVZeroBubble-4", "torch-1F1B-4"}
+    assert set(rows) == set(configs)
     assert all(float(cells[0]) > 0 for cells in rows.values())
     assert rows["torch-1F1B-4"][1] == "1.000"
     assert "best ours-4 / best torch-4 >= 1.0" in result.stdout

@@ -297,9 +297,8 @@ class BatchClock:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         runner = getattr(trainer.strategy, "runner", None)
-        if runner is not None:  # a rank of several stages records through each stage's executor
-            for executor in [runner.executor, *getattr(runner.executor, "executors", {}).values()]:
-                executor.record_timeline = True
+        if runner is not None:
+            runner.executor.record_timeline = True
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         self.times.append(time.perf_counter())

@@ -145,11 +145,19 @@ class ChunkedExecutor:
         first = next(iter(executors.values()))
         self.losses = first.losses
         self.tied_versions = None  # the chunked modes refuse tied parameters at setup
-        self.record_timeline = first.record_timeline
         self._update = RankUpdate(list(executors))
         self.recording = Recording(self.rank)
         for executor in executors.values():
             executor.recording = self.recording  # one timeline, in the rank's order
+
+    @property
+    def record_timeline(self) -> bool:
+        return any(executor.record_timeline for executor in self.executors.values())
+
+    @record_timeline.setter
+    def record_timeline(self, on: bool) -> None:
+        for executor in self.executors.values():
+            executor.record_timeline = on
 
     def execute(
         self,

@@ -144,3 +144,17 @@ def test_a_checkpoint_saved_in_a_v_resumes_interleaved_and_in_one_stage(tmp_path
             assert losses == pytest.approx(expected_losses[2:], abs=1e-6), sync
             for name, tensor in expected.items():
                 assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-6), (sync, name)
+
+
+def test_the_timeline_switch_reaches_every_stage_and_records_in_the_ranks_order() -> None:
+    with one_rank_group():
+        with Pipeline(
+            make_model(), nn.functional.mse_loss, sgd, sync="zbv", microbatches=2, balance=[3, 3]
+        ) as pipeline:
+            executor = pipeline.runner.executor  # type: ignore[union-attr]
+            assert not executor.record_timeline
+            executor.record_timeline = True
+            pipeline.train_step(make_batches()[0])
+            events = executor.take_timeline()
+    assert {e.action[0] for e in events if e.kind == "FORWARD"} == {"0", "1"}  # "<stage>F..."
+    assert [e.start for e in events] == sorted(e.start for e in events)

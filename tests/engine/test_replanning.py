@@ -50,7 +50,7 @@ def _off(rank: int, world: int) -> dict:
         executor = pipeline._running().executor
         return {
             "recording": executor.record_timeline,
-            "events": len(executor._timeline),
+            "events": len(executor.recording.events),
             "due": [s for s in range(1, 200) if pipeline.replanner.due(s)],
             "records": pipeline.replanner.records,
         }
@@ -83,7 +83,7 @@ def _auto(rank: int, world: int, history: str, slow_from: int | None, threshold:
             if step == slow_from and rank == 1:
                 sleeps.append(Sleep(model, 0.06))
             losses.append(pipeline.train_step(batch).item())
-            sizes.append(len(pipeline._running().executor._timeline))
+            sizes.append(len(pipeline._running().executor.recording.events))
         for sleep in sleeps:
             sleep.handle.remove()
         return {

@@ -49,6 +49,11 @@ class LocalStage:
         if not self.stages:
             self.stages = (self.stage,)
 
+    @property
+    def layer_indices(self) -> list[int]:
+        """The indices in ``configure_pipeline()`` of the layers this rank holds, every stage's."""
+        return sorted(int(node) for stage in self.stages for node in stage.nodes)
+
     def ties_counted_elsewhere(self) -> frozenset[str]:
         """The tied parameters this stage holds that an earlier stage counts (in a global norm,
         each tied gradient counts once: on its first stage)."""
@@ -115,7 +120,6 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     except PlanError as error:
         raise PipelineSetupError(str(error)) from error
     full_names = _full_names(module)
-    local = [int(node) for stage in held for node in stage.nodes]
     stage_module = _stage_module(layers, *held)
     names = {}
     for local_name, tensor in _state(stage_module):
@@ -126,10 +130,12 @@ def cut_stage(module: nn.Module, layers: nn.Sequential, plan: Plan, rank: int) -
     ties = find_ties(module, layers, plan)
     keep = {id(t) for _, t in _state(stage_module)}  # a tied tensor stays on every holder
     moved: dict[int, nn.Parameter] = {}
+    local = LocalStage(held[0], stage_module, names, shared, aliases, ties, held)
+    kept = set(local.layer_indices)
     for index, layer in enumerate(layers):
-        if index not in local:
+        if index not in kept:
             _to_meta(layer, keep, moved)
-    return LocalStage(held[0], stage_module, names, shared, aliases, ties, held)
+    return local
 
 
 def find_ties(module: nn.Module, layers: nn.Sequential, plan: Plan) -> list[Tie]:

@@ -154,7 +154,7 @@ def create_stage(
     """The stage's tensors from ``pretrained`` (each rank reads its own), else created from
     the empty build's record when the layers were built on ``meta`` (``core.materialize``)."""
     weights = Pretrained.parse(pretrained)
-    initial = (layers, layers, [int(node) for node in local.stage.nodes], device)
+    initial = (layers, layers, local.layer_indices, device)
     if weights is not None:
         load_stage(weights, *initial, build or EmptyBuild())
     else:

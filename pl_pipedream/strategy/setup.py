@@ -98,8 +98,13 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
     strategy.local_stage = local_stage
     strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
-    local = [int(node) for node in local_stage.stage.nodes]
-    initial = (module, layers, local, strategy.root_device, strategy.empty_build)
+    initial = (
+        module,
+        layers,
+        local_stage.layer_indices,
+        strategy.root_device,
+        strategy.empty_build,
+    )
     weights = stage_weights(strategy.pretrained, trainer, built_empty, strategy.resume)
     if weights is not None:
         load_stage(weights, *initial)

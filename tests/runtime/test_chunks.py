@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import pl_pipedream
 from pl_pipedream import Pipeline
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
@@ -16,7 +17,7 @@ from pl_pipedream.runtime.chunks import Loopback, RankUpdate, chunk_of
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.lookahead import ExecutorError
 from pl_pipedream.runtime.tags import Tag
-from tests.engine.test_pipeline import make_batches, make_model, one_device, sgd
+from tests.engine.test_pipeline import build_model, make_batches, make_model, one_device, sgd
 from tests.runtime.distributed import one_rank_group
 
 
@@ -158,3 +159,38 @@ def test_the_timeline_switch_reaches_every_stage_and_records_in_the_ranks_order(
             events = executor.take_timeline()
     assert {e.action[0] for e in events if e.kind == "FORWARD"} == {"0", "1"}  # "<stage>F..."
     assert [e.start for e in events] == sorted(e.start for e in events)
+
+
+def test_pretrained_weights_reach_every_stage_of_the_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trained = make_model()
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(1.0)
+    torch.save(trained.state_dict(), tmp_path / "weights.pt")
+    with one_rank_group():
+        with Pipeline(
+            make_model(), nn.functional.mse_loss, sgd, sync="zbv", balance=[3, 3],
+            pretrained=tmp_path / "weights.pt",
+        ) as pipeline:  # fmt: skip
+            weights = pipeline.state_dict()["model"]
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_an_empty_build_creates_every_stage_of_the_rank() -> None:
+    """Built on ``meta``: the rank creates the layers of each stage it holds, as the whole
+    build would (the record replays the same draws), and trains as one device."""
+    torch.manual_seed(0)
+    with pl_pipedream.empty_build() as build:
+        layers = build_model()
+    with one_rank_group():
+        with Pipeline(
+            layers, nn.functional.mse_loss, sgd, sync="zbv", microbatches=2, balance=[3, 3],
+            empty_build=build,
+        ) as pipeline:  # fmt: skip
+            losses = [pipeline.train_step(batch).item() for batch in make_batches()]
+            weights = pipeline.state_dict()["model"]
+    expected_losses, expected = one_device(make_batches())
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+    for name, tensor in expected.items():
+        assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-6), name

@@ -68,13 +68,19 @@ def trainer(**kwargs) -> Trainer:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-def test_flush_equals_single_device_with_accumulation_clipping_and_scheduler() -> None:
+@pytest.mark.parametrize(
+    ("sync", "balance"), [("flush", [3, 3]), ("zbv", [2, 1, 2, 1]), ("interleaved", [1, 2, 1, 2])]
+)
+def test_flush_equals_single_device_with_accumulation_clipping_and_scheduler(
+    sync: str, balance: list[int]
+) -> None:
+    """The chunked modes (several stages per rank) too: the rank steps once per batch."""
     settings = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "max_steps": 2}
     reference = Net(schedule=True)
     trainer(devices=1, **settings).fit(reference, loader(2))
     pipelined = Net(schedule=True)
     strategy = PipeDreamStrategy(
-        sync="flush", balance=[3, 3], microbatches=2, start_method="fork", timeout=60
+        sync=sync, balance=balance, microbatches=2, start_method="fork", timeout=60
     )
     run = trainer(devices=2, strategy=strategy, **settings)
     run.fit(pipelined, loader(2))

@@ -137,8 +137,7 @@ def choose_plan(
                 f"(layers: {num_layers}, balance: {counts}); give positive counts that sum to "
                 f"{num_layers}"
             )
-        ranks = world_size if sync.chunked else None
-        plan = Plan.from_balance(counts, placement=sync.placement, num_ranks=ranks)
+        plan = Plan.from_balance(counts, placement=sync.placement, num_ranks=world_size)
     assert plan is not None
     if not isinstance(plan, Plan):
         raise ValueError(

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -83,9 +82,6 @@ class Loopback:
     def flush(self) -> None:
         self.channel.flush()
 
-    def __getattr__(self, name: str) -> Any:  # the channel's counters and settings
-        return getattr(self.channel, name)
-
 
 class RankUpdate:
     """The rank's ``Update``, applied once every one of its ``stages`` has stepped: each stage's
@@ -130,8 +126,9 @@ class RankUpdate:
         return update(gradients, storage)
 
     @property
-    def pending(self) -> bool:
-        return bool(self._stepped)
+    def stepped(self) -> list[int]:
+        """The stages that stepped in the update under way (none: no update half applied)."""
+        return sorted(self._stepped)
 
 
 class ChunkedExecutor:
@@ -210,10 +207,10 @@ class ChunkedExecutor:
 
     def restart(self) -> None:
         """After a drain: every stage starts again at version 0."""
-        if self._update.pending:
+        if self._update.stepped:
             raise ExecutorError(
                 f"rank {self.rank} cannot restart its pipeline with an update half applied "
-                f"(stages stepped: {sorted(self._update._stepped)}); drain it first"
+                f"(stages stepped: {self._update.stepped}); drain it first"
             )
         for executor in self.executors.values():
             executor.restart()

@@ -22,7 +22,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.core.memory_limit import planner_bytes
 from pl_pipedream.planner.plan import Plan, Stage
-from pl_pipedream.runtime.recompute import Activations
 from pl_pipedream.schedule.memory import (
     activations_kept,
     rank_frame_bytes,
@@ -108,27 +107,25 @@ def measure(
     plan: Plan,
     module: torch.nn.Module,
     stashed: int,
-    activations: Activations | int,
+    activations: int,
     optimizers: Iterable[torch.optim.Optimizer],
     device: torch.device,
     sync: SyncMode,
     microbatches: int,
     frames: tuple[int, int] = (0, 0),
-    recompute: bool | None = None,
+    recompute: bool = False,
 ) -> StageMemory:
     """This rank's row: its stages' peaks (``stashed``: the weight stash's, ``activations``:
-    the executor's meter or its peak, ``frames``: the channel's, sent and posted to receive),
-    its weights' and optimizer state's bytes now. A rank of several stages (chunks) adds up
-    its stages' estimates (and their peaks: at most the sum)."""
+    the executor's meter's, ``frames``: the channel's, sent and posted to receive), its
+    weights' and optimizer state's bytes now; the estimates count what ``recompute`` keeps. A
+    rank of several stages (chunks) adds up its stages' estimates (and their peaks: at most
+    the sum)."""
     stages = plan.stages_of_rank(rank)
-    if isinstance(activations, Activations):
-        recompute = activations.recompute
-        activations = activations.peak_bytes
     weights = _bytes(p for p in module.parameters() if p.device.type != "meta")
     state = (t for o in optimizers for s in o.state.values() for t in s.values())
     optimizer = _bytes(t for t in state if isinstance(t, torch.Tensor))
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    each = [estimate(plan, stage, sync, microbatches, bool(recompute)) for stage in stages]
+    each = [estimate(plan, stage, sync, microbatches, recompute) for stage in stages]
     return StageMemory(
         rank,
         stages[0].index,

@@ -66,9 +66,8 @@ def choose_plan(
     elif previous is not None:
         plan = previous
     elif balance is not None:
-        ranks = world_size if sync.chunked else None
         ids = [str(i) for i in range(num_layers)]
-        plan = Plan.from_balance(balance, ids, placement=sync.placement, num_ranks=ranks)
+        plan = Plan.from_balance(balance, ids, placement=sync.placement, num_ranks=world_size)
     elif (
         resumed is not None
         and resumed.num_workers == world_size

@@ -61,9 +61,9 @@ def test_the_rank_update_waits_for_every_stage() -> None:
     assert rank.of_stage(0, None) is None
     first, last = rank.of_stage(0, update), rank.of_stage(3, update)
     assert first is not None and last is not None
-    assert first({"0.weight": torch.ones(1)}, {}) == 0 and rank.pending and applied == []
+    assert first({"0.weight": torch.ones(1)}, {}) == 0 and rank.stepped == [0] and applied == []
     assert last({"5.weight": torch.ones(1)}, {}) == 7
-    assert applied == [["0.weight", "5.weight"]] and not rank.pending
+    assert applied == [["0.weight", "5.weight"]] and rank.stepped == []
     first({}, {})
     with pytest.raises(ExecutorError, match=r"stage 0 stepped twice before stages \[3\]"):
         first({}, {})

@@ -42,5 +42,6 @@ def test_the_report_takes_the_allocators_peak_and_a_replay_the_gpus_draws() -> N
     assert torch.equal(again, first.detach())
 
     plan = Plan.from_balance([2])
-    row = measure(0, plan, module, 0, meter, [], device, SyncMode.ASYNC, 1)
+    peak, recompute = meter.peak_bytes, meter.recompute
+    row = measure(0, plan, module, 0, peak, [], device, SyncMode.ASYNC, 1, recompute=recompute)
     assert row.device_peak is not None and row.device_peak >= torch.cuda.memory_allocated(device)

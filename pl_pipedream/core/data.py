@@ -12,8 +12,10 @@ rank must draw the same batches in the same order, as one device would. Two part
 * A check. Each rank fingerprints each microbatch it holds (``Fingerprints``: a bounded strided
   sample of every tensor's elements plus its shape, so it costs little for large batches); stage
   0's fingerprint rides forward with the activations and every later stage compares it with its
-  own (``SameData``). What seeding cannot fix (a custom sampler, an IterableDataset sharded by
-  rank, random augmentation in the dataset or its workers) stops within the first training step.
+  own (``SameData``); in a plan of one stage, whose replicas pass no activations, the replicas
+  compare theirs (``runtime.pipeline``). What seeding cannot fix (a custom sampler, an
+  IterableDataset sharded by rank, random augmentation in the dataset or its workers) stops
+  within the first training step. The batch setup draws (``core.loader_state``) moves no loader.
 """
 
 from __future__ import annotations
@@ -224,11 +226,14 @@ class SameData:
             raise PipelineDataError(
                 f"every rank must train on the same batches in the same order ({self.describe}, "
                 f"global step {self.step}, batch {self.batch_idx}, microbatch {j}: its data "
-                f"differ from the data stage 0 fed into the pipeline; fingerprints {own!r} and "
-                f"{received!r}); give every rank an identical DataLoader: the same dataset and "
-                "sampler with no per-rank randomness (seed any sampler, generator or augmentation "
-                "the same on every rank, e.g. with lightning.seed_everything), and no sharding of "
-                "an IterableDataset by rank. PipeDreamStrategy keeps the DataLoader's own sampler "
-                "and seeds an unseeded RandomSampler identically on every rank"
+                f"differ from those another rank holds for it (stage 0's, or another replica's); "
+                f"fingerprints {own!r} and {received!r}); the ranks' loaders give different "
+                "batches (the batch setup draws leaves every loader as it was: a draw that "
+                "cannot be undone stops at setup instead), so give every rank an identical "
+                "DataLoader: the same dataset and sampler with no per-rank randomness (seed any "
+                "sampler, generator or augmentation the same on every rank, e.g. with "
+                "lightning.seed_everything), and no sharding of an IterableDataset by rank. "
+                "PipeDreamStrategy keeps the DataLoader's own sampler and seeds an unseeded "
+                "RandomSampler identically on every rank"
             )
         return own

@@ -84,6 +84,7 @@ class PipelineRunner:
         # by the loss bookkeeping): each is built once, and dropped once its step has passed.
         self._segments: dict[tuple[int, int], tuple[Action, ...]] = {}
         self.groups: list[Any] = []  # process groups made for this pipeline alone
+        self.data_group: Any = None  # replicas that compare their data (a plan of one stage)
 
     @classmethod
     def create(
@@ -170,6 +171,8 @@ class PipelineRunner:
             )
         runner = cls(plan, sync, microbatches, executor, update)
         runner.groups = [group for group in replica_groups if group is not None] + tied.groups
+        if plan.num_stages == 1:  # no boundary for stage 0's fingerprints to cross
+            runner.data_group = replica_groups[0]
         return runner
 
     @property
@@ -187,6 +190,8 @@ class PipelineRunner:
         """Run this rank's segment for the next batch; ``inputs``/``loss``/``fingerprint``/
         ``logged`` take the microbatch index within the batch (``Feed``). With ``drain``, the
         pipeline drains right after it."""
+        if fingerprint is not None and self.data_group is not None:
+            self._compare_replicas(fingerprint)
         first = self.step * self.microbatches
         feed = Feed(
             lambda i: inputs(i - first),
@@ -208,6 +213,20 @@ class PipelineRunner:
             del self._segments[key]
         if drain:
             self.drain()
+
+    def _compare_replicas(self, fingerprint: Callable[[int, float | None], float]) -> None:
+        """The data check of a plan of one stage, where no activations carry stage 0's
+        fingerprints on: the replicas take the highest and the lowest of each microbatch's
+        fingerprints (one all-reduce of 2 m numbers) and every replica checks its own against
+        whichever of the two differs from it, so all of them stop at the same step."""
+        m = self.microbatches
+        own = torch.tensor([fingerprint(j, None) for j in range(m)], dtype=torch.float64)
+        extremes = torch.cat([own, -own])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.data_group)
+        for j in range(m):
+            high, low = float(extremes[j]), -float(extremes[m + j])
+            if high != low:
+                fingerprint(j, low if float(own[j]) == high else high)
 
     def _note_finished(self, t: int) -> None:
         """After step ``t``: count the first stage's backward passes of its segments and take

@@ -62,6 +62,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from pl_pipedream.core.errors import LightningChangedError
+from pl_pipedream.core.loader_state import untouched_draw
 from pl_pipedream.runtime.channel import PeerError
 from pl_pipedream.runtime.trees import map_tensors
 
@@ -279,13 +280,13 @@ def capture_logs(module: nn.Module, record: Callable[..., None]) -> Iterator[Non
 
 def first_training_batch(trainer: Any) -> Any | None:
     """The first batch of the training dataloader while fitting (``trainer.fit_loop.
-    _data_source``), or None."""
+    _data_source``), or None; the loader is left as it was (``core.loader_state``)."""
     if trainer.state.fn != TrainerFn.FITTING:
         return None
     source = _require(trainer.fit_loop, "_data_source", "_FitLoop")
     if source is None or not source.is_defined():
         return None
-    return next(iter(source.dataloader()))
+    return untouched_draw(source.dataloader())
 
 
 def resumed_state_dict(trainer: Any) -> dict[str, Tensor] | None:

@@ -6,8 +6,9 @@ Run as ``python tests/strategy/preempt_script.py --out DIR --sync flush [--signa
 ``--target group``. Rank 0
 consolidates ``DIR/ckpts/last.ckpt`` into ``DIR/weights.pt`` at the end of a fit that ends; each
 rank whose fit raises ``SystemExit`` writes its code and the time to ``DIR/exit-rank{r}.json``.
-The loader is the package's ``ResumableLoader``, so a fit resumed mid-epoch goes on with the
-next batch, as Lightning resumes on one device. ``--straight-out DIR2`` fits once more
+The loader is the package's ``ResumableLoader``, or with ``--loader stateful`` torchdata's
+shuffling ``StatefulDataLoader``, so a fit resumed mid-epoch goes on with the next batch, as
+Lightning resumes on one device. ``--straight-out DIR2`` fits once more
 in the same launch, from scratch without a signal, into ``DIR2`` (the uninterrupted reference).
 The tests call ``main(argv)`` on ranks forked from their own process
 (``tests.runtime.launched``), which form a process group of their own.
@@ -22,6 +23,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -38,10 +40,16 @@ from tests.strategy.test_lightning_features import Net  # noqa: E402
 BATCHES = 24  # per epoch
 
 
-def data() -> ResumableLoader:
+def data(loader: str = "resumable") -> Any:
+    """The training loader; a ``stateful`` one shuffles with a generator seeded from the global
+    RNG when it is made (seed it first)."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(4 * BATCHES, 6, generator=generator)
     y = x[:, :3] - 0.5 * x[:, 3:]
+    if loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
     return ResumableLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
@@ -72,15 +80,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--straight-out", default=None, help="then fit uninterrupted into it")
     parser.add_argument("--agree-every-step", action="store_true", help="a known stop step")
+    parser.add_argument("--loader", choices=("resumable", "stateful"), default="resumable")
     args = parser.parse_args(argv)
     if args.agree_every_step:  # the ranks agree at every step: they stop 3 steps after the signal
         preemption.MAX_PERIOD = 1
-    fit(Path(args.out), args.sync, args.epochs, args.signal_at, args.target, args.resume)
+    run = (args.sync, args.epochs, args.target, args.loader)
+    fit(Path(args.out), *run, signal_at=args.signal_at, resume=args.resume)
     if args.straight_out is not None:
-        fit(Path(args.straight_out), args.sync, args.epochs, -1, args.target, resume=False)
+        fit(Path(args.straight_out), *run, signal_at=-1, resume=False)
 
 
-def fit(out: Path, sync: str, epochs: int, signal_at: int, target: str, resume: bool) -> None:
+def fit(
+    out: Path, sync: str, epochs: int, target: str, loader: str, signal_at: int, resume: bool
+) -> None:
     ckpts = out / "ckpts"
     out.mkdir(parents=True, exist_ok=True)
     saver = ModelCheckpoint(dirpath=ckpts, save_last=True, save_top_k=0)
@@ -101,7 +113,7 @@ def fit(out: Path, sync: str, epochs: int, signal_at: int, target: str, resume: 
         callbacks=[saver, Signal(signal_at, target, out)],
     )
     try:
-        trainer.fit(model, data(), ckpt_path="last" if resume else None)
+        trainer.fit(model, data(loader), ckpt_path="last" if resume else None)
     except SystemExit as stopped:
         record = {"code": stopped.code, "time": time.time(), "step": trainer.global_step}
         (out / f"exit-rank{trainer.global_rank}.json").write_text(json.dumps(record))

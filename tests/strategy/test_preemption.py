@@ -6,6 +6,7 @@ where the checkpoint goes."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -45,23 +46,29 @@ def run(out: Path, *args: str) -> list[Rank]:
     return launch(2, script_rank, argv, folder=out.parent / f"{out.name}-ranks", timeout=90)
 
 
+# a step inside the first epoch (24 batches), away from its ends, drawn once
+MID_EPOCH = random.Random(35).randrange(4, 18)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sync", "target", "at", "every_step"),
+    ("sync", "target", "at", "every_step", "loader"),
     [
         # one rank signalled (flush: bitwise), the ranks agreeing at every step so that they
         # stop at step 24, the first of the second epoch: the checkpoint must not say that
         # epoch has ended, nor the loader that it has given its batches
-        ("flush", "rank1", 21, True),
+        ("flush", "rank1", 21, True, "resumable"),
         # every rank at once, as scancel does (async), the agreement's own period
-        ("async", "group", 17, False),
+        ("async", "group", 17, False, "resumable"),
+        # a shuffling torchdata StatefulDataLoader stopped mid-epoch (flush: bitwise)
+        ("flush", "rank1", MID_EPOCH, True, "stateful"),
     ],
     ids=str,
 )
 def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
-    tmp_path: Path, sync: str, target: str, at: int, every_step: bool
+    tmp_path: Path, sync: str, target: str, at: int, every_step: bool, loader: str
 ) -> None:
-    signal = ["--signal-at", str(at), "--target", target]
+    signal = ["--signal-at", str(at), "--target", target, "--loader", loader]
     stopped = run(
         tmp_path / "stopped", "--sync", sync, *signal, *["--agree-every-step"] * every_step
     )
@@ -71,15 +78,18 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_that_resumes_exactly(
     exits = [json.loads((tmp_path / "stopped" / f"exit-rank{r}.json").read_text()) for r in (0, 1)]
     assert [e["code"] for e in exits] == [143, 143]
     assert exits[0]["step"] == exits[1]["step"] > at  # one agreed step, after the signal
-    if every_step:
-        assert exits[0]["step"] == 24  # 24 batches per epoch
+    if every_step:  # the agreement 3 steps after the signal (24 batches per epoch)
+        assert exits[0]["step"] == (24 if at == 21 else at + 3)
     assert ended - signalled < 30, ended - signalled
     last = tmp_path / "stopped" / "ckpts" / "last.ckpt"
     assert json.loads((last / "pipeline.json").read_text())["step"] == exits[0]["step"]
 
     # the resumed fit, then (same launch) the uninterrupted one into "straight"
     straight_out = str(tmp_path / "straight")
-    resumed = run(tmp_path / "stopped", "--sync", sync, "--resume", "--straight-out", straight_out)
+    resumed = run(
+        tmp_path / "stopped",
+        *("--sync", sync, "--loader", loader, "--resume", "--straight-out", straight_out),
+    )
     assert [rank.code for rank in resumed] == [0, 0], [r.stderr[-2000:] for r in resumed]
     got = torch.load(tmp_path / "stopped" / "weights.pt")
     want = torch.load(tmp_path / "straight" / "weights.pt")

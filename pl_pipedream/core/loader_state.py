@@ -6,12 +6,13 @@ starts an epoch of the loader: a shuffling sampler draws a permutation from its 
 keeps the new iterator (and drops a mid-epoch state it was to resume from). Had only rank 0
 drawn, rank 0 would train on another order than every other rank and than one device.
 
-``untouched_draw`` draws inside ``LoaderState``: every generator the loader, its sampler and its
-batch sampler hold (``torch.Generator`` attributes, one level deep), the global RNGs of torch,
-Python and NumPy, and the loader's own attributes are saved before and put back after. Then it
-draws again and compares the two batches' fingerprints: a loader with state the draw moved and
-this module cannot see (an ``IterableDataset`` that keeps its position, a sampler counting its
-epochs) gives another batch the second time, and setup stops, naming the way around it.
+``untouched_draw`` draws inside ``LoaderState``: the attributes of the loader, its sampler, its
+batch sampler and its dataset (one level deep: which objects they name, and the state of every
+``torch.Generator`` among them) and the global RNGs of torch, Python and NumPy are saved before
+and put back after. Then it draws again and compares the two batches' fingerprints: a loader
+with state the draw moved out of this module's sight (a position kept inside a container the
+dataset holds, a file it reads on from) gives another batch the second time, and setup stops,
+naming the way around it.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ __all__ = ["LoaderState", "untouched_draw"]
 
 
 def _holders(loader: Any) -> list[Any]:
-    """The loader and the samplers it draws its order with (each once)."""
+    """The loader, the samplers it draws its order with and its dataset (each once)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     found = [
         loader,
         getattr(loader, "sampler", None),
         batch_sampler,
         getattr(batch_sampler, "sampler", None),
+        getattr(loader, "dataset", None),
     ]
     unique = {id(h): h for h in found if h is not None}
     return list(unique.values())
@@ -59,7 +61,8 @@ class LoaderState:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.generators = [(g, g.get_state()) for g in _generators(loader)]
-        self.attributes = dict(getattr(loader, "__dict__", {}))
+        holders = [h for h in _holders(loader) if hasattr(h, "__dict__")]
+        self.attributes = [(h, dict(h.__dict__)) for h in holders]
         self.python = random.getstate()
         self.numpy = np.random.get_state()
         self.torch = torch.get_rng_state()
@@ -67,13 +70,13 @@ class LoaderState:
     def restore(self) -> None:
         for generator, state in self.generators:
             generator.set_state(state)
-        if hasattr(self.loader, "__dict__"):
+        for holder, saved in self.attributes:
             # (DataLoader's __setattr__ refuses some attributes once it is built: set them as
             # they were, through its __dict__; an iterator made by the draw is dropped)
-            attributes = self.loader.__dict__
-            for name in [n for n in attributes if n not in self.attributes]:
+            attributes = holder.__dict__
+            for name in [n for n in attributes if n not in saved]:
                 del attributes[name]
-            attributes.update(self.attributes)
+            attributes.update(saved)
         random.setstate(self.python)
         np.random.set_state(self.numpy)
         torch.set_rng_state(self.torch)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -25,7 +25,7 @@ from tests.core.test_data import RankDependent, RecordBatches, dataset
 from tests.runtime.distributed import run
 from tests.strategy.test_lightning_features import Net
 
-LOADERS = ("generator", "stateful")
+LOADERS = ("generator", "stateful", "datamodule")
 PLANS = {
     "one replicated stage": lambda: {"plan": Plan.from_balance([6], replicas=[2])},
     "two stages": lambda: {"balance": [3, 3]},
@@ -33,13 +33,27 @@ PLANS = {
 }
 
 
+class Data(LightningDataModule):
+    """A data module that hands out one shuffling loader, seeded by the user."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self.loader = make_loader("generator", data)
+
+    def train_dataloader(self) -> Any:
+        return self.loader
+
+
 def make_loader(kind: str, data: Any = None) -> Any:
-    """A shuffling loader seeded by the user: its own generator, or (``stateful``) the
-    generator torchdata's sampler draws from the global RNG when it is made."""
+    """A shuffling loader seeded by the user: its own generator, (``stateful``) the generator
+    torchdata's sampler draws from the global RNG when it is made, or (``datamodule``) a
+    ``LightningDataModule`` giving a loader with its own generator."""
     data = data if data is not None else dataset()
     if kind == "generator":
         seeded = torch.Generator().manual_seed(1)
         return DataLoader(data, batch_size=4, shuffle=True, generator=seeded)
+    if kind == "datamodule":
+        return Data(data)
     return StatefulDataLoader(data, batch_size=4, shuffle=True)
 
 
@@ -50,7 +64,7 @@ def orders(loader: Any, epochs: int = 2) -> list[list[float]]:
 # ----- the draw, in one process ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.parametrize("kind", LOADERS[:2])
 def test_a_drawn_batch_leaves_the_loader_and_the_global_rngs_as_they_were(kind: str) -> None:
     seed_everything(4)
     expected = orders(make_loader(kind))
@@ -79,21 +93,32 @@ def test_a_drawn_batch_leaves_a_resumed_stateful_loader_to_resume_where_it_was()
 
 
 class Stream(IterableDataset):
-    """An iterable dataset that keeps its position across iterations (a state no save of
-    generators reaches)."""
+    """An iterable dataset that goes on from where its last iteration stopped: a position of its
+    own (``attribute``), or one inside a list it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, attribute: bool) -> None:
+        self.attribute = attribute
         self.position = 0
+        self.positions = [0]
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        while self.position < 64:
-            self.position += 1
-            yield torch.full((6,), float(self.position)), torch.zeros(3)
+        for _ in range(64):
+            if self.attribute:
+                self.position += 1
+            else:
+                self.positions[0] += 1
+            yield torch.full((6,), float(self.position + self.positions[0])), torch.zeros(3)
+
+
+def test_an_iterable_datasets_own_position_is_put_back_after_the_draw() -> None:
+    loader = DataLoader(Stream(attribute=True), batch_size=4)
+    untouched_draw(loader)
+    assert next(iter(loader))[0][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_a_draw_that_cannot_be_undone_stops_setup_naming_the_way_around() -> None:
     with pytest.raises(PipelineSetupError) as error:
-        untouched_draw(DataLoader(Stream(), batch_size=4))
+        untouched_draw(DataLoader(Stream(attribute=False), batch_size=4))
     text = str(error.value)
     assert "must leave the loader as it was" in text and "(loader: DataLoader;" in text
     assert "set example_input_array on the LightningModule and pass balance= or plan=" in text

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 
@@ -209,11 +208,7 @@ def _run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     shown = plan_for(chosen, mode)  # recut into chunks for a mode of several stages per rank
     microbatches = args.microbatches
     if microbatches is None:
-        microbatches = math.lcm(*(stage.replicas for stage in shown.stages))
-        fewest = mode.min_microbatches(shown.num_stages)
-        microbatches *= math.ceil(fewest / microbatches)
-        if mode is SyncMode.INTERLEAVED:
-            microbatches = rules.fewest_microbatches(shown, mode, microbatches)
+        microbatches = rules.fewest_microbatches(shown, mode)
     schedule = build(shown, mode, args.batches, microbatches)
     validate(schedule)
     times = {"bandwidth": bandwidth, "weight_share": args.weight_share}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from pl_pipedream.planner import admission
 from pl_pipedream.planner.chunks import CONTIGUOUS, stage_ranks
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.schedule.modes import SYNC_MODES, SyncMode
@@ -195,10 +196,9 @@ def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
     need = max(at_least, sync.min_microbatches(plan.num_stages))
     if sync is SyncMode.TWO_BW:
         need = max([need] + [stage.warmup * stage.replicas for stage in plan.stages])
-    step = math.lcm(*(stage.replicas for stage in plan.stages))
     if sync is SyncMode.INTERLEAVED:
-        step = plan.num_workers
-    return step * math.ceil(need / step)
+        return plan.num_workers * math.ceil(need / plan.num_workers)
+    return admission.fewest_microbatches(plan, need)
 
 
 def _use(microbatches: int, mode: SyncMode) -> str:

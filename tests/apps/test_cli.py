@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
 
 from pl_pipedream.apps.cli import main
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule import SYNC_MODES
+from pl_pipedream.schedule import SYNC_MODES, rules
+from pl_pipedream.schedule.modes import SyncMode
 
 
 def test_plan_json_has_the_documented_fields(profiles_dir, capsys) -> None:
@@ -104,6 +106,24 @@ def test_simulate_a_plan_file_with_each_mode(tmp_path, capsys) -> None:
         data = json.loads(capsys.readouterr().out)
         assert data["sync"] == sync
         assert data["num_minibatches"] == (6 if sync in ("2bw", "interleaved") else 2)
+
+
+def test_simulate_without_microbatches_takes_the_fewest_the_mode_accepts(tmp_path, capsys) -> None:
+    """Every plan of 2-3 stages with 1-3 replicas each, in ``2bw`` (whose warm-up raises the
+    count): the default is the schedule rules' own fewest, so each one simulates."""
+    plans = [
+        Plan.from_balance([2] * len(replicas), replicas=list(replicas))
+        for stages in (2, 3)
+        for replicas in itertools.product((1, 2, 3), repeat=stages)
+    ]
+    assert len(plans) == 36
+    for plan in plans:
+        path = tmp_path / "plan.json"
+        path.write_text(plan.to_json())
+        args = ["simulate", "--plan", str(path), "--sync", "2bw", "--batches", "2", "--json"]
+        assert main(args) == 0, (plan.shape, capsys.readouterr().err)
+        data = json.loads(capsys.readouterr().out)
+        assert data["num_minibatches"] == 2 * rules.fewest_microbatches(plan, SyncMode.TWO_BW)
 
 
 def test_simulate_zero_bubble_compares_the_flushed_modes(tmp_path, capsys) -> None:

@@ -162,6 +162,8 @@ def plan(
         raise PlanError(
             f"microbatches must be a positive integer (microbatches: {microbatches!r}); pass >= 1"
         )
+    if microbatches is not None:
+        _check_workers_usable(len(profile.nodes), topology.num_workers, microbatches)
     graph = _graph(profile, max_states, cuts)
     solve = lambda replicas: _solve(graph, topology, straight, memory, transfers, replicas)  # noqa: E731
     chosen = solve(None) if microbatches is None else _admissible(solve, topology, microbatches)
@@ -170,6 +172,20 @@ def plan(
         because = "straight=True was asked for" if straight else None
         chosen.meta["advice"] = advise(chosen, free, microbatches, because) or ""
     return chosen
+
+
+def _check_workers_usable(layers: int, workers: int, microbatches: int) -> None:
+    """Every worker holds a stage or a replica of one, and a replica count divides the
+    microbatches: more workers than ``layers`` times the largest such count cannot all work."""
+    most = max(divisors(microbatches, workers))
+    if layers * most < workers:
+        raise PlanError(
+            f"more devices than a plan can use: each holds a layer's stage or a replica of one, "
+            f"and replica counts must divide the microbatches per batch (workers: {workers}, "
+            f"layers: {layers}, microbatches: {microbatches}, so at most {layers * most} "
+            f"devices); use at most {layers * most} devices, {-(-workers // layers)} or more "
+            "microbatches per batch (so that stages can be replicated), or give a plan"
+        )
 
 
 def _admissible(
@@ -242,7 +258,11 @@ def _solve(
         raise PlanError(
             f"no pipeline fits the constraints (workers: {topology.num_workers}, memory per "
             f"worker: {memory}, straight: {straight}, replica counts per level: {replicas}); "
-            "allow more memory, more workers, replication, or more microbatches"
+            + (
+                "allow more memory, more workers, replication, or more microbatches"
+                if memory is not None
+                else "use fewer devices, allow replication, or use more microbatches"
+            )
         )
     segments = _walk(levels, pairs_of, len(levels) - 1, top, 0, count - 1, 0)
     stages = _stages(graph, prefix, segments)

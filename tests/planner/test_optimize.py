@@ -95,6 +95,19 @@ def test_straight_with_more_workers_than_layers_cannot_fit() -> None:
     assert plan(three_layers(), Topology.flat(4, 1e9)).num_workers == 4
 
 
+def test_more_workers_than_layers_with_one_microbatch_names_the_fixes() -> None:
+    """3 layers on 4 workers with 1 microbatch per batch (no replication): the error says how
+    many devices a plan can use and which fixes work, never 'more workers'."""
+    with pytest.raises(PlanError) as caught:
+        plan(three_layers(), Topology.flat(4, 1e9), microbatches=1)
+    message = str(caught.value)
+    assert message.startswith("more devices than a plan can use")
+    assert "(workers: 4, layers: 3, microbatches: 1, so at most 3 devices)" in message
+    assert "use at most 3 devices, 2 or more microbatches per batch" in message
+    assert "more workers" not in message
+    assert plan(three_layers(), Topology.flat(4, 1e9), microbatches=2).num_workers == 4
+
+
 @pytest.mark.parametrize("memory", [0.0, -1.0])
 def test_memory_must_be_positive(memory: float) -> None:
     with pytest.raises(PlanError, match=rf"must be positive \(memory: {memory}\)"):

@@ -26,7 +26,7 @@ import torch
 
 from pl_pipedream.core.precision import share_found_inf
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_fp16
 
 __all__ = ["PRECISIONS", "EnginePrecision", "choose_precision"]
 
@@ -72,13 +72,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> partial[torch.autocast
 
 def fp16(sync: SyncMode, device: torch.device) -> tuple[StagePrecision, torch.amp.GradScaler]:
     """fp16 autocast and the stage's scaler, whose ``unscale_`` agrees across every rank."""
-    if sync.updates_in_pipeline:
-        raise ValueError(
-            "fp16 mixed precision needs one loss scale for the whole pipeline, agreed among the "
-            "stages at each update, which only the flushed modes take in step (precision: "
-            f"'16-mixed', sync: {sync}); use Pipeline(..., precision='bf16-mixed'), or "
-            f"sync='{SyncMode.FLUSH}' or '{SyncMode.GPIPE}'"
-        )
+    check_fp16(sync, "Pipeline(..., sync='{sync}')", "Pipeline(..., precision='bf16-mixed')")
     if device.type != "cuda":
         raise ValueError(
             "fp16 mixed precision scales the loss with torch's GradScaler, which the pipeline "

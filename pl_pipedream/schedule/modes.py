@@ -130,6 +130,25 @@ SYNC_MODES = tuple(mode.value for mode in SyncMode)
 CONTIGUOUS_MODES = tuple(mode.value for mode in SyncMode if mode.placement == CONTIGUOUS)
 
 
+# The modes that flush the pipeline after every batch (every stage updates once, in step).
+FLUSHED_MODES = tuple(mode.value for mode in SyncMode if mode.flushes)
+
+
+def check_fp16(mode: SyncMode, call: str, bf16: str) -> None:
+    """Raise for fp16 mixed precision in a mode that updates inside the pipeline: fp16 needs one
+    loss scale for the whole pipeline, agreed among the stages at each update, which only the
+    flushed modes take in step. ``call``: the front end's call, quoted in the fix with a mode's
+    name in ``{sync}``; ``bf16``: how that front end asks for bf16 mixed precision."""
+    if not mode.updates_in_pipeline:
+        return
+    raise ValueError(
+        "fp16 mixed precision needs one loss scale for the whole pipeline, agreed among the "
+        "stages at each update, which only the flushed modes take in step (precision: "
+        f"'16-mixed', sync: {mode}); use {bf16}, or a flushed mode "
+        f"({', '.join(FLUSHED_MODES)}), e.g. {call.format(sync=SyncMode.FLUSH)}"
+    )
+
+
 def check_chunked(mode: SyncMode, ties: Sequence[str], replan: bool, call: str) -> None:
     """Raise at setup for what a chunked mode (several stages per rank) does not train with:
     tied parameters (``ties``: each described), whose holders would include one rank twice, and

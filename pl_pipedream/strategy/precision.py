@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 
 from pl_pipedream.core.precision import share_found_inf
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.modes import SyncMode, check_fp16
 
 __all__ = [
     "SUPPORTED",
@@ -73,13 +73,8 @@ def check_precision(plugin: Precision, sync: SyncMode) -> None:
             "Trainer(precision='bf16-mixed')"
         )
     scaler = loss_scaler(plugin)
-    if scaler is not None and sync.updates_in_pipeline:
-        raise ValueError(
-            "fp16 mixed precision needs one loss scale for the whole pipeline, agreed among the "
-            "stages at Lightning's optimizer step, which only the flushed modes take "
-            f"(precision: '16-mixed', sync: {sync}); use Trainer(precision='bf16-mixed'), or "
-            f"PipeDreamStrategy(sync='{SyncMode.FLUSH}') or '{SyncMode.GPIPE}'"
-        )
+    if scaler is not None:
+        check_fp16(sync, "PipeDreamStrategy(sync='{sync}')", "Trainer(precision='bf16-mixed')")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ValueError(
             f"fp16 mixed precision needs a torch.amp.GradScaler (scaler: "

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from pl_pipedream.schedule import SYNC_MODES, SyncMode
-from pl_pipedream.schedule.modes import check_chunked, check_chunks_per_rank, update_settings
+from pl_pipedream.schedule.modes import (
+    check_chunked,
+    check_chunks_per_rank,
+    check_fp16,
+    update_settings,
+)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 
@@ -178,3 +183,20 @@ def test_mode_names_are_literals_only_in_modes() -> None:
     assert files
     found = {str(p.relative_to(PACKAGE)): mode_literals(p) for p in files}
     assert {path: hits for path, hits in found.items() if hits} == {}
+
+
+@pytest.mark.parametrize("mode", list(SyncMode), ids=str)
+def test_fp16_is_refused_where_updates_happen_inside_the_pipeline_naming_every_flushed_mode(
+    mode: SyncMode,
+) -> None:
+    call, bf16 = "Pipeline(..., sync='{sync}')", "Pipeline(..., precision='bf16-mixed')"
+    if mode.flushes:
+        check_fp16(mode, call, bf16)
+        return
+    with pytest.raises(ValueError) as error:
+        check_fp16(mode, call, bf16)
+    text = str(error.value)
+    assert f"(precision: '16-mixed', sync: {mode}); use {bf16}" in text
+    flushed = [m.value for m in SyncMode if m.flushes]
+    assert len(flushed) == 5 and f"({', '.join(flushed)})" in text
+    assert text.endswith("e.g. Pipeline(..., sync='flush')")

@@ -4,7 +4,7 @@ The digits MLP of issue 13 (flatten, Linear+ReLU per hidden width (default 128, 
 default model config), Linear to 10 classes; its pipeline layers cut evenly into 3 stages), SGD
 lr 0.03 momentum 0.9, batch 32 (one microbatch), 15 epochs of scikit-learn's digits (the
 project's seeded 70/15/15 split and per-epoch shuffling), trained by ``tests/runtime/oracle.py``
-(the update rules of DESIGN.md on one process, minibatch after minibatch, no drain between
+(the update rules of docs/guide.md on one process, minibatch after minibatch, no drain between
 epochs) under: one device (``flush``), ``async``, ``async`` with weight prediction, ``async``
 with the learning-rate warm-up per delay, and both. Prints the final validation accuracy of
 each, per seed (the split, the shuffling and the initial weights) and their mean.

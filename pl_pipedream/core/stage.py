@@ -8,7 +8,7 @@ device, which frees their memory while keeping the module's structure (and the n
 A parameter that layers on several stages use (a tied weight: ``head.weight = wte.weight``) is
 one parameter: every stage whose layers use it keeps its copy on its device, and the stage
 records it as a ``planner.ties.Tie`` (the same value on every rank) so that the holders sum its
-gradient and apply the same updates (DESIGN.md, "Update rules"). A tensor reachable under
+gradient and apply the same updates (docs/guide.md, "The sync modes"). A tensor reachable under
 several names (a tied weight, or a module that is an attribute twice) is saved under every name
 ``module.state_dict()`` gives it.
 

@@ -88,7 +88,7 @@ class Pipeline:
 
     ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``zero_bubble`` (flush
     with each backward split, its weight half in the bubbles: docs/zero-bubble.md), ``gpipe``,
-    ``2bw``, ``async`` or ``vertical_sync`` (DESIGN.md, "Update rules"), ``interleaved`` or ``zbv``
+    ``2bw``, ``async`` or ``vertical_sync`` (rules: docs/guide.md), ``interleaved`` or ``zbv``
     (``chunks_per_rank`` stages per rank, default 2: docs/chunked-planning.md); ``microbatches``:
     slices per batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or
     planned automatically (``core.planning``) from ``example_input`` (one microbatch of the first

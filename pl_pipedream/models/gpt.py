@@ -6,7 +6,7 @@ The pipeline's layers are the embedding (tokens plus positions), the pre-LayerNo
 tied projection to the vocabulary). Every boundary between layers is one float tensor
 ``(batch, sequence, width)``. Under ``PipeDreamStrategy`` the embedding and the head usually land
 on different stages, and the strategy keeps the one tied parameter one parameter there
-(DESIGN.md, "Update rules"). There is no dropout, so training is deterministic.
+(docs/guide.md, "The sync modes"). There is no dropout, so training is deterministic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Corrections for stale weights in the per-minibatch modes (DESIGN.md, "Update rules").
+"""Corrections for stale weights in the per-minibatch modes (docs/guide.md, "The sync modes").
 
 In ``async`` and ``vertical_sync`` a stage runs minibatch i on weights d updates older than the
 ones a synchronous run would use (d: the minibatch's delay at that stage). Two corrections act on

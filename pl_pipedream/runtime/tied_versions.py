@@ -1,6 +1,6 @@
-"""Tied parameters in the per-minibatch modes (``async``, ``vertical_sync``; DESIGN.md, "Update
-rules"): every holder uses, for minibatch i, the tied parameter after max(0, i - (p-1)) updates,
-and update i applies the gradient of minibatch i summed over every use.
+"""Tied parameters in the per-minibatch modes (``async``, ``vertical_sync``; docs/guide.md,
+"Tied parameters"): every holder uses, for minibatch i, the tied parameter after
+max(0, i - (p-1)) updates, and update i applies the gradient of minibatch i summed over every use.
 
 A tied parameter therefore has a version of its own, apart from its stage's weight stash (which
 leaves it out). Right after its backward pass of minibatch i, each holder keeps its partial

@@ -1,4 +1,5 @@
-"""Tied parameters: one parameter that layers on several stages use (DESIGN.md, "Update rules").
+"""Tied parameters: one parameter that layers on several stages use (docs/guide.md, "Tied
+parameters").
 
 Every stage whose layers use a tied parameter holds a copy of it. Its gradient for an update is
 the sum over all its uses, as autograd gives on one device: before each update, every holder

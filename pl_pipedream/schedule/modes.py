@@ -30,7 +30,7 @@ __all__ = [
 
 
 class SyncMode(str, enum.Enum):
-    """How a pipeline keeps its stages' weights consistent (DESIGN.md, "Update rules")."""
+    """How a pipeline keeps its stages' weights consistent (docs/guide.md, "The sync modes")."""
 
     ASYNC = "async"  # weight stashing, one update per minibatch (PipeDream, SOSP'19 3.3)
     VERTICAL_SYNC = "vertical_sync"  # async, every stage on the input stage's version

@@ -1,9 +1,10 @@
 """The update rules of every sync mode: which weights a minibatch uses, which update it feeds.
 
-These functions are the single statement of the rules in DESIGN.md; the builder places actions so
-that they hold and the validator checks them. Stage ``s`` has ``r_s`` replicas and ``w_s`` warm-up
-forwards per replica (``Stage.warmup``); minibatch ``i`` runs on replica ``i mod r_s`` as that
-replica's local minibatch ``n = i // r_s`` (1F1B-RR, SOSP'19 section 3.2).
+These functions are the single statement of the rules in docs/guide.md ("The sync modes"); the
+builder places actions so that they hold and the validator checks them. Stage ``s`` has ``r_s``
+replicas and ``w_s`` warm-up forwards per replica (``Stage.warmup``); minibatch ``i`` runs on
+replica ``i mod r_s`` as that replica's local minibatch ``n = i // r_s`` (1F1B-RR, SOSP'19
+section 3.2).
 
 - ``async`` (weight stashing, section 3.3): version ``max(0, n - w_s)``; update ``u`` averages the
   gradients of minibatches ``(u-1) r_s .. u r_s - 1``, one per replica.

@@ -5,7 +5,7 @@ it touches and checks that the attribute is there before it patches, so a Lightn
 fails at setup with the attribute's name instead of training on with the patch silently gone;
 ``tests/strategy/test_lightning_patches.py`` checks each against the installed Lightning.
 
-What needs patching, and why (DESIGN.md, "Inside Lightning"):
+What needs patching, and why (ARCHITECTURE.md, "Lightning internals still touched"):
 
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: rank 0 broadcasts a SIGTERM flag before
   every training step; that collective would put every stage in lock-step. Each rank checks its

@@ -56,7 +56,7 @@ class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
     Args:
-        sync: a ``SyncMode`` (update rules: DESIGN.md): ``"async"``, ``"vertical_sync"``, ``"2bw"``,
+        sync: a ``SyncMode`` (docs/guide.md): ``"async"``, ``"vertical_sync"``, ``"2bw"``,
             ``"flush"``, ``"gpipe"``, ``"zero_bubble"``, ``"interleaved"`` or ``"zbv"``, whose
             ranks hold ``chunks_per_rank`` stages each (2 or more, default 2; ``"zbv"``: 2).
         microbatches: each Lightning batch is split along dim 0 into this many equal slices.

@@ -1,4 +1,4 @@
-"""A single-process oracle of the update rules in DESIGN.md, independent of the schedule module.
+"""A single-process oracle of the update rules in docs/guide.md, independent of the schedule module.
 
 It trains a model on one process, minibatch by minibatch in index order, choosing for every
 stage the weight version the rule names and applying each stage's updates when their

@@ -1,6 +1,6 @@
 """The builder: golden lists for small cases and the update rules of every mode.
 
-The version oracle below restates DESIGN.md's table (straight pipelines) and the 1F1B-RR rules
+The version oracle below restates docs/guide.md's table (straight pipelines) and the 1F1B-RR rules
 (replicated stages) independently of ``rules.py``.
 """
 
@@ -58,7 +58,7 @@ def test_golden_2bw_steps_once_per_batch_without_flushing() -> None:
 
 
 def oracle_version(plan: Plan, sync: str, m: int, stage: int, i: int) -> int:
-    """DESIGN.md's table for straight plans; the 1F1B-RR rules for replicated ones."""
+    """docs/guide.md's table for straight plans; the 1F1B-RR rules for replicated ones."""
     p, t = plan.num_stages, i // m
     if sync == "2bw":
         return max(0, t - 1)

@@ -16,7 +16,7 @@ __all__ = [
     "check_arguments",
     "check_chunk_options",
     "check_layer_sync",
-    "check_memory_layout",
+    "check_planning_options",
     "check_placement",
 ]
 
@@ -97,21 +97,31 @@ def check_chunk_options(
         )
 
 
-def check_memory_layout(
-    memory: float | None, balance: Any, plan: Any, replanning: bool = False
+def check_planning_options(
+    options: dict[str, Any], balance: Any, plan: Any, replanning: bool
 ) -> None:
-    """``memory=`` is the limit automatic planning fits; a layout given by hand (``balance=``,
-    ``plan=``) has no profiled sizes to hold against it, so the two together would leave the
-    limit unchecked without a word: refused, unless the strategy re-plans (``replan="auto"``:
-    the limit bounds the plans it moves to)."""
-    if memory is None or (balance is None and plan is None) or replanning:
+    """``options`` (name -> value, None where not given: ``topology``, ``memory``, a sample to
+    profile) serve automatic planning. Beside a layout given by hand (``balance=``, ``plan=``)
+    they would go unused without a word, so they are refused, unless the pipeline re-plans
+    (``replanning``: ``replan="auto"``, whose plans they bound; pass ``False`` for what does
+    not bound it)."""
+    given = [(name, value) for name, value in options.items() if value is not None]
+    if not given or (balance is None and plan is None) or replanning:
         return
-    given = f"balance: {list(balance)}" if balance is not None else "plan: given"
+    name, value = given[0]
+    if isinstance(value, (int, float)):
+        shown = f"{value:.0f} bytes"
+    else:
+        shown = repr(value) if isinstance(value, str) else "given"
+    layout = f"balance: {list(balance)}" if balance is not None else "plan: given"
+    names = ", ".join(f"{n}=" for n, _ in given)
+    bound = [n for n, _ in given if n in ("topology", "memory")] == [n for n, _ in given]
+    bounds = "they bound" if len(given) > 1 else "it bounds"
+    also = f', or add replan="auto", whose plans {bounds}' if bound else ""
     raise ValueError(
-        f"memory= is the limit automatic planning fits and is not checked against a layout given "
-        f"by hand (memory: {memory:.0f} bytes, {given}); leave out balance=/plan= so that the "
-        'planner chooses a layout that fits, or leave out memory= (with replan="auto" it also '
-        "bounds the plans moved to)"
+        f"{names} only serve{'s' if len(given) == 1 else ''} automatic planning, which a layout "
+        f"given by hand replaces ({name}: {shown}, {layout}); leave out balance=/plan= so "
+        f"that the planner chooses a layout, leave out {names}{also}"
     )
 
 

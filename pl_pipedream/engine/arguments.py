@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_pipedream.core.arguments import check_placement
+from pl_pipedream.core.arguments import check_placement, check_planning_options
 from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.planner.plan import Plan
@@ -163,31 +163,21 @@ def check_replan(mode: Any, every: Any, threshold: Any) -> bool:
 
 
 def check_automatic(
-    explicit: bool,
+    balance: Any,
+    plan: Any,
     example_input: Any,
     topology: Any,
     memory: Any,
     world_size: int,
     replanning: bool = False,
 ) -> None:
-    """``example_input``, ``topology`` and ``memory`` serve automatic planning: with a
-    ``balance`` or ``plan`` they would be ignored, so they are refused, except ``topology`` and
-    ``memory`` when the pipeline re-plans (they bound its plans too); a topology must have one
-    worker per process."""
-    given = [
-        name
-        for name, value in (("example_input", example_input), ("topology", topology))
-        if value is not None
-    ] + (["memory"] if memory is not None else [])
-    if replanning:
-        given = [name for name in given if name == "example_input"]
-    if explicit and given:
-        also = "" if replanning else ' (topology= and memory= also bound replan="auto")'
-        raise ValueError(
-            f"{', '.join(given)} only serve automatic planning, which a given balance= or plan= "
-            f"replaces ({given[0]}: given); drop {'them' if len(given) > 1 else 'it'}, or drop "
-            f"balance=/plan= to plan from example_input={also}"
-        )
+    """``example_input``, ``topology`` and ``memory`` serve automatic planning: beside a
+    ``balance`` or ``plan`` they are refused (``core.arguments.check_planning_options``), except
+    ``topology`` and ``memory`` when the pipeline re-plans (they bound its plans too); a topology
+    must have one worker per process."""
+    check_planning_options({"example_input": example_input}, balance, plan, False)
+    check_planning_options({"topology": topology, "memory": memory}, balance, plan, replanning)
+    explicit = balance is not None or plan is not None
     if not explicit and example_input is None and (topology is not None or memory is not None):
         raise ValueError(
             "automatic planning profiles the layers on one microbatch of the first layer's input "

@@ -155,9 +155,8 @@ class Pipeline:
         self.timeout = float(timeout)
         join_launched_group(self.timeout)
         self.rank = dist.get_rank()
-        explicit = balance is not None or plan is not None
         world = dist.get_world_size()
-        check_automatic(explicit, example_input, topology, memory, world, replanning)
+        check_automatic(balance, plan, example_input, topology, memory, world, replanning)
         self.device = torch.device(device) if device is not None else default_device()
         chosen = choose_precision(precision, self.sync, self.device)
         self.precision, self.scaler = chosen.stage, chosen.scaler

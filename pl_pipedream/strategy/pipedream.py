@@ -155,7 +155,8 @@ class PipeDreamStrategy(ParallelStrategy):
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory, self.microbatches = parse_memory(memory), microbatches
         self.replanning = Replanning(replan, replan_every, replan_threshold)
-        arguments.check_memory_layout(self.memory, balance, plan, self.replanning.on)
+        planning = {"topology": topology, "memory": self.memory}
+        arguments.check_planning_options(planning, balance, plan, self.replanning.on)
         arguments.check_chunk_options(self.sync, chunks_per_rank, self.memory, balance, plan)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 

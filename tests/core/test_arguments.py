@@ -8,10 +8,11 @@ from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.arguments import (
     check_arguments,
     check_chunk_options,
-    check_memory_layout,
     check_placement,
+    check_planning_options,
 )
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.topology import Topology
 from pl_pipedream.schedule.modes import SyncMode
 
 
@@ -39,21 +40,25 @@ def test_each_bad_argument_is_named_with_a_fix(arguments: tuple, message: str) -
         check_arguments(*arguments)
 
 
-def test_memory_with_a_layout_given_by_hand_is_refused() -> None:
-    # memory= only constrains automatic planning: with balance= it was ignored without a word
-    # (a 1 KiB limit trained a stage of 85 KiB).
-    check_memory_layout(None, [3, 3], None)
-    check_memory_layout(1024.0, None, None)
+def test_memory_or_a_topology_with_a_layout_given_by_hand_is_refused() -> None:
+    # memory= and topology= only serve automatic planning: beside balance= they would go unused
+    # without a word (a 1 KiB limit trained a stage of 85 KiB).
+    check_planning_options({"memory": None}, [3, 3], None, False)
+    check_planning_options({"memory": 1024.0}, None, None, False)
     with pytest.raises(ValueError, match=r"\(memory: 1024 bytes, balance: \[3, 3\]\); leave out"):
         PipeDreamStrategy(memory="1KiB", balance=[3, 3])
     with pytest.raises(ValueError, match=r"\(memory: 2048 bytes, plan: given\)"):
         PipeDreamStrategy(memory=2048, plan=Plan.from_balance([1, 1]))
+    with pytest.raises(ValueError, match=r"^topology= only serves .*\(topology: given, balance"):
+        PipeDreamStrategy(topology=Topology.flat(2, 1e9), balance=[3, 3])
 
 
-def test_memory_with_a_layout_given_by_hand_bounds_re_planning() -> None:
-    """With ``replan="auto"`` the limit bounds the plans moved to: accepted beside balance=."""
-    check_memory_layout(1024.0, [3, 3], None, replanning=True)
+def test_memory_or_a_topology_with_a_layout_given_by_hand_bound_re_planning() -> None:
+    """With ``replan="auto"`` they bound the plans moved to: accepted beside balance=."""
+    check_planning_options({"memory": 1024.0}, [3, 3], None, True)
     assert PipeDreamStrategy(memory="1KiB", balance=[3, 3], replan="auto").memory == 1024
+    topology = Topology.flat(2, 1e9)
+    assert PipeDreamStrategy(topology=topology, balance=[3, 3], replan="auto").topology is topology
 
 
 @pytest.mark.parametrize(("placement", "mode"), [("interleaved", "interleaved"), ("v", "zbv")])

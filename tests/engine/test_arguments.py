@@ -147,10 +147,18 @@ def test_balance_is_placed_as_the_chunked_mode_asks() -> None:
             torch.ones(1),
             None,
             None,
-            r"^example_input only serve automatic planning, which a given balance= or plan= "
-            r"replaces \(example_input: given\); drop it",
+            r"^example_input= only serves automatic planning, which a layout given by hand "
+            r"replaces \(example_input: given, balance: \[1, 2\]\); leave out balance=/plan= "
+            r"so that the planner chooses a layout, leave out example_input=$",
         ),
-        (True, None, Topology.flat(2, 1e9), "1GiB", r"^topology, memory only .* drop them"),
+        (
+            True,
+            None,
+            Topology.flat(2, 1e9),
+            "1GiB",
+            r"^topology=, memory= only serve .* leave out topology=, memory=, or add "
+            r'replan="auto", whose plans they bound$',
+        ),
         (
             False,
             None,
@@ -172,7 +180,7 @@ def test_what_only_automatic_planning_uses_is_refused_elsewhere(
     explicit: bool, example: object, topology: object, memory: object, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        check_automatic(explicit, example, topology, memory, 2)
+        check_automatic([1, 2] if explicit else None, None, example, topology, memory, 2)
 
 
 def test_without_a_layout_the_plan_is_made_automatically() -> None:
@@ -222,11 +230,12 @@ def test_replan_options_are_checked_and_say_whether_it_replans() -> None:
 
 def test_topology_and_memory_bound_replanning_beside_a_given_layout() -> None:
     topology = Topology.flat(2, 1e9)
-    check_automatic(True, None, topology, "1GiB", 2, replanning=True)
-    with pytest.raises(ValueError, match=r"^example_input only serve automatic planning"):
-        check_automatic(True, torch.zeros(1), topology, None, 2, replanning=True)
-    with pytest.raises(ValueError, match=r'also bound replan="auto"'):
-        check_automatic(True, None, None, "1GiB", 2)
+    given = Plan.from_balance([1, 2])
+    check_automatic(None, given, None, topology, "1GiB", 2, replanning=True)
+    with pytest.raises(ValueError, match=r"^example_input= only serves automatic planning"):
+        check_automatic(None, given, torch.zeros(1), topology, None, 2, replanning=True)
+    with pytest.raises(ValueError, match=r"\(memory: '1GiB', plan: given\).*add replan="):
+        check_automatic(None, given, None, None, "1GiB", 2)
 
 
 def test_chunks_per_rank_must_give_the_plan_its_stages_per_rank() -> None:

@@ -125,3 +125,9 @@ def test_a_plan_must_have_the_chunks_per_rank_asked_for() -> None:
         "the plan must give each rank the chunks_per_rank stages asked for (chunks_per_rank: 2, "
         "plan: 6 stages on 2 ranks); give 4 stages (balance= of 4 counts), or chunks_per_rank=3"
     )
+
+
+def test_a_chunked_mode_with_re_planning_is_refused_when_the_strategy_is_made() -> None:
+    """Before any process starts, as ``Pipeline`` refuses it."""
+    with pytest.raises(ValueError, match=r"^sync='zbv' keeps the plan it starts with"):
+        PipeDreamStrategy(sync="zbv", replan="auto")

@@ -1,13 +1,15 @@
 """The package's layering, read from the source (AST): a lower layer never imports a higher one.
 
-Layers, lowest first: profile < the data the package ships (published: the profiles and Table 1
-cells; configs: the Hydra configs) < planner < schedule < runtime < core (what any front end
-needs, free of Lightning) < engine (the plain PyTorch ``Pipeline``, free of Lightning) <
-the front ends over it (strategy: Lightning's Trainer; fabric: Lightning Fabric; accelerate:
-Hugging Face Accelerate, free of Lightning; none imports another) < the example models and data
-modules < reproduce (Table 1 beside the planner) < the apps (apps: cli and train, hydra_ranks,
-the package's own ``__init__``). A unit may import itself and any lower layer; models and data,
-though on one layer, do not import each other; the apps may import one another.
+Layers, lowest first: trees (the walks over nested tensors) < profile < the data the package ships
+(published: the profiles and Table 1 cells; configs: the Hydra configs) < planner < schedule <
+runtime < core (what any front end needs, free of Lightning) < engine (the plain PyTorch
+``Pipeline``, free of Lightning) < the front ends over it (strategy: Lightning's Trainer; fabric:
+Lightning Fabric; accelerate: Hugging Face Accelerate, free of Lightning; none imports another) <
+the example models and data modules < reproduce (Table 1 beside the planner) < the apps (apps: cli
+and train, hydra_ranks, the package's own ``__init__``). A unit may import itself and any lower
+layer; models and data, though on one layer, do not import each other; the apps may import one
+another.
+
 Every import counts: at module level, inside functions, under ``TYPE_CHECKING``, absolute
 (``import pl_pipedream.x.y``, ``from pl_pipedream.x import y``, ``from pl_pipedream import x``)
 and relative (``from ..x import y``, ``from . import x``).
@@ -32,6 +34,7 @@ NAME = "pl_pipedream"
 
 # Lowest first; a set is one layer.
 LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"trees"}),
     frozenset({"profile"}),
     frozenset({"published", "configs"}),
     frozenset({"planner"}),

@@ -10,7 +10,7 @@ from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.modes import SyncMode, check_chunks_per_rank
+from pl_pipedream.schedule.modes import SyncMode, check_chunked, check_chunks_per_rank
 
 __all__ = [
     "check_arguments",
@@ -66,13 +66,16 @@ def check_chunk_options(
     memory: float | None,
     balance: Any,
     plan: Any,
+    replanning: bool,
     call: str = "PipeDreamStrategy({args})",
 ) -> None:
     """``chunks_per_rank`` fits ``sync`` (``schedule.modes.check_chunks_per_rank``) and the
     layout given (each rank the same number of stages: a balance of a multiple of it, a plan of
     that many per rank); ``memory=`` is refused with a chunked mode, whose plan is cut by compute
-    alone (``planner.chunk_plan``) while the limit is what automatic planning fits. ``call``:
-    the front end's, with its arguments in ``{args}``."""
+    alone (``planner.chunk_plan``) while the limit is what automatic planning fits, and so is
+    ``replanning`` (``schedule.modes.check_chunked``; the tied parameters, known at setup, are
+    checked there). ``call``: the front end's, with its arguments in ``{args}``."""
+    check_chunked(sync, (), replanning, call.format(args="sync='{sync}'"))
     check_chunks_per_rank(sync, chunks, call)
     if memory is not None and sync.chunked:
         fits = call.format(args=f"sync='{SyncMode.ZERO_BUBBLE}', memory=...")

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
 from pl_pipedream.core.errors import PipelineDataError
-from pl_pipedream.runtime.trees import tensors
+from pl_pipedream.trees import tensors
 
 __all__ = [
     "Fingerprints",

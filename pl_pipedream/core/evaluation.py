@@ -27,7 +27,7 @@ from pl_pipedream.runtime.executor import ExecutorError
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.ranks import describe
 from pl_pipedream.runtime.tags import Tag
-from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.trees import map_tensors
 
 __all__ = ["ForwardPipe"]
 

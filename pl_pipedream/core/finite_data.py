@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pl_pipedream.runtime.trees import tensors
+from pl_pipedream.trees import tensors
 
 __all__ = ["FiniteData"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from pl_pipedream.runtime.trees import tensors
+from pl_pipedream.trees import tensors
 
 __all__ = ["slice_batch"]
 

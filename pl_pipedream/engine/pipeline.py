@@ -71,9 +71,9 @@ from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.schedule import rules
-from pl_pipedream.schedule.modes import SyncMode, check_chunked
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.trees import map_tensors
 
 __all__ = ["Pipeline"]
 
@@ -142,8 +142,8 @@ class Pipeline:
         self.layers = pipeline_of(layers)
         self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
         replanning = check_replan(replan, replan_every, replan_threshold)
-        check_chunked(self.sync, (), replanning, "Pipeline(..., sync='{sync}')")
-        check_chunk_options(self.sync, chunks_per_rank, parse_memory(memory), balance, plan, CALL)
+        given = (balance, plan, replanning)
+        check_chunk_options(self.sync, chunks_per_rank, parse_memory(memory), *given, CALL)
         self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)

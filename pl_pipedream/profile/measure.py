@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.profile.alike import equalise
 from pl_pipedream.profile.graph import Profile, ProfileError
+from pl_pipedream.trees import map_tensors, tensors
 
 __all__ = ["profile_layers", "profile_layers_one_at_a_time"]
 
@@ -66,7 +67,7 @@ def profile_layers(
     """
     _check_arguments(layers, warmup, repeats)
     target = _resolve_device(device, layers, sample)
-    value = _map_tensors(lambda t: t.to(target), sample)
+    value = map_tensors(lambda t: t.to(target), sample)
     with torch.random.fork_rng(devices=_rng_devices(target)), torch.enable_grad():
         if warmup:
             _time_chain(layers, value, target, runs=warmup)  # settles allocator and caches
@@ -90,7 +91,7 @@ def profile_layers_one_at_a_time(
     pass over the whole chain first."""
     _check_arguments(layers, warmup, repeats)
     target = _resolve_device(device, layers, sample)
-    value = _map_tensors(lambda t: t.to(target), sample)
+    value = map_tensors(lambda t: t.to(target), sample)
     timings = []
     with torch.random.fork_rng(devices=_rng_devices(target)), torch.enable_grad():
         for index, layer in enumerate(layers):
@@ -169,33 +170,33 @@ def _time_layer(
             f"{type(layer).__name__}, input: {_summarise(value)}): {error}; check the sample's "
             "shape and the layer order (a layer returning a tuple passes it on as one argument)"
         ) from error
-    sizes = tuple(float(t.numel() * t.element_size()) for t in _tensors(output))
+    sizes = tuple(float(t.numel() * t.element_size()) for t in tensors(output))
     return _Timing(forward, backward, sizes or (0.0,), _structure(layer, value, output)), output
 
 
 def _structure(layer: nn.Module, value: Any, output: Any) -> str:
     """The layer's class, its full repr, its parameters' and buffers' shapes and dtypes, and its
     input's and output's: what its cost depends on, not its values."""
-    tensors = [*layer.named_parameters(), *layer.named_buffers()]
-    shapes = [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors]
+    state = [*layer.named_parameters(), *layer.named_buffers()]
+    shapes = [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in state]
     kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
-    grads = [t.requires_grad for t in _tensors(value)]  # the input's gradient costs too
+    grads = [t.requires_grad for t in tensors(value)]  # the input's gradient costs too
     return repr((kind, repr(layer), shapes, _summarise(value), grads, _summarise(output)))
 
 
 def _run_once(module: nn.Module, value: Any, device: torch.device) -> tuple[float, float, Any]:
     """One forward and one backward of ``module``; returns both times and the output."""
-    inputs = _map_tensors(_fresh_input, value)
+    inputs = map_tensors(_fresh_input, value)
     _synchronize(device)
     start = time.perf_counter()
     output = module(inputs)
     _synchronize(device)
     forward_ms = (time.perf_counter() - start) * 1e3
-    roots = [t for t in _tensors(output) if t.requires_grad]
+    roots = [t for t in tensors(output) if t.requires_grad]
     if not roots:
         return forward_ms, 0.0, output
     leaves: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
-    leaves += [t for t in _tensors(inputs) if t.requires_grad]
+    leaves += [t for t in tensors(inputs) if t.requires_grad]
     grads = [torch.ones_like(t) for t in roots]
     _synchronize(device)
     start = time.perf_counter()
@@ -261,7 +262,7 @@ def _resolve_device(
     device: torch.device | str | None, layers: nn.Module, sample: Any
 ) -> torch.device:
     if device is None:
-        candidates = [*layers.parameters(), *_tensors(sample)]
+        candidates = [*layers.parameters(), *tensors(sample)]
         device = candidates[0].device if candidates else "cpu"
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
@@ -270,8 +271,7 @@ def _resolve_device(
 
 
 def _lives_on(module: nn.Module, device: torch.device) -> bool:
-    tensors = [*module.parameters(), *module.buffers()]
-    return all(t.device == device for t in tensors)
+    return all(t.device == device for t in (*module.parameters(), *module.buffers()))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -281,30 +281,6 @@ def _synchronize(device: torch.device) -> None:
 
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index] if device.type == "cuda" and device.index is not None else []
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    """The tensors inside ``value`` (a tensor, or tuples, lists and dicts of them), in order."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
-
-
-def _map_tensors(function: Callable[[Tensor], Tensor], value: Any) -> Any:
-    """``value`` with ``function`` applied to every tensor inside it; the structure is kept."""
-    if isinstance(value, Tensor):
-        return function(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_map_tensors(function, item) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(function, item) for item in value)
-    if isinstance(value, dict):
-        return {key: _map_tensors(function, item) for key, item in value.items()}
-    return value
 
 
 def _parameter_bytes(layer: nn.Module) -> float:
@@ -326,5 +302,5 @@ def _summarise(value: Any) -> str:
 
 
 def _batch_size(sample: Any) -> int | None:
-    tensors = [t for t in _tensors(sample) if t.dim() > 0]
-    return int(tensors[0].shape[0]) if tensors else None
+    found = [t for t in tensors(sample) if t.dim() > 0]
+    return int(found[0].shape[0]) if found else None

@@ -56,10 +56,10 @@ from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
 from pl_pipedream.runtime.timeline import Recording, TimelineEvent
-from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
+from pl_pipedream.trees import map_tensors
 
 __all__ = ["ExecutorError", "Feed", "StageExecutor"]
 

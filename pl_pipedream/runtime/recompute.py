@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pl_pipedream.runtime.trees import tensors
+from pl_pipedream.trees import tensors
 
 __all__ = ["Activations", "Replay", "rng_state", "set_rng_state"]
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.trees import map_tensors
 
 __all__ = [
     "Ahead",
@@ -101,7 +101,7 @@ class Ahead:
 
 
 def prefetch(value: Any, device: torch.device, side: SideStreams | None = None) -> Ahead:
-    """Start copying the tensors of ``value`` (any structure, ``runtime.trees.map_tensors``) to
+    """Start copying the tensors of ``value`` (any structure, ``trees.map_tensors``) to
     ``device``. On CUDA, host tensors are copied on the device's side stream from pinned memory;
     tensors already on the device are kept. Elsewhere the copy is ``tensor.to(device)``, now."""
     if device.type != "cuda":

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from pl_pipedream.core.microbatches import slice_batch
-from pl_pipedream.runtime.trees import map_tensors
 from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.step_logs import LOSS_NAME, StepLogCapture
+from pl_pipedream.trees import map_tensors
 
 __all__ = [
     "TrainingBatch",

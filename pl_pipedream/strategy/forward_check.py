@@ -23,7 +23,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from pl_pipedream.core.errors import PipelineSetupError
-from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.trees import map_tensors
 
 __all__ = ["check_forward", "forward_difference", "forward_is_checked"]
 

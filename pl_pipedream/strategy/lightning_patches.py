@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from pl_pipedream.core.errors import LightningChangedError
 from pl_pipedream.core.loader_state import untouched_draw
 from pl_pipedream.runtime.channel import PeerError
-from pl_pipedream.runtime.trees import map_tensors
+from pl_pipedream.trees import map_tensors
 
 __all__ = [
     "MultiProcessingLauncher",

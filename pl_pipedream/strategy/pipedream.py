@@ -40,7 +40,7 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import check_corrections
-from pl_pipedream.schedule.modes import SyncMode, check_chunked
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
@@ -155,11 +155,9 @@ class PipeDreamStrategy(ParallelStrategy):
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory, self.microbatches = parse_memory(memory), microbatches
         self.replanning = Replanning(replan, replan_every, replan_threshold)
-        # (before any launch: the tied parameters, known at setup, are checked there)
-        check_chunked(self.sync, (), self.replanning.on, "PipeDreamStrategy(sync='{sync}')")
-        planning = {"topology": topology, "memory": self.memory}
-        arguments.check_planning_options(planning, balance, plan, self.replanning.on)
-        arguments.check_chunk_options(self.sync, chunks_per_rank, self.memory, balance, plan)
+        layout = (balance, plan, self.replanning.on)
+        arguments.check_planning_options({"topology": topology, "memory": self.memory}, *layout)
+        arguments.check_chunk_options(self.sync, chunks_per_rank, self.memory, *layout)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     @property
@@ -348,6 +346,4 @@ class PipeDreamStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "pipedream", cls, description="PipeDream pipeline parallelism (1F1B, weight stashing)"
-        )
+        strategy_registry.register("pipedream", cls, description="PipeDream pipeline parallelism")

@@ -111,7 +111,7 @@ def test_memory_with_a_chunked_mode_is_refused() -> None:
         "compute alone (memory: 1024 bytes, sync: 'zbv'); leave out memory=, or use "
         "PipeDreamStrategy(sync='zero_bubble', memory=...) to plan within it"
     )
-    check_chunk_options(SyncMode.FLUSH, None, 1024.0, None, None)
+    check_chunk_options(SyncMode.FLUSH, None, 1024.0, None, None, False)
 
 
 def test_a_plan_must_have_the_chunks_per_rank_asked_for() -> None:

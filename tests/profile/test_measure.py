@@ -112,6 +112,28 @@ def test_layer_returning_a_tuple_passes_it_on_as_one_argument() -> None:
     assert again.nodes == result.nodes
 
 
+class Fields(dict):  # type: ignore[type-arg]
+    """A dict subclass a layer returns (as Hugging Face's ``ModelOutput`` is one)."""
+
+
+class ToFields(nn.Module):
+    def forward(self, x: Tensor) -> Fields:
+        return Fields(hidden=x * 2)
+
+
+class FromFields(nn.Module):
+    def forward(self, fields: Fields) -> Tensor:
+        assert type(fields) is Fields, type(fields)  # the next layer gets what was returned
+        return fields["hidden"].sum(dim=1)
+
+
+def test_a_dict_subclass_between_layers_keeps_its_type() -> None:
+    result = profile(
+        nn.Sequential(nn.Linear(4, 4), ToFields(), FromFields()), torch.randn(BATCH, 4)
+    )
+    assert result.nodes[1].output_bytes == BATCH * 4 * 4.0
+
+
 def test_tuple_sample_reaches_the_first_layer_as_one_argument() -> None:
     model = nn.Sequential(Join(4))
     result = profile(model, (torch.randn(BATCH, 4), torch.randn(BATCH, 1)))

@@ -1,4 +1,4 @@
-"""``runtime/trees.py``: the walks over nested tensors that every other module calls."""
+"""``trees.py``: the walks over nested tensors that every other module calls."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pl_pipedream.runtime.trees import map_tensors, tensors
+from pl_pipedream.trees import map_tensors, tensors
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pl_pipedream"
 

@@ -442,6 +442,25 @@ def test_cpu_trainer_builds_with_the_strategy(tmp_path: Path) -> None:
     assert Path(trainer.logger.log_dir) == tmp_path
 
 
+@pytest.mark.parametrize("trainer", ["cpu", "gpu"])
+def test_precision_is_a_trainer_key_that_defaults_to_lightnings(trainer: str) -> None:
+    assert composed(f"trainer={trainer}").trainer.precision is None  # Trainer(precision=None)
+    assert composed(f"trainer={trainer}", "trainer.precision=bf16-mixed").trainer.precision == (
+        "bf16-mixed"
+    )
+
+
+@pytest.mark.parametrize(("given", "precision"), [((), "32-true"), (("bf16-mixed",), "bf16-mixed")])
+def test_the_trainer_takes_the_precision_given_without_plus(
+    tmp_path: Path, given: tuple[str, ...], precision: str
+) -> None:
+    overrides = [f"trainer.precision={value}" for value in given]
+    cfg = composed(*overrides, output_dir=str(tmp_path))
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
+    assert trainer.precision == precision
+    assert isinstance(trainer.strategy, PipeDreamStrategy)
+
+
 def test_main_is_a_hydra_app_over_the_package_configs() -> None:
     main = get_method("pl_pipedream.apps.train.main")
     assert callable(main)
@@ -577,6 +596,18 @@ def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert 0.2 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 1/30
+
+
+@pytest.mark.slow
+def test_the_app_trains_in_the_precision_given_without_plus(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    given = ["trainer.precision=bf16-mixed", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"]
+    done = fork_app(*given, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Using bfloat16 Automatic Mixed Precision" in done.stdout + done.stderr
+    assert 0.4 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 0.1
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["config"]["trainer"]["precision"] == "bf16-mixed"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

@@ -10,6 +10,7 @@ ranks forked from this process as a launcher that sets ``LOCAL_RANK`` starts the
 
 from __future__ import annotations
 
+import csv
 import inspect
 import itertools
 import json
@@ -650,6 +651,36 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_the_output_dir(tmp_path: 
     assert checkpoint_to_resume(cfg) == str(sharded)
     os.utime(plain, (2000, 2000))
     assert checkpoint_to_resume(cfg) == str(plain)
+
+
+def metrics_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.mark.slow
+def test_a_preempted_and_resumed_app_run_keeps_every_step_of_its_metrics_once(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM at step 25 of 38, then the same command with ckpt_path=last: metrics.csv holds
+    every training step once, in order, from 0 to the last, each epoch's validation, and the
+    rows the preempted run wrote as it wrote them."""
+    common = ["sync=flush", "model.hidden=[16]", "trainer.max_epochs=2", "strategy.balance=[2,2]"]
+    common += ["trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    metrics = tmp_path / "run" / "metrics.csv"
+    signal = "+trainer.callbacks=[{_target_:tests.app_signal.SigtermAt,step:25}]"
+    stopped = fork_app(*common, signal, cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    before = metrics_rows(metrics)
+    assert [int(row["step"]) for row in before if row["train_loss"]][:26] == list(range(26))
+    resumed = fork_app(*common, "ckpt_path=last", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = metrics_rows(metrics)
+    assert [int(row["step"]) for row in after if row["train_loss"]] == list(range(38))
+    # each epoch's validation at its last step, then the app's final validation
+    validated = [(row["epoch"], row["step"]) for row in after if row["val_acc"]]
+    assert validated == [("0", "18"), ("1", "37"), ("2", "38")]
+    assert after[: len(before)] == before
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ swappable piece: ``model``, ``data``, ``cluster``, ``sync``, ``trainer``.
 ``ckpt_path`` resumes as ``trainer.fit(ckpt_path=...)`` does; ``ckpt_path=last`` takes the newest
 checkpoint under the run's output directory (``checkpoint_to_resume``), so a requeued job given
 the same ``hydra.run.dir`` goes on where it stopped, and its first run starts from the beginning.
+The trainer configs' logger (``apps.metrics_log``) keeps ``metrics.csv`` across a resume, each
+step once.
 
 Before any rank starts, ``main`` merges ``smoke_settings`` over the config when ``smoke=true``
 (``apply_smoke``: a recipe's reduced run for this machine) and refuses a config that asks for
@@ -61,6 +63,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     import lightning.pytorch as pl
 
+    from pl_pipedream.apps.metrics_log import KeepMetricsHistory
+
     started = time.perf_counter()
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
@@ -71,6 +75,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # which turns a Topology (a dataclass) into a DictConfig.
     strategy = instantiate(cfg.strategy, _partial_=True)(**_pipeline_arguments(cfg, devices))
     trainer = instantiate(cfg.trainer, strategy=strategy)
+    trainer.callbacks.append(KeepMetricsHistory())  # metrics.csv goes on from a resumed step
     trainer.fit(model, datamodule=datamodule, ckpt_path=checkpoint_to_resume(cfg))
     metrics = _floats(trainer.callback_metrics)
     # The strategy runs validation through the pipeline; the last stage's metrics reach every rank.

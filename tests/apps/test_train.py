@@ -10,6 +10,7 @@ ranks forked from this process as a launcher that sets ``LOCAL_RANK`` starts the
 
 from __future__ import annotations
 
+import csv
 import inspect
 import itertools
 import json
@@ -442,6 +443,25 @@ def test_cpu_trainer_builds_with_the_strategy(tmp_path: Path) -> None:
     assert Path(trainer.logger.log_dir) == tmp_path
 
 
+@pytest.mark.parametrize("trainer", ["cpu", "gpu"])
+def test_precision_is_a_trainer_key_that_defaults_to_lightnings(trainer: str) -> None:
+    assert composed(f"trainer={trainer}").trainer.precision is None  # Trainer(precision=None)
+    assert composed(f"trainer={trainer}", "trainer.precision=bf16-mixed").trainer.precision == (
+        "bf16-mixed"
+    )
+
+
+@pytest.mark.parametrize(("given", "precision"), [((), "32-true"), (("bf16-mixed",), "bf16-mixed")])
+def test_the_trainer_takes_the_precision_given_without_plus(
+    tmp_path: Path, given: tuple[str, ...], precision: str
+) -> None:
+    overrides = [f"trainer.precision={value}" for value in given]
+    cfg = composed(*overrides, output_dir=str(tmp_path))
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
+    assert trainer.precision == precision
+    assert isinstance(trainer.strategy, PipeDreamStrategy)
+
+
 def test_main_is_a_hydra_app_over_the_package_configs() -> None:
     main = get_method("pl_pipedream.apps.train.main")
     assert callable(main)
@@ -579,6 +599,18 @@ def test_the_sequence_model_trains_across_a_cut_that_carries_several_tensors(
     assert 0.2 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 1/30
 
 
+@pytest.mark.slow
+def test_the_app_trains_in_the_precision_given_without_plus(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    given = ["trainer.precision=bf16-mixed", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"]
+    done = fork_app(*given, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Using bfloat16 Automatic Mixed Precision" in done.stdout + done.stderr
+    assert 0.4 < final_val_acc(done.stdout + done.stderr) <= 1.0  # chance: 0.1
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["config"]["trainer"]["precision"] == "bf16-mixed"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_gpu_run_stops_before_any_rank_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -619,6 +651,36 @@ def test_ckpt_path_last_takes_the_newest_checkpoint_of_the_output_dir(tmp_path: 
     assert checkpoint_to_resume(cfg) == str(sharded)
     os.utime(plain, (2000, 2000))
     assert checkpoint_to_resume(cfg) == str(plain)
+
+
+def metrics_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.mark.slow
+def test_a_preempted_and_resumed_app_run_keeps_every_step_of_its_metrics_once(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM at step 25 of 38, then the same command with ckpt_path=last: metrics.csv holds
+    every training step once, in order, from 0 to the last, each epoch's validation, and the
+    rows the preempted run wrote as it wrote them."""
+    common = ["sync=flush", "model.hidden=[16]", "trainer.max_epochs=2", "strategy.balance=[2,2]"]
+    common += ["trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    metrics = tmp_path / "run" / "metrics.csv"
+    signal = "+trainer.callbacks=[{_target_:tests.app_signal.SigtermAt,step:25}]"
+    stopped = fork_app(*common, signal, cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    before = metrics_rows(metrics)
+    assert [int(row["step"]) for row in before if row["train_loss"]][:26] == list(range(26))
+    resumed = fork_app(*common, "ckpt_path=last", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = metrics_rows(metrics)
+    assert [int(row["step"]) for row in after if row["train_loss"]] == list(range(38))
+    # each epoch's validation at its last step, then the app's final validation
+    validated = [(row["epoch"], row["step"]) for row in after if row["val_acc"]]
+    assert validated == [("0", "18"), ("1", "37"), ("2", "38")]
+    assert after[: len(before)] == before
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawn
 from pl_pipedream.strategy.replanning import Replanning
 from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
 from pl_pipedream.strategy.step import TrainingSteps, backward
-from pl_pipedream.strategy.updates import StageUpdates
+from pl_pipedream.strategy.updates import LightningUpdates
 
 __all__ = ["PipeDreamStrategy"]
 
@@ -146,7 +146,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
         self.local_stage: LocalStage | None = None  # these four: set up by setup.set_up
         self.runner: PipelineRunner | None = None
-        self.updates: StageUpdates | None = None
+        self.updates: LightningUpdates | None = None
         self.evaluation: EvaluationPipe | None = None
         self.resume = Resume()  # the checkpoint resumed, the optimizers' names (core.resume)
         self.loader_seeds = LoaderSeeds()  # agreed at setup (core.data)

@@ -52,7 +52,12 @@ from pl_pipedream.strategy.precision import (
     stage_precision,
 )
 from pl_pipedream.strategy.preemption import stop_fit
-from pl_pipedream.strategy.updates import TrainerUpdates, check_ties, check_trainer, stage_updates
+from pl_pipedream.strategy.updates import (
+    TrainerUpdates,
+    check_ties,
+    check_trainer,
+    lightning_updates,
+)
 
 __all__ = [
     "attached_trainer",
@@ -185,7 +190,7 @@ def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
     assert strategy.local_stage is not None and strategy.plan is not None
     stage, module = strategy.local_stage.stage, strategy.local_stage.module
     optimizers = lambda: strategy.optimizers  # noqa: E731 - set up after the pipeline
-    strategy.updates = stage_updates(
+    strategy.updates = lightning_updates(
         strategy.sync,
         module,
         optimizers,

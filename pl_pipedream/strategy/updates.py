@@ -15,9 +15,10 @@ of that update (``runtime.executor``); what the update does with it depends on t
   own step (``runtime.update.step``, which keeps a stashed version intact) stands in for the
   optimizer's. Lightning's own backward and step do nothing; its step counter, ``max_steps``
   and LR schedulers still advance per batch.
-* ``TrainerUpdates`` (flushed modes: ``flush``, ``gpipe``): the one update of the batch holds
-  its gradient until Lightning's ``backward`` hands it to the parameters; Lightning then clips
-  (by the norm over every stage, as on one device), accumulates and steps as usual.
+* ``TrainerUpdates`` (the flushed modes, ``schedule.modes.FLUSHED_MODES``): the one update of
+  the batch holds its gradient until Lightning's ``backward`` hands it to the parameters;
+  Lightning then clips (by the norm over every stage, as on one device), accumulates and steps
+  as usual.
 
 Either way an update first moves the live weights out of any storage a kept weight version
 shares (``runtime.update``), so a stashed version never changes.
@@ -40,16 +41,16 @@ from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "PipelineUpdates",
-    "StageUpdates",
+    "LightningUpdates",
     "TrainerUpdates",
     "check_ties",
     "check_trainer",
     "clear_grads",
-    "stage_updates",
+    "lightning_updates",
 ]
 
 
-class StageUpdates:
+class LightningUpdates:
     """The ``Update`` of a stage (``runtime.update.Update``) and its part in Lightning's
     ``backward``. ``optimizers`` gives the strategy's optimizers, set up after the pipeline."""
 
@@ -76,7 +77,7 @@ class StageUpdates:
         return loss
 
 
-class PipelineUpdates(StageUpdates):
+class PipelineUpdates(LightningUpdates):
     """The stage's optimizers step inside the pipeline, after the hooks Lightning runs before
     a step (clipping included, per stage)."""
 
@@ -100,7 +101,7 @@ class PipelineUpdates(StageUpdates):
         return copied
 
 
-class TrainerUpdates(StageUpdates):
+class TrainerUpdates(LightningUpdates):
     """The batch's gradient waits for Lightning's ``backward``; Lightning steps in place."""
 
     steps_in_pipeline = False
@@ -222,7 +223,7 @@ def check_trainer(mode: SyncMode, trainer: Any) -> None:
         )
 
 
-def stage_updates(
+def lightning_updates(
     mode: SyncMode,
     module: nn.Module,
     optimizers: Callable[[], list[Optimizer]],
@@ -230,7 +231,7 @@ def stage_updates(
     replicas: int,
     device: torch.device,
     counted_elsewhere: frozenset[str] = frozenset(),
-) -> StageUpdates:
+) -> LightningUpdates:
     """The updates of a stage under ``mode``; ``counted_elsewhere``: the tied parameters whose
     gradient another stage counts in the global clipping norm."""
     if mode.updates_in_pipeline:

@@ -13,7 +13,7 @@ from pl_pipedream.strategy.updates import (
     TrainerUpdates,
     check_trainer,
     clear_grads,
-    stage_updates,
+    lightning_updates,
     step_after_hooks,
 )
 from tests.runtime.distributed import run
@@ -269,7 +269,7 @@ def test_pipeline_updates_leave_backward_to_the_pipeline() -> None:
 
 @pytest.mark.parametrize("mode", list(SyncMode))
 def test_stage_updates_pick_the_class_by_mode(mode: SyncMode) -> None:
-    updates = stage_updates(mode, stage(), lambda: [], trainer(), 1, CPU)
+    updates = lightning_updates(mode, stage(), lambda: [], trainer(), 1, CPU)
     expected = PipelineUpdates if mode.updates_in_pipeline else TrainerUpdates
     assert type(updates) is expected
     assert updates.steps_in_pipeline == mode.updates_in_pipeline

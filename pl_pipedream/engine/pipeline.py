@@ -102,7 +102,7 @@ class Pipeline:
     where ``train_step`` drains and raises ``Preempted``; ``precision``: ``"32-true"``,
     ``"bf16-mixed"`` or ``"16-mixed"`` (``engine.precision``), or a ``StagePrecision``;
     ``clip_grad_norm``: the largest gradient norm at each update (``core.clipping``: over every
-    stage in ``flush`` and ``gpipe``, as one device; over the stage in the other modes);
+    stage in the flushed modes, as one device; over the stage in the other modes);
     ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
     stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
     ``layers`` were built on ``meta``, from which each rank creates only its stage;

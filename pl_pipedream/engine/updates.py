@@ -2,7 +2,7 @@
 
 Every ``STEP`` of the schedule hands the stage's ``Update`` the mean gradient of that update
 (``runtime.executor``). Here the gradient goes on the stage's ``.grad`` and the optimizer built
-from the stage's parameters steps at once, in every sync mode: in ``flush`` and ``gpipe`` that is
+from the stage's parameters steps at once, in every sync mode: in the flushed modes that is
 the one step per batch a single-device loop takes after ``backward``; in the other modes it is
 PipeDream's step per minibatch (``async``, ``vertical_sync``) or per batch (``2bw``). The step is
 ``runtime.update.step``, which leaves a stashed weight version's storage untouched.
@@ -110,7 +110,7 @@ def clipping(
     max_norm: float | None, sync: SyncMode, local: LocalStage, plan: Plan, device: torch.device
 ) -> Clip | None:
     """The clip of ``Pipeline(clip_grad_norm=...)``: by the norm over every stage where each
-    stage updates once per batch (``flush``, ``gpipe``: equal to one device's
+    stage updates once per batch (the flushed modes: equal to one device's
     ``clip_grad_norm_`` over the model), by the stage's own norm where stages update at their
     own times; None without a limit."""
     if max_norm is None:

@@ -12,7 +12,7 @@ the same sum). A holder that stops makes the others' all-reduce fail: they raise
 naming it by rank and stage, at the pipeline's deadline if it hangs.
 
 This holds for the modes where every stage uses the same weight version for a minibatch and
-makes one update per batch (``flush``, ``gpipe``, ``2bw``); the per-minibatch modes give a tied
+makes one update per batch (the flushed modes and ``2bw``); the per-minibatch modes give a tied
 parameter a version rule of its own (``runtime.tied_versions``), which holds for a straight
 pipeline only: ``check_ties`` refuses the rest at setup.
 """

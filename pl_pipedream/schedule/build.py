@@ -34,8 +34,8 @@ def build(
     """The schedule that feeds ``num_batches`` batches of ``microbatches`` through ``plan``.
 
     ``sync`` is a ``SyncMode`` or its name. The asynchronous modes (``async``, ``vertical_sync``,
-    ``2bw``) never flush between batches and end with a drain; ``flush`` and ``gpipe`` flush after
-    every batch. ``ranks`` (default: all) are the ranks whose lists are built; the others stay
+    ``2bw``) never flush between batches and end with a drain; the others flush after every
+    batch. ``ranks`` (default: all) are the ranks whose lists are built; the others stay
     empty (``Schedule.scope``). Raises ``ValueError`` for an unknown mode or counts the mode
     cannot serve. The modes of several stages per rank (``interleaved``, ``zbv``) take their
     order from module ``chunked``.

@@ -69,3 +69,23 @@ class LossWatch:
         if not stop:
             self.watch = None  # warned once, not checked again in this fit
         return Verdict(error, stop)
+
+    def check(
+        self,
+        loss: float,
+        batch: int | None,
+        step: int,
+        explain: Callable[[str], str],
+        drain: Callable[[], None],
+        warn: Callable[[str], None],
+    ) -> None:
+        """``judge``, then act on the verdict as every front end does: to stop, ``drain`` (the
+        messages in flight arrive first, on every rank at this step) and raise the error; else
+        ``warn`` its text once."""
+        verdict = self.judge(loss, batch, step, explain)
+        if verdict is None:
+            return
+        if verdict.stop:
+            drain()
+            raise verdict.error
+        warn(str(verdict.error) + " (not checked again in this fit)")

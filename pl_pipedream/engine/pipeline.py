@@ -241,16 +241,16 @@ class Pipeline:
             delays = [rules.update_delay(plan, sync, s) for s in range(plan.num_stages)]
             groups = self.optimizer.param_groups if self.optimizer is not None else []
             optimizer = describe_optimizer(groups)
-            return divergence_message(reason, self.steps, sync, delays, optimizer, "Pipeline", None)
+            clipping = "Pipeline(..., clip_grad_norm=1.0)"
+            return divergence_message(
+                reason, self.steps, sync, delays, optimizer, "Pipeline", clipping
+            )
 
-        verdict = self.losses.judge(loss, batch, self.steps, explain)
-        if verdict is None:
-            return
-        if verdict.stop:
-            self.drain()  # every rank stops at this step: the messages in flight arrive first
-            raise verdict.error
-        if self.rank == 0:
-            warnings.warn(str(verdict.error) + " (not checked again)", stacklevel=3)
+        def warn(text: str) -> None:
+            if self.rank == 0:
+                warnings.warn(text, stacklevel=4)
+
+        self.losses.check(loss, batch, self.steps, explain, self.drain, warn)
 
     def _stop(self, signum: int) -> None:
         """At the step every rank agreed on after a preemption signal: drain, then raise."""

@@ -11,7 +11,8 @@ The flags are Lightning's names, so that every front end passes what its users a
   the last stage scales its backward seeds, every stage unscales its own gradients, and the
   stages agree on skipping a step. That agreement is a collective over every rank at each
   update, which only the flushed modes (``schedule.modes.FLUSHED_MODES``) can take in step; and
-  torch's loss scaling runs on CUDA devices only here. Elsewhere it is refused, naming ``"bf16-mixed"``.
+  torch's loss scaling runs on CUDA devices only here. Elsewhere it is refused, naming
+  ``"bf16-mixed"``.
 
 A ``runtime.precision.StagePrecision`` without a loss scale is taken as given (a front end's own
 forward context).

@@ -83,13 +83,9 @@ class TrainingSteps:
             groups = [g for optimizer in strategy.optimizers for g in optimizer.param_groups]
             return divergence_message(reason, step, sync, delays, describe_optimizer(groups))
 
-        verdict = losses.judge(loss, strategy.runner.loss_batch, step, explain)
-        if verdict is None:
-            return
-        if verdict.stop:
-            strategy.drain()  # every rank stops at this step: the messages in flight arrive first
-            raise verdict.error
-        rank_zero_warn(str(verdict.error) + " (not checked again in this fit)")
+        losses.check(
+            loss, strategy.runner.loss_batch, step, explain, strategy.drain, rank_zero_warn
+        )
 
 
 def must_drain(sync: Any, trainer: pl.Trainer) -> bool:

@@ -430,6 +430,7 @@ def test_divergence_and_preemption_stop_every_rank_at_one_step() -> None:
     assert message.startswith("training diverged: the training loss is not finite")
     assert 'Pipeline(divergence="warn"|"off") trains on regardless' in message
     assert "PipeDreamStrategy" not in message and "Trainer(" not in message
+    assert "or clip gradients (Pipeline(..., clip_grad_norm=1.0))" in message  # flush clips too
     kind, steps, message = values[0]["bad data"]
     assert (kind, steps) == ("BadData", 3)  # flush: the loss of the poisoned batch, at once
     assert "batch of the fit: 2, microbatch: 0" in message

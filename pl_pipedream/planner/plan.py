@@ -141,6 +141,16 @@ class Plan:
         """Replicas per stage joined by dashes, as the paper writes configurations: ``3-1``."""
         return "-".join(str(stage.replicas) for stage in self.stages)
 
+    @property
+    def layout(self) -> str:
+        """Each stage's first and last layer and its replicas, in pipeline order: ``0-3|4-7``,
+        ``0-7x2``."""
+        return "|".join(
+            (s.nodes[0] if len(s.nodes) == 1 else f"{s.nodes[0]}-{s.nodes[-1]}")
+            + (f"x{s.replicas}" if s.replicas > 1 else "")
+            for s in self.stages
+        )
+
     def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
         """The stages ``rank`` serves, in pipeline order (one unless the plan is chunked)."""
         mine = tuple(stage for stage in self.stages if rank in stage.ranks)

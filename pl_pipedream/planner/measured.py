@@ -146,9 +146,9 @@ def rank_reading(
     profile: Profile, measurements: Sequence[RankTimes], workers: int
 ) -> MeasuredModel:
     """The reading that takes the ranks' differences as their speeds: ``measured_model`` against
-    ``profile`` with every layer of some cost at one cost (1 ms forward, 1 ms backward), so a rank's speed is
-    its layers' pooled time against the median rank's (a layer raised alone is still a costly
-    layer) and every layer costs its time measured on a rank of speed 1."""
+    ``profile`` with every layer of some cost at one cost (1 ms forward, 1 ms backward), so a
+    rank's speed is its layers' pooled time against the median rank's (a layer raised alone is
+    still a costly layer) and every layer costs its time measured on a rank of speed 1."""
     alike = [
         replace(n, forward_ms=1.0, backward_ms=1.0) if n.compute_ms > 0 else n
         for n in profile.nodes

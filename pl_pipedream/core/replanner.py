@@ -13,12 +13,14 @@ Without one (a ``balance=`` or ``plan=`` given, or a profile taken by another cl
 check is the reference: its measured times become the profile, with each layer's parameter bytes
 (from its shapes, ``meta`` too) and output bytes (its first output after ``watch``), and every
 rank taken as speed 1 then; later checks read a rank or a layer slower than that reference.
-A rank slow from the start then reads as costly layers, so while a rank holds only layers it
-held when the reference was taken its speed is not known: the check weighs the reading that
-takes its difference as the rank's too (``planner.measured.rank_reading``; a move must pay
-under both), and a move that gives such a rank more work waits for the next check to find it
-again (``planner.replan.confirm``). The first check can already move, when the plan given is
-slower than the measured costs call for under both readings.
+A rank slow from the start then reads as costly layers. So while a rank holds only layers it
+held when the reference was taken, and the reading that takes its layers' difference from the
+other ranks' as the rank's (``planner.measured.rank_reading``, every layer profiled alike) gives
+it another speed (by more than ``AGREE``), its speed is not known: the check weighs that reading
+too (a move must pay under both), and a move that gives such a rank work it does not do now
+waits for the next check to find it again (``planner.replan.confirm``). The first check can
+already move, when the plan given is slower than the measured costs call for under both
+readings.
 
 The first step, and the first step after a move, are not measured (first calls, new process
 groups and message sizes cost more): at the step ``starts`` names, the front end drops the
@@ -50,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from pl_pipedream.core.stage_clock import LayerClock, rank_times
 from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model, rank_reading
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.replan import Decision, confirm, decide, more_work
+from pl_pipedream.planner.replan import Decision, confirm, decide, new_work
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Node, Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -60,6 +62,7 @@ __all__ = ["HISTORY_NAME", "REPLAN_MODES", "Replanner", "check_replan_options", 
 REPLAN_MODES = ("off", "auto")
 HISTORY_NAME = "pipedream_plan_history.jsonl"
 DEFAULT_HORIZON = 1000  # minibatches over which a move must pay for itself
+AGREE = 0.1  # two readings of a rank's speed within 10% of each other agree
 
 
 def check_replan_options(mode: Any, every: Any, threshold: Any, call: str = "Pipeline") -> None:
@@ -213,8 +216,9 @@ class Replanner:
             self._reference = plan
         profile = self.profile or _reference(plan, times, [s for _, s in gathered])
         model = measured_model(profile, times, plan.num_workers)
-        unknown = _unknown_speeds(self._reference, plan)
-        others = (rank_reading(profile, times, plan.num_workers),) if unknown else ()
+        by_rank = rank_reading(profile, times, plan.num_workers)
+        unknown = _unknown_speeds(self._reference, plan, model, by_rank)
+        others = (by_rank,) if unknown else ()
         options = {k: v for k, v in self.plan_options.items() if v is not None}
         decision = decide(
             plan,
@@ -230,10 +234,8 @@ class Replanner:
             decision = Decision(
                 False, plan, decision.current_time, decision.current_time, 0.0, decision.warnings
             )
-        at_once = not more_work(plan, decision.plan, model.profile, unknown)
-        decision, self._proposed = confirm(
-            plan, decision, self._proposed, self.threshold, at_once
-        )
+        at_once = not new_work(plan, decision.plan, unknown)
+        decision, self._proposed = confirm(plan, decision, self._proposed, self.threshold, at_once)
         line = {
             "step": step,
             "old_plan": plan.to_dict(),
@@ -277,15 +279,20 @@ class Replanner:
                 file.write(json.dumps(line) + "\n")
 
 
-def _unknown_speeds(reference: Plan | None, plan: Plan) -> tuple[int, ...]:
+def _unknown_speeds(
+    reference: Plan | None, plan: Plan, model: MeasuredModel, by_rank: MeasuredModel
+) -> tuple[int, ...]:
     """The ranks whose speed the measurements cannot tell from their layers' costs: with a
-    measured reference, those that hold only layers they held when it was taken."""
+    measured reference, those that hold only layers they held when it was taken and whose speed
+    differs by more than ``AGREE`` between ``model`` and the reading that takes a difference
+    as the rank's (``by_rank``)."""
     if reference is None:
         return ()
     return tuple(
         r
         for r in range(plan.num_workers)
         if set(plan.stage_of_rank(r).nodes) <= set(reference.stage_of_rank(r).nodes)
+        and abs(by_rank.speeds[r] / model.speeds[r] - 1.0) > AGREE
     )
 
 
@@ -301,10 +308,12 @@ def _report(
     measured = " | ".join(
         f"{math.fsum(_stage_ms(t).values()):.3g}" for t in sorted(times, key=lambda t: t.rank)
     )
+    speeds = "speeds " + ", ".join(
+        "?" if r in unknown else f"{s:.2f}" for r, s in enumerate(model.speeds)
+    )
     if unknown:
-        speeds = f"speeds not known yet for ranks {', '.join(map(str, unknown))}"
-    else:
-        speeds = "speeds " + ", ".join(f"{s:.2f}" for s in model.speeds)
+        ranks = ", ".join(map(str, unknown))
+        speeds += f" (rank {ranks}: a slow rank or costly layers, not told apart yet)"
     verdict = decision.render()
     if held is not None:
         verdict += f"; holding a move to {held.layout} until the next check finds it again"

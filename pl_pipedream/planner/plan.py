@@ -323,10 +323,7 @@ class Plan:
                 f"slowest {slowest}        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
             )
             lines.append(f"throughput           {self.throughput:.2f} minibatches/s (predicted)")
-            lines.append(
-                f"speedup over DP      {self.speedup_over_data_parallel:.3f}x "
-                f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
-            )
+            lines.append(_against_data_parallel(self))
         if self.meta.get("advice"):
             lines.append(f"slower than DP       {self.meta['advice']}")
         lines.append(f"NOAM                 {self.noam}")
@@ -360,6 +357,19 @@ def with_warmup(stages: Sequence[Stage]) -> tuple[Stage, ...]:
         out.append(Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1}))
         before += stage.replicas
     return tuple(out)
+
+
+def _against_data_parallel(plan: Plan) -> str:
+    """The printed line comparing ``plan`` with data parallelism on the same workers, both
+    predicted: a speedup, or a slowdown named as one."""
+    speedup = plan.speedup_over_data_parallel
+    where = (
+        f"predicted; data parallel on the same workers: {plan.data_parallel_time * 1e3:.4f} ms "
+        "per minibatch"
+    )
+    if speedup >= 1.0 - 1e-9:
+        return f"speedup over DP      {speedup:.3f}x ({where})"
+    return f"slowdown against DP  {speedup:.3f}x ({where}, faster than this plan)"
 
 
 def _span(ranks: Sequence[int]) -> str:

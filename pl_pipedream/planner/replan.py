@@ -18,8 +18,8 @@ slow, not costly, is slower under that reading and is not chosen. ``confirm`` ad
 across checks: a gain beyond ``CLEAR`` thresholds (a rank several times slower) moves at once,
 and a smaller one only when the check before found the same plan, so that noise of a few
 thresholds' size (a loaded machine) does not move layers to a plan that only ties with the
-current one, nor back again; a move that gives a rank of unknown speed more work
-(``more_work``) is always held for the next check. Pure: no torch import.
+current one, nor back again; a move that gives a rank of unknown speed work it does not do now
+(``new_work``) is always held for the next check. Pure: no torch import.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "more_work", "move_bytes"]
+__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "move_bytes", "new_work"]
 
 CLEAR = 4.0  # a gain beyond 1 + CLEAR x threshold moves at once; a smaller one is seen twice
 
@@ -81,18 +81,15 @@ def move_bytes(current: Plan, new: Plan, profile: Profile, state_factor: float =
     return total
 
 
-def more_work(
-    current: Plan, new: Plan, profile: Profile, ranks: Sequence[int] | None = None
-) -> tuple[int, ...]:
-    """The ranks (of ``ranks``, default all) that ``new`` gives more compute per minibatch than
-    ``current`` does: their stage's layer costs in ``profile`` over its replicas."""
-
-    def work(plan: Plan, rank: int) -> float:
-        stage = plan.stage_of_rank(rank)
-        return math.fsum(profile.node(n).compute_ms for n in stage.nodes) / stage.replicas
-
-    chosen = range(current.num_workers) if ranks is None else ranks
-    return tuple(r for r in chosen if work(new, r) > work(current, r) * (1.0 + 1e-9))
+def new_work(current: Plan, new: Plan, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The ranks of ``ranks`` that ``new`` gives work they do not do in ``current``: a layer
+    they do not hold, or a larger share of one (fewer replicas of their stage)."""
+    out = []
+    for rank in ranks:
+        before, after = current.stage_of_rank(rank), new.stage_of_rank(rank)
+        if not set(after.nodes) <= set(before.nodes) or after.replicas < before.replicas:
+            out.append(rank)
+    return tuple(out)
 
 
 def fits_memory(candidate: Plan, profile: Profile, memory: float | None) -> bool:

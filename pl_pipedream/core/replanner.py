@@ -13,12 +13,12 @@ Without one (a ``balance=`` or ``plan=`` given, or a profile taken by another cl
 check is the reference: its measured times become the profile, with each layer's parameter bytes
 (from its shapes, ``meta`` too) and output bytes (its first output after ``watch``), and every
 rank taken as speed 1 then; later checks read a rank or a layer slower than that reference.
-A rank slow from the start then reads as costly layers. So while a rank holds only layers it
-held when the reference was taken, and the reading that takes its layers' difference from the
-other ranks' as the rank's (``planner.measured.rank_reading``, every layer profiled alike) gives
-it another speed (by more than ``AGREE``), its speed is not known: the check weighs that reading
-too (a move must pay under both), and a move that gives such a rank work it does not do now
-waits for the next check to find it again (``planner.replan.confirm``). The first check can
+A rank slow from the start then reads as costly layers. So while some rank holds only layers it
+held when the reference was taken, the check also weighs the reading that takes a rank's
+difference from the others as the rank's (``planner.measured.rank_reading``, every layer
+profiled alike): a move must pay under both. Where the two readings give such a rank speeds
+more than ``AGREE`` apart, its speed is not known, and a move that gives it work it does not do
+now waits for the next check to find it again (``planner.replan.confirm``). The first check can
 already move, when the plan given is slower than the measured costs call for under both
 readings.
 
@@ -62,7 +62,7 @@ __all__ = ["HISTORY_NAME", "REPLAN_MODES", "Replanner", "check_replan_options", 
 REPLAN_MODES = ("off", "auto")
 HISTORY_NAME = "pipedream_plan_history.jsonl"
 DEFAULT_HORIZON = 1000  # minibatches over which a move must pay for itself
-AGREE = 0.1  # two readings of a rank's speed within 10% of each other agree
+AGREE = 0.25  # two readings of a rank's speed within 25% of each other agree
 
 
 def check_replan_options(mode: Any, every: Any, threshold: Any, call: str = "Pipeline") -> None:
@@ -217,8 +217,9 @@ class Replanner:
         profile = self.profile or _reference(plan, times, [s for _, s in gathered])
         model = measured_model(profile, times, plan.num_workers)
         by_rank = rank_reading(profile, times, plan.num_workers)
-        unknown = _unknown_speeds(self._reference, plan, model, by_rank)
-        others = (by_rank,) if unknown else ()
+        unseen = _unseen(self._reference, plan)
+        unknown = tuple(r for r in unseen if abs(by_rank.speeds[r] / model.speeds[r] - 1) > AGREE)
+        others = (by_rank,) if unseen else ()
         options = {k: v for k, v in self.plan_options.items() if v is not None}
         decision = decide(
             plan,
@@ -279,20 +280,15 @@ class Replanner:
                 file.write(json.dumps(line) + "\n")
 
 
-def _unknown_speeds(
-    reference: Plan | None, plan: Plan, model: MeasuredModel, by_rank: MeasuredModel
-) -> tuple[int, ...]:
-    """The ranks whose speed the measurements cannot tell from their layers' costs: with a
-    measured reference, those that hold only layers they held when it was taken and whose speed
-    differs by more than ``AGREE`` between ``model`` and the reading that takes a difference
-    as the rank's (``by_rank``)."""
+def _unseen(reference: Plan | None, plan: Plan) -> tuple[int, ...]:
+    """The ranks whose speed the measurements cannot yet tell from their layers' costs: with a
+    measured reference, those that hold only layers they held when it was taken."""
     if reference is None:
         return ()
     return tuple(
         r
         for r in range(plan.num_workers)
         if set(plan.stage_of_rank(r).nodes) <= set(reference.stage_of_rank(r).nodes)
-        and abs(by_rank.speeds[r] / model.speeds[r] - 1.0) > AGREE
     )
 
 

@@ -11,10 +11,11 @@ only when the current time exceeds that by more than ``threshold`` (a fraction),
 noise does not move layers back and forth. Where the measurements read two ways (a rank of one
 layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
 A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
-fits is weighed instead. Where no rank's speed is known yet (the reference profile is the
-measurements themselves, ``measured.rank_reading``), the caller passes the other reading in
-``readings``, and a move must pay under it too: a plan that puts every layer on a rank that is
-slow, not costly, is slower under that reading and is not chosen. ``confirm`` adds hysteresis
+fits is weighed instead. Where a rank's speed cannot be read from a reference yet (the
+reference profile is its own measurements), the caller passes the other reading
+(``measured.rank_reading``) in ``readings``, and a move must pay under it too: a plan that
+puts every layer on a rank that is slow, not costly, is slower under that reading and is not
+chosen. ``confirm`` adds hysteresis
 across checks: a gain beyond ``CLEAR`` thresholds (a rank several times slower) moves at once,
 and a smaller one only when the check before found the same plan, so that noise of a few
 thresholds' size (a loaded machine) does not move layers to a plan that only ties with the

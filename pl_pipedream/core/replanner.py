@@ -13,8 +13,14 @@ Without one (a ``balance=`` or ``plan=`` given, or a profile taken by another cl
 check is the reference: its measured times become the profile, with each layer's parameter bytes
 (from its shapes, ``meta`` too) and output bytes (its first output after ``watch``), and every
 rank taken as speed 1 then; later checks read a rank or a layer slower than that reference.
-The first check can already move, when the plan given is slower than the measured costs call
-for. A rank slow from the start is read as costly layers.
+A rank slow from the start then reads as costly layers. So while some rank holds only layers it
+held when the reference was taken, the check also weighs the reading that takes a rank's
+difference from the others as the rank's (``planner.measured.rank_reading``, every layer
+profiled alike): a move must pay under both. Where the two readings give such a rank speeds
+more than ``AGREE`` apart, its speed is not known, and a move that gives it work it does not do
+now waits for the next check to find it again (``planner.replan.confirm``). The first check can
+already move, when the plan given is slower than the measured costs call for under both
+readings.
 
 The first step, and the first step after a move, are not measured (first calls, new process
 groups and message sizes cost more): at the step ``starts`` names, the front end drops the
@@ -26,6 +32,8 @@ passes ``on`` as ``record_timeline``). Each move is one JSON line in ``history``
 measured per-rank stage milliseconds, the speeds, predicted times, and the seconds the move took
 (``moved``). A better plan that does not fit memory comes back in ``Decision.warnings``. A move
 of a small gain waits for the next check to find the same plan (``planner.replan.confirm``).
+Every check leaves one line in ``report`` (what it measured and decided, ``kept`` included),
+which the front end logs on rank 0.
 """
 
 from __future__ import annotations
@@ -42,9 +50,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pl_pipedream.core.stage_clock import LayerClock, rank_times
-from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model
+from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model, rank_reading
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.replan import Decision, confirm, decide
+from pl_pipedream.planner.replan import Decision, confirm, decide, new_work
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Node, Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -54,6 +62,7 @@ __all__ = ["HISTORY_NAME", "REPLAN_MODES", "Replanner", "check_replan_options", 
 REPLAN_MODES = ("off", "auto")
 HISTORY_NAME = "pipedream_plan_history.jsonl"
 DEFAULT_HORIZON = 1000  # minibatches over which a move must pay for itself
+AGREE = 0.25  # two readings of a rank's speed within 25% of each other agree
 
 
 def check_replan_options(mode: Any, every: Any, threshold: Any, call: str = "Pipeline") -> None:
@@ -117,6 +126,8 @@ class Replanner:
         self._handles: list[RemovableHandle] = []
         self._from = 1  # measured: the steps after this one
         self._proposed: Plan | None = None  # rank 0: a smaller gain's plan, held for a check
+        self._reference: Plan | None = None  # rank 0: the plan the measured reference ran
+        self.report = ""  # the last check: what it measured and decided (one line)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (batches trained) is a check: every ``every`` steps once some are
@@ -188,7 +199,7 @@ class Replanner:
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             raise RuntimeError(f"the re-plan check of step {step} failed on rank 0: {box[0]}")
-        decision, line, profile = box[0]
+        decision, line, profile, self.report = box[0]
         self.topology, self.profile = topology, profile
         self._flush()
         if decision.move:
@@ -197,11 +208,18 @@ class Replanner:
 
     def _decide(
         self, step: int, plan: Plan, gathered: Sequence[Any], topology: Topology
-    ) -> tuple[Decision, dict[str, Any], Profile]:
-        """Rank 0: the model from every rank's times, the decision and its history line."""
+    ) -> tuple[Decision, dict[str, Any], Profile, str]:
+        """Rank 0: the model from every rank's times, the decision, its history line and the
+        check's report."""
         times = [t for t, _ in gathered]
+        if self.profile is None:
+            self._reference = plan
         profile = self.profile or _reference(plan, times, [s for _, s in gathered])
         model = measured_model(profile, times, plan.num_workers)
+        by_rank = rank_reading(profile, times, plan.num_workers)
+        unseen = _unseen(self._reference, plan)
+        unknown = tuple(r for r in unseen if abs(by_rank.speeds[r] / model.speeds[r] - 1) > AGREE)
+        others = (by_rank,) if unseen else ()
         options = {k: v for k, v in self.plan_options.items() if v is not None}
         decision = decide(
             plan,
@@ -210,13 +228,15 @@ class Replanner:
             self.memory,
             threshold=self.threshold,
             horizon=self.horizon,
+            readings=others,
             **options,
         )
         if decision.move and same_layout(decision.plan, plan):
             decision = Decision(
                 False, plan, decision.current_time, decision.current_time, 0.0, decision.warnings
             )
-        decision, self._proposed = confirm(plan, decision, self._proposed, self.threshold)
+        at_once = not new_work(plan, decision.plan, unknown)
+        decision, self._proposed = confirm(plan, decision, self._proposed, self.threshold, at_once)
         line = {
             "step": step,
             "old_plan": plan.to_dict(),
@@ -233,7 +253,8 @@ class Replanner:
             "seconds": None,
             "warnings": list(decision.warnings),
         }
-        return decision, line, profile
+        report = _report(step, times, model, unknown, decision, self._proposed)
+        return decision, line, profile, report
 
     def moved(self, step: int, seconds: float) -> None:
         """The move after ``step`` took ``seconds``: its history line is completed and written,
@@ -257,6 +278,45 @@ class Replanner:
             self.history.parent.mkdir(parents=True, exist_ok=True)
             with self.history.open("a") as file:
                 file.write(json.dumps(line) + "\n")
+
+
+def _unseen(reference: Plan | None, plan: Plan) -> tuple[int, ...]:
+    """The ranks whose speed the measurements cannot yet tell from their layers' costs: with a
+    measured reference, those that hold only layers they held when it was taken."""
+    if reference is None:
+        return ()
+    return tuple(
+        r
+        for r in range(plan.num_workers)
+        if set(plan.stage_of_rank(r).nodes) <= set(reference.stage_of_rank(r).nodes)
+    )
+
+
+def _report(
+    step: int,
+    times: Sequence[RankTimes],
+    model: MeasuredModel,
+    unknown: Sequence[int],
+    decision: Decision,
+    held: Plan | None,
+) -> str:
+    """One line: the check's measured stage times per rank, the speeds, and its decision."""
+    measured = " | ".join(
+        f"{math.fsum(_stage_ms(t).values()):.3g}" for t in sorted(times, key=lambda t: t.rank)
+    )
+    speeds = "speeds " + ", ".join(
+        "?" if r in unknown else f"{s:.2f}" for r, s in enumerate(model.speeds)
+    )
+    if unknown:
+        ranks = ", ".join(map(str, unknown))
+        speeds += f" (rank {ranks}: a slow rank or costly layers, not told apart yet)"
+    verdict = decision.render()
+    if held is not None:
+        verdict += f"; holding a move to {held.layout} until the next check finds it again"
+    return (
+        f"re-plan check at step {step}: measured {measured} ms per microbatch (forward and "
+        f"backward, by rank), {speeds}; {verdict}"
+    )
 
 
 def _unit_profile(plan: Plan) -> Profile:

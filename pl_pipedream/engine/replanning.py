@@ -87,6 +87,7 @@ def check_plan(pipeline: Any) -> Decision | None:  # an engine.pipeline.Pipeline
     if decision is None:
         return None
     if pipeline.rank == 0:
+        log.info("%s", pipeline.replanner.report)
         for warning in decision.warnings:
             warnings.warn(warning, stacklevel=3)
     if decision.move:

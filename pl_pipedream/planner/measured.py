@@ -22,7 +22,10 @@ goes. ``measured_model`` tells them apart by the ratios measured / profiled of a
 A rank that holds one layer cannot tell the two apart: ``MeasuredModel`` takes the change as the
 rank's and lists such ranks in ``ambiguous``; ``alternatives`` gives the model that takes it as
 the layers' instead, so that a decision can ask a move to pay under both readings
-(``planner.replan``). Pure Python: no torch import.
+(``planner.replan``). Without a reference taken on other ranks (the first check's own times are
+the profile), no rank's speed is known at all: ``rank_reading`` is then the other reading, every
+layer profiled alike, so a rank whose layers all take longer reads as a slow rank. Pure Python:
+no torch import.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pl_pipedream.planner.plan import PlanError
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["POOL", "MeasuredModel", "RankTimes", "measured_model"]
+__all__ = ["POOL", "MeasuredModel", "RankTimes", "measured_model", "rank_reading"]
 
 POOL = 0.25  # a layer more raised than 25% above its rank's pooled ratio is left out
 
@@ -137,6 +140,20 @@ def measured_model(
         for n in _measured_layers(profile, m)
     }
     return MeasuredModel(profile.with_nodes(nodes), speeds, ambiguous, measured)
+
+
+def rank_reading(
+    profile: Profile, measurements: Sequence[RankTimes], workers: int
+) -> MeasuredModel:
+    """The reading that takes the ranks' differences as their speeds: ``measured_model`` against
+    ``profile`` with every layer of some cost at one cost (1 ms forward, 1 ms backward), so a
+    rank's speed is its layers' pooled time against the median rank's (a layer raised alone is
+    still a costly layer) and every layer costs its time measured on a rank of speed 1."""
+    alike = [
+        replace(n, forward_ms=1.0, backward_ms=1.0) if n.compute_ms > 0 else n
+        for n in profile.nodes
+    ]
+    return measured_model(profile.with_nodes(alike), measurements, workers)
 
 
 def _measured_layers(profile: Profile, times: RankTimes) -> list[str]:

@@ -141,6 +141,16 @@ class Plan:
         """Replicas per stage joined by dashes, as the paper writes configurations: ``3-1``."""
         return "-".join(str(stage.replicas) for stage in self.stages)
 
+    @property
+    def layout(self) -> str:
+        """Each stage's first and last layer and its replicas, in pipeline order: ``0-3|4-7``,
+        ``0-7x2``."""
+        return "|".join(
+            (s.nodes[0] if len(s.nodes) == 1 else f"{s.nodes[0]}-{s.nodes[-1]}")
+            + (f"x{s.replicas}" if s.replicas > 1 else "")
+            for s in self.stages
+        )
+
     def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
         """The stages ``rank`` serves, in pipeline order (one unless the plan is chunked)."""
         mine = tuple(stage for stage in self.stages if rank in stage.ranks)
@@ -313,10 +323,7 @@ class Plan:
                 f"slowest {slowest}        {self.slowest_stage_time * 1e3:.4f} ms per minibatch"
             )
             lines.append(f"throughput           {self.throughput:.2f} minibatches/s (predicted)")
-            lines.append(
-                f"speedup over DP      {self.speedup_over_data_parallel:.3f}x "
-                f"(data parallel: {self.data_parallel_time * 1e3:.4f} ms per minibatch)"
-            )
+            lines.append(_against_data_parallel(self))
         if self.meta.get("advice"):
             lines.append(f"slower than DP       {self.meta['advice']}")
         lines.append(f"NOAM                 {self.noam}")
@@ -350,6 +357,19 @@ def with_warmup(stages: Sequence[Stage]) -> tuple[Stage, ...]:
         out.append(Stage(**{**asdict(stage), "warmup": warmup, "weight_versions": warmup + 1}))
         before += stage.replicas
     return tuple(out)
+
+
+def _against_data_parallel(plan: Plan) -> str:
+    """The printed line comparing ``plan`` with data parallelism on the same workers, both
+    predicted: a speedup, or a slowdown named as one."""
+    speedup = plan.speedup_over_data_parallel
+    where = (
+        f"predicted; data parallel on the same workers: {plan.data_parallel_time * 1e3:.4f} ms "
+        "per minibatch"
+    )
+    if speedup >= 1.0 - 1e-9:
+        return f"speedup over DP      {speedup:.3f}x ({where})"
+    return f"slowdown against DP  {speedup:.3f}x ({where}, faster than this plan)"
 
 
 def _span(ranks: Sequence[int]) -> str:

@@ -11,11 +11,16 @@ only when the current time exceeds that by more than ``threshold`` (a fraction),
 noise does not move layers back and forth. Where the measurements read two ways (a rank of one
 layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
 A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
-fits is weighed instead. ``confirm`` adds hysteresis across checks: a gain beyond ``CLEAR``
-thresholds (a rank several times slower) moves at once, and a smaller one only when the check
-before found the same plan, so that noise of a few thresholds' size (a loaded machine) does not
-move layers to a plan that only ties with the current one, nor back again. Pure: no torch
-import.
+fits is weighed instead. Where a rank's speed cannot be read from a reference yet (the
+reference profile is its own measurements), the caller passes the other reading
+(``measured.rank_reading``) in ``readings``, and a move must pay under it too: a plan that
+puts every layer on a rank that is slow, not costly, is slower under that reading and is not
+chosen. ``confirm`` adds hysteresis
+across checks: a gain beyond ``CLEAR`` thresholds (a rank several times slower) moves at once,
+and a smaller one only when the check before found the same plan, so that noise of a few
+thresholds' size (a loaded machine) does not move layers to a plan that only ties with the
+current one, nor back again; a move that gives a rank of unknown speed work it does not do now
+(``new_work``) is always held for the next check. Pure: no torch import.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "move_bytes"]
+__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "move_bytes", "new_work"]
 
 CLEAR = 4.0  # a gain beyond 1 + CLEAR x threshold moves at once; a smaller one is seen twice
 
@@ -57,10 +62,11 @@ class Decision:
         return self.current_time / self.new_time if self.new_time > 0 else math.inf
 
     def render(self) -> str:
-        verb = f"move to {self.plan.shape}" if self.move else "keep the plan"
+        if not self.move:
+            return f"kept {self.plan.layout}: {self.current_time * 1e3:.3f} ms per minibatch"
         return (
-            f"{verb}: {self.current_time * 1e3:.3f} ms -> {self.new_time * 1e3:.3f} ms per "
-            f"minibatch (move {self.move_seconds:.3f} s)"
+            f"move to {self.plan.layout}: {self.current_time * 1e3:.3f} ms -> "
+            f"{self.new_time * 1e3:.3f} ms per minibatch (move {self.move_seconds:.3f} s)"
         )
 
 
@@ -74,6 +80,17 @@ def move_bytes(current: Plan, new: Plan, profile: Profile, state_factor: float =
             gained = len(set(stage.ranks) - before.get(node_id, set()))
             total += gained * profile.node(node_id).parameter_bytes * (1.0 + state_factor)
     return total
+
+
+def new_work(current: Plan, new: Plan, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The ranks of ``ranks`` that ``new`` gives work they do not do in ``current``: a layer
+    they do not hold, or a larger share of one (fewer replicas of their stage)."""
+    out = []
+    for rank in ranks:
+        before, after = current.stage_of_rank(rank), new.stage_of_rank(rank)
+        if not set(after.nodes) <= set(before.nodes) or after.replicas < before.replicas:
+            out.append(rank)
+    return tuple(out)
 
 
 def fits_memory(candidate: Plan, profile: Profile, memory: float | None) -> bool:
@@ -105,9 +122,11 @@ def decide(
     straight: bool = False,
     cuts: str = "auto",
     microbatches: int | None = None,
+    readings: Sequence[MeasuredModel] = (),
 ) -> Decision:
     """Re-plan for ``model`` and say whether moving to the new plan pays within ``horizon``
-    minibatches (``move_bandwidth``, bytes/s: default the topology's slowest level)."""
+    minibatches (``move_bandwidth``, bytes/s: default the topology's slowest level);
+    ``readings``: other readings of the same measurements a move must pay under as well."""
     if threshold < 0 or horizon < 1:
         raise PlanError(
             f"the threshold must be >= 0 and the horizon >= 1 minibatch (threshold: "
@@ -115,7 +134,7 @@ def decide(
         )
     bandwidth = move_bandwidth or min(level.bandwidth for level in topology.levels)
     options = dict(straight=straight, cuts=cuts, microbatches=microbatches)
-    readings = model.alternatives()
+    readings = (*model.alternatives(), *readings)
     warnings: list[str] = []
     candidates = []
     for reading in readings:
@@ -169,14 +188,19 @@ def _best(
 
 
 def confirm(
-    current: Plan, decision: Decision, proposed: Plan | None, threshold: float
+    current: Plan,
+    decision: Decision,
+    proposed: Plan | None,
+    threshold: float,
+    at_once: bool = True,
 ) -> tuple[Decision, Plan | None]:
-    """``decision`` with hysteresis, and the plan to remember for the next check: a move whose
-    gain is beyond ``1 + CLEAR * threshold``, or to the plan ``proposed`` at the check before,
-    goes ahead; a smaller gain is held (the current plan kept) and its plan proposed."""
+    """``decision`` with hysteresis, and the plan to remember for the next check: a move to the
+    plan ``proposed`` at the check before goes ahead, and so does one whose gain is beyond
+    ``1 + CLEAR * threshold`` when ``at_once``; any other move is held (the current plan kept)
+    and its plan proposed."""
     if not decision.move:
         return decision, None
-    if decision.gain > 1.0 + CLEAR * threshold or (
+    if (at_once and decision.gain > 1.0 + CLEAR * threshold) or (
         proposed is not None and _layout(proposed) == _layout(decision.plan)
     ):
         return decision, None

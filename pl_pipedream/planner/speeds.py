@@ -12,8 +12,9 @@ input at the bandwidth of its worst-connected replica's link from its best-conne
 stage before (rank ``a - 1`` here), and fits memory by ``costs.held_bytes``.
 
 ``plan_time`` prices any plan (the hierarchical DP's too) with the same terms, so a plan in use
-and a candidate are compared on one scale. With every speed 1 ``planner.plan`` is the answer and
-this solver is not used.
+and a candidate are compared on one scale. The plan's ``data_parallel_time`` is data
+parallelism's on the same workers, at the slowest one's pace (a replica of every layer on it).
+With every speed 1 ``planner.plan`` is the answer and this solver is not used.
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def plan_with_speeds(
         straight,
         memory,
         slowest,
-        data_parallel_time(float(prefix.compute[-1]), float(prefix.params[-1]), topology),
+        data_parallel_time(
+            float(prefix.compute[-1]) / min(rates), float(prefix.params[-1]), topology
+        ),
         float(prefix.compute[-1]),
         {"cuts": graph.cuts, "states": str(count), "speeds": ",".join(f"{s:g}" for s in rates)},
     )

@@ -137,6 +137,8 @@ class Replanning:
         assert self.replanner is not None
         since = self._take(strategy)
         decision = self.replanner.check(step, strategy.plan, since, strategy.global_rank)
+        if decision is not None:
+            rank_zero_info(f"PipeDream {self.replanner.report}")
         for warning in decision.warnings if decision is not None else ():
             rank_zero_warn(f"PipeDreamStrategy: {warning}")
         return decision

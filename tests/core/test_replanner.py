@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 from pl_pipedream.core.replanner import Replanner, check_replan_options, same_layout
+from pl_pipedream.planner.measured import RankTimes
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.planner.replan import Decision
+from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Node, Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
@@ -173,3 +176,72 @@ def test_a_small_gain_moves_only_when_the_next_check_finds_it_again() -> None:
     results = run(2, _small_gain, [1.6, 1.0, 1.6])
     assert all(status == "ok" for status, _ in results.values()), results
     assert results[0][1] == [False, False, False, False]
+
+
+SLOW_IDS = [str(i) for i in range(16)]
+FOUR = Topology.flat(4, 1e9)
+TRUE_SPEEDS = [0.25, 1.0, 1.0, 1.0]  # rank 0: 3 ms more per layer of 1 ms
+
+
+def _truth() -> Profile:
+    nodes = tuple(Node(n, n, 1 / 3, 2 / 3, (1024.0,), 4096.0) for n in SLOW_IDS)
+    return Profile(nodes, tuple(zip(SLOW_IDS, SLOW_IDS[1:], strict=False)))
+
+
+def _gathered(plan: Plan) -> list:
+    """Every rank's per-layer times on ``plan``, as ``check`` gathers them: rank 0 takes 1 ms
+    more forward and 2 ms more backward per layer."""
+    out = []
+    for rank in range(4):
+        nodes = plan.stage_of_rank(rank).nodes
+        slow = 1 / TRUE_SPEEDS[rank]
+        times = RankTimes(rank, {n: slow / 3 for n in nodes}, {n: 2 * slow / 3 for n in nodes})
+        out.append((times, {n: (4096.0, 1024.0) for n in nodes}))
+    return out
+
+
+def _checks(count: int) -> list[tuple[Plan, Decision, str]]:
+    """Rank 0's part of ``count`` checks of a 4-rank ``flush`` run of 16 equal layers from the
+    equal split, rank 0 slow from the start and no profile: (plan checked, decision, report)."""
+    plan = Plan.from_balance([4, 4, 4, 4], SLOW_IDS)
+    replanner = Replanner(
+        "auto", 1, topology=FOUR, memory=None, profile=None, history=None, microbatches=4
+    )
+    out = []
+    for step in range(2, 2 + count):
+        answer = replanner._decide(step, plan, _gathered(plan), FOUR)
+        replanner.profile = answer[2]
+        out.append((plan, answer[0], answer[3] if len(answer) > 3 else ""))
+        plan = answer[0].plan
+    return out
+
+
+def test_a_rank_slow_from_the_start_is_never_moved_to_a_slower_plan() -> None:
+    """The first check's reference reads rank 0's layers as costly; data parallelism, which
+    gives rank 0 every layer, is slower on the true costs and must not be chosen. Each move is
+    faster on the true costs than the plan it leaves, and the run ends at the best plan."""
+    truth = _truth()
+
+    def true_time(plan: Plan) -> float:
+        return plan_time(plan, truth, FOUR, TRUE_SPEEDS)
+
+    checks = _checks(5)
+    for plan, decision, _ in checks:
+        if decision.move:
+            assert true_time(decision.plan) < true_time(plan), decision.render()
+    assert not checks[0][1].move  # a gain under both readings small enough to wait a check
+    last = checks[-1][1].plan
+    assert last.layout == "0|1-5|6-10|11-15"
+    best = plan_with_speeds(truth, FOUR, TRUE_SPEEDS, microbatches=4)
+    assert true_time(last) == pytest.approx(true_time(best))
+
+
+def test_every_check_reports_what_it_measured_and_decided() -> None:
+    reports = [report for _, _, report in _checks(3)]
+    assert all("\n" not in r and r.startswith("re-plan check at step") for r in reports)
+    assert "measured 16 | 4 | 4 | 4 ms per microbatch" in reports[0]
+    assert "speeds ?, 1.00, 1.00, 1.00 (rank 0: a slow rank or costly layers" in reports[0]
+    assert "kept 0-3|4-7|8-11|12-15" in reports[0]
+    assert "holding a move to 0|1-5|6-10|11-15 until the next check finds it again" in reports[0]
+    assert "move to 0|1-5|6-10|11-15" in reports[1]
+    assert "kept 0|1-5|6-10|11-15" in reports[2]

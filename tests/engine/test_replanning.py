@@ -4,6 +4,7 @@ another plan and goes on training exactly as one device does (flush)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,60 @@ def test_bad_replan_options_are_refused_before_joining_anything(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         Pipeline(make_model(), nn.functional.mse_loss, sgd, balance=[3, 3], **options)
+
+
+def _slow_from_the_start(rank: int, world: int) -> dict:
+    """16 layers on 4 ranks, every layer's forward 10 ms and rank 0's 30 ms more, from the
+    first step: the first check's reference reads rank 0's layers as costly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
+    batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(12)]
+    with Pipeline(
+        model,
+        nn.functional.mse_loss,
+        sgd,
+        microbatches=4,
+        balance=[4, 4, 4, 4],
+        replan="auto",
+        replan_every=2,
+        replan_threshold=0.05,
+    ) as pipeline:
+        sleeps = [Sleep(model, 0.01)] + ([Sleep(model, 0.03)] if rank == 0 else [])
+        logger, reports = logging.getLogger("pl_pipedream.engine.replanning"), Reports()
+        logger.addHandler(reports)
+        logger.setLevel(logging.INFO)
+        for batch in batches:
+            pipeline.train_step(batch)
+        for sleep in sleeps:
+            sleep.handle.remove()
+        logger.removeHandler(reports)
+        return {"plan": pipeline.plan, "records": pipeline.replanner.records, "log": reports.lines}
+
+
+class Reports(logging.Handler):
+    """The lines logged, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.slow
+def test_a_rank_slow_from_the_start_never_gets_more_layers() -> None:
+    """The case of a slow rank the reference cannot see: data parallelism would give rank 0
+    every layer. Every move leaves rank 0 fewer layers, and the run ends with rank 0 on fewer
+    than it started with."""
+    results = run(4, _slow_from_the_start, timeout=240.0)
+    for status, value in results.values():
+        assert status == "ok", value
+        for record in value["records"]:
+            old, new = Plan.from_dict(record["old_plan"]), Plan.from_dict(record["new_plan"])
+            held = [len(p.stage_of_rank(0).nodes) for p in (old, new)]
+            assert held[1] < held[0], (record["old_plan"], record["new_plan"])
+        assert len(value["plan"].stage_of_rank(0).nodes) < 4, value["log"]
+    checks = [line for line in results[0][1]["log"] if line.startswith("re-plan check")]
+    assert [int(line.split()[4].rstrip(":")) for line in checks] == [2, 4, 6, 8, 10, 12]  # rank 0
+    assert not any(line.startswith("re-plan check") for line in results[1][1]["log"])

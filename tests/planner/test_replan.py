@@ -9,10 +9,18 @@ import random
 import pytest
 
 from pl_pipedream.planner import PlanError, Topology
-from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model
+from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model, rank_reading
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.replan import CLEAR, Decision, confirm, decide, fits_memory, move_bytes
-from pl_pipedream.planner.speeds import plan_with_speeds
+from pl_pipedream.planner.replan import (
+    CLEAR,
+    Decision,
+    confirm,
+    decide,
+    fits_memory,
+    move_bytes,
+    new_work,
+)
+from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.profile.graph import Profile
 
 WORKERS = 3
@@ -119,3 +127,60 @@ def test_a_large_gain_moves_at_once_and_a_small_one_is_confirmed_by_the_next_che
     assert confirm(plan, small, proposed, 0.05) == (small, None)
     keep = Decision(False, plan, 1.0, 1.0, 0.0)
     assert confirm(plan, keep, proposed, 0.05) == (keep, None)  # the proposal is forgotten
+
+
+def test_a_rank_slow_from_the_start_moves_only_where_both_readings_gain() -> None:
+    """4 workers, 16 equal layers, rank 0 3 ms slower per layer of 1 ms, its own times the
+    reference: read as costly layers, data parallelism looks 2.3x faster, but it gives rank 0
+    every layer. Weighed also with the difference read as rank 0's, the move keeps rank 0 on
+    fewer layers, and is faster under both readings."""
+    ids = [f"layer{i}" for i in range(16)]
+    topology = Topology.flat(4, 1e9)
+    plan = Plan.from_balance([4, 4, 4, 4], ids)
+    times = [
+        RankTimes(
+            r,
+            {n: (4.0 if r == 0 else 1.0) / 3 for n in plan.stage_of_rank(r).nodes},
+            {n: (4.0 if r == 0 else 1.0) * 2 / 3 for n in plan.stage_of_rank(r).nodes},
+        )
+        for r in range(4)
+    ]
+    # The reference: the layers as measured, every rank taken as speed 1.
+    reference = Profile.chain(
+        [t.forward_ms[n] for t in times for n in t.forward_ms],
+        [t.backward_ms[n] for t in times for n in t.backward_ms],
+        [1024.0] * 16,
+        [4096.0] * 16,
+    )
+    model = measured_model(reference, times, 4)
+    by_rank = rank_reading(reference, times, 4)
+    assert model.speeds == (1.0, 1.0, 1.0, 1.0)
+    assert by_rank.speeds == pytest.approx((0.25, 1.0, 1.0, 1.0))
+    alone = decide(plan, model, topology, microbatches=4)
+    assert alone.move and alone.plan.shape == "4"  # every layer on rank 0 too
+    both = decide(plan, model, topology, microbatches=4, readings=(by_rank,))
+    assert both.move and len(both.plan.stage_of_rank(0).nodes) < 4
+    for reading in (model, by_rank):
+        before = plan_time(plan, reading.profile, topology, reading.speeds)
+        assert plan_time(both.plan, reading.profile, topology, reading.speeds) < before
+    assert plan_time(alone.plan, by_rank.profile, topology, by_rank.speeds) > plan_time(
+        plan, by_rank.profile, topology, by_rank.speeds
+    )
+
+
+def test_work_new_to_a_rank_is_a_layer_it_does_not_hold_or_a_larger_share() -> None:
+    ids = ["0", "1", "2", "3"]
+    before = Plan.from_balance([2, 2], ids)
+    assert new_work(before, Plan.from_balance([1, 3], ids), [0, 1]) == (1,)
+    assert new_work(before, Plan.from_balance([4], ids, replicas=[2]), [0, 1]) == (0, 1)
+    assert new_work(Plan.from_balance([4], ids, replicas=[2]), before, [0, 1]) == (0, 1)
+    assert new_work(before, before, [0, 1]) == ()
+
+
+def test_a_large_gain_waits_a_check_when_it_may_not_move_at_once() -> None:
+    plan = current()
+    large = decide(plan, measure(plan, {1: 2.0}, {}), TOPOLOGY, straight=True)
+    assert large.gain > 1 + CLEAR * 0.05
+    held, proposed = confirm(plan, large, None, 0.05, at_once=False)
+    assert not held.move and proposed == large.plan
+    assert confirm(plan, large, proposed, 0.05, at_once=False) == (large, None)

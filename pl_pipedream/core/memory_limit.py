@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,10 +29,12 @@ from pl_pipedream.schedule.memory import kept_bytes, stage_bytes
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
+    "MemoryFit",
     "check_ranks_fit",
     "device_memory",
     "fitting",
     "gather_memory",
+    "need",
     "parse_memory",
     "plan_within",
     "planner_bytes",
@@ -117,6 +120,32 @@ def planner_bytes(plan: Plan, stage: Stage) -> float:
     return float(held_bytes(both, after, stage.replicas, received, stage.output_bytes))
 
 
+def need(plan: Plan, sync: SyncMode, microbatches: int, recompute: bool = False) -> float:
+    """The most bytes a stage of ``plan`` needs per worker by what ``sync`` keeps
+    (``schedule.memory.stage_bytes``): the one rule setup, re-planning and the planner's fit
+    hold a plan to."""
+    stages = range(plan.num_stages)
+    return max(stage_bytes(plan, sync, microbatches, s, recompute) for s in stages)
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """``memory`` bytes per worker as a plan must fit it under ``sync`` (``need``): whether a
+    plan does, and the best plan of a planner that does (``fitting``); what re-planning is
+    bound by (``planner.replan.decide``)."""
+
+    memory: float
+    sync: SyncMode
+    microbatches: int
+    recompute: bool = False
+
+    def fits(self, plan: Plan) -> bool:
+        return need(plan, self.sync, self.microbatches, self.recompute) <= self.memory
+
+    def best(self, make: Callable[[float | None], Plan]) -> Plan:
+        return fitting(make, self.memory, self.sync, self.microbatches, self.recompute)
+
+
 def fitting(
     make: Callable[[float | None], Plan],
     memory: float,
@@ -124,16 +153,14 @@ def fitting(
     microbatches: int,
     recompute: bool = False,
 ) -> Plan:
-    """A plan whose every stage fits ``memory`` by what ``sync`` keeps
-    (``schedule.memory.stage_bytes``). The planner's own limit holds ``planner_bytes``, which
-    counts neither the sync mode nor the live weights, so it is lowered by the overshoot until
-    the plan it gives fits (with ``recompute``, from no limit at all: the planner's figure is
-    not a bound then)."""
+    """A plan whose every stage fits ``memory`` by what ``sync`` keeps (``need``). The
+    planner's own limit holds ``planner_bytes``, which counts neither the sync mode nor the
+    live weights, so it is lowered by the overshoot until the plan it gives fits (with
+    ``recompute``, from no limit at all: the planner's figure is not a bound then)."""
     limit: float | None = None if recompute else memory
     for _ in range(64):
         plan = make(limit)
-        need = (stage_bytes(plan, sync, microbatches, s, recompute) for s in range(plan.num_stages))
-        over = max(need) - memory
+        over = need(plan, sync, microbatches, recompute) - memory
         if over <= 0:
             return plan
         figure = max(planner_bytes(plan, stage) for stage in plan.stages)

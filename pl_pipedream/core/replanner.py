@@ -49,6 +49,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pl_pipedream.core.memory_limit import MemoryFit, gather_memory
+from pl_pipedream.core.planning import measure_bandwidth
+from pl_pipedream.core.stage import find_ties
 from pl_pipedream.core.stage_clock import LayerClock, rank_times
 from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model, rank_reading
 from pl_pipedream.planner.plan import Plan
@@ -56,8 +59,17 @@ from pl_pipedream.planner.replan import Decision, confirm, decide, new_work
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Node, Profile
 from pl_pipedream.runtime.timeline import TimelineEvent
+from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["HISTORY_NAME", "REPLAN_MODES", "Replanner", "check_replan_options", "same_layout"]
+__all__ = [
+    "HISTORY_NAME",
+    "REPLAN_MODES",
+    "Replanner",
+    "check_replan_options",
+    "create_replanner",
+    "same_layout",
+    "tied_straight",
+]
 
 REPLAN_MODES = ("off", "auto")
 HISTORY_NAME = "pipedream_plan_history.jsonl"
@@ -93,7 +105,8 @@ class Replanner:
     """The re-plan check of one rank; every rank makes one with the same arguments.
 
     ``topology``: the cluster (None: one level at the bandwidth between ranks 0 and 1, measured
-    at the first check); ``memory``: bytes per worker a plan must fit (None: no limit);
+    at the first check); ``memory``: bytes per worker a plan must fit by what ``sync`` keeps
+    with ``recompute`` (``core.memory_limit.MemoryFit``, setup's rule; None: no limit);
     ``profile``: the layer costs the speeds are read against (None: the first check's);
     ``history``: the JSON-lines file of moves (None: kept in ``records`` only); ``horizon``:
     minibatches over which a move must pay (default 1000); ``plan_options``: ``decide``'s
@@ -110,12 +123,17 @@ class Replanner:
         profile: Profile | None,
         history: Path | None,
         horizon: int | None = None,
+        sync: SyncMode = SyncMode.FLUSH,
+        recompute: bool = False,
         **plan_options: Any,
     ) -> None:
         check_replan_options(mode, every, threshold, "Replanner")
         self.mode, self.every, self.threshold = mode, every, float(threshold)
         self.on = mode == "auto"  # checks run, so the timeline must be recorded
         self.topology, self.memory, self.profile = topology, memory, profile
+        microbatches = plan_options.get("microbatches") or 1
+        fit = MemoryFit(memory, sync, microbatches, recompute) if memory is not None else None
+        self.fit = fit
         self.history = Path(history) if history is not None else None
         self.horizon = horizon or DEFAULT_HORIZON
         self.plan_options = plan_options
@@ -225,7 +243,7 @@ class Replanner:
             plan,
             model,
             topology,
-            self.memory,
+            self.fit,
             threshold=self.threshold,
             horizon=self.horizon,
             readings=others,
@@ -355,10 +373,55 @@ def _reference(
 
 def _measured_topology(plan: Plan) -> Topology:
     """One level at the bandwidth measured between ranks 0 and 1 (every rank calls it)."""
-    from pl_pipedream.core.planning import measure_bandwidth
-
     device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda")
     return Topology.flat(plan.num_workers, measure_bandwidth(device))
+
+
+def create_replanner(
+    mode: str,
+    every: int,
+    threshold: float,
+    *,
+    history: Path | None,
+    topology: Topology | None,
+    memory: float | None,
+    device: torch.device,
+    microbatches: int,
+    sync: SyncMode,
+    recompute: bool,
+    straight: bool,
+) -> Replanner:
+    """The rank's ``Replanner``, as every front end makes it (every rank at the same point):
+    with ``"auto"`` the memory limit gathered (``memory``, else a GPU's free memory: the
+    smallest over the ranks) and, without a topology, the link between ranks 0 and 1 measured,
+    so that no check pays for either. ``straight``: only plans without replicas can train
+    (``tied_straight``)."""
+    limit = None
+    if mode == "auto":
+        limit = gather_memory(device, memory)
+        if topology is None:
+            topology = Topology.flat(dist.get_world_size(), measure_bandwidth(device))
+    return Replanner(
+        mode,
+        every,
+        threshold,
+        topology=topology,
+        memory=limit,
+        profile=None,  # the first check's times are the reference
+        history=history,
+        sync=sync,
+        recompute=recompute,
+        microbatches=microbatches,
+        straight=straight,
+    )
+
+
+def tied_straight(sync: SyncMode, module: nn.Module, layers: nn.Sequential) -> bool:
+    """Whether only straight plans can train ``layers``: tied parameters (layers sharing one,
+    wherever they are cut) in the per-minibatch modes (``runtime.ties.check_ties``)."""
+    if not sync.updates_per_minibatch:
+        return False
+    return bool(find_ties(module, layers, Plan.from_balance([1] * len(layers))))
 
 
 def _stage_ms(times: RankTimes) -> dict[str, float]:

@@ -183,8 +183,8 @@ class Pipeline:
         else:
             self.optimizer = optimizer(params) if params else None
         self.replanner = make_replanner(
-            replan, replan_every, replan_threshold, replan_history, topology, memory,
-            self.device, microbatches,
+            (replan, replan_every, replan_threshold, replan_history), topology, memory,
+            self.device, microbatches, self.sync, recompute, self.layers,
         )  # fmt: skip
         self._settings = Settings(
             self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,

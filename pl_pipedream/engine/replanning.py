@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
-from pl_pipedream.core.memory_limit import gather_memory, parse_memory
-from pl_pipedream.core.planning import measure_bandwidth
-from pl_pipedream.core.replanner import Replanner
+from pl_pipedream.core.memory_limit import parse_memory
+from pl_pipedream.core.replanner import Replanner, create_replanner, tied_straight
 from pl_pipedream.planner.replan import Decision
 from pl_pipedream.planner.topology import Topology
+from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = ["after_step", "check_plan", "make_replanner", "watch_stage"]
 
@@ -34,32 +34,31 @@ log = logging.getLogger(__name__)
 
 
 def make_replanner(
-    mode: str,
-    every: int,
-    threshold: float,
-    history: str | os.PathLike | None,
+    options: tuple[str, int, float, str | os.PathLike | None],
     topology: Topology | None,
     memory: float | str | None,
     device: torch.device,
     microbatches: int,
+    sync: SyncMode,
+    recompute: bool,
+    layers: nn.Sequential,
 ) -> Replanner:
-    """The rank's ``Replanner`` (every rank at the same point: with ``"auto"`` the memory
-    limit is gathered and, without a topology, the link between ranks 0 and 1 measured, so that
-    no check pays for it)."""
-    limit = None
-    if mode == "auto":
-        limit = gather_memory(device, parse_memory(memory))
-        if topology is None:
-            topology = Topology.flat(dist.get_world_size(), measure_bandwidth(device))
-    return Replanner(
+    """The ``Pipeline``'s ``Replanner`` (``core.replanner.create_replanner``, every rank at the
+    same point) from its ``options`` (``replan``, ``replan_every``, ``replan_threshold``,
+    ``replan_history``), bound by its ``topology`` and ``memory`` arguments."""
+    mode, every, threshold, history = options
+    return create_replanner(
         mode,
         every,
         threshold,
-        topology=topology,
-        memory=limit,
-        profile=None,  # the first check's times are the reference (core.replanner)
         history=Path(history) if history is not None else None,
+        topology=topology,
+        memory=parse_memory(memory),
+        device=device,
         microbatches=microbatches,
+        sync=sync,
+        recompute=recompute,
+        straight=tied_straight(sync, layers, layers),
     )
 
 

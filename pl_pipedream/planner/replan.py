@@ -3,33 +3,31 @@
 Given the plan in use, the measured model (``planner.measured``: per-layer costs and a speed per
 rank), the topology and the memory per worker, ``decide`` plans again with the ranks' speeds
 (``planner.speeds``; ``planner.plan`` too when every speed is 1) and prices both plans with
-``speeds.plan_time`` on the same terms. Moving costs the bytes of every layer that lands on a
-rank that did not hold it, its parameters and its optimizer state (``state_factor`` times the
-parameters: 2 for Adam, 1 for SGD with momentum), sent at ``move_bandwidth``; spread over
-``horizon`` minibatches it is added to the new plan's time per minibatch. The decision moves
-only when the current time exceeds that by more than ``threshold`` (a fraction), so measurement
-noise does not move layers back and forth. Where the measurements read two ways (a rank of one
-layer: slow rank or costly layer, ``MeasuredModel.alternatives``), a move must pay under both.
-A better plan that does not fit ``memory`` is skipped with a warning, and the best plan that
-fits is weighed instead. Where a rank's speed cannot be read from a reference yet (the
-reference profile is its own measurements), the caller passes the other reading
-(``measured.rank_reading``) in ``readings``, and a move must pay under it too: a plan that
-puts every layer on a rank that is slow, not costly, is slower under that reading and is not
-chosen. ``confirm`` adds hysteresis
-across checks: a gain beyond ``CLEAR`` thresholds (a rank several times slower) moves at once,
-and a smaller one only when the check before found the same plan, so that noise of a few
-thresholds' size (a loaded machine) does not move layers to a plan that only ties with the
-current one, nor back again; a move that gives a rank of unknown speed work it does not do now
-(``new_work``) is always held for the next check. Pure: no torch import.
-"""
+``speeds.plan_time`` on the same terms. Moving costs the bytes of every layer that lands on a rank
+that did not hold it, its parameters and its optimizer state (``state_factor`` times the parameters:
+2 for Adam, 1 for SGD with momentum), sent at ``move_bandwidth``; spread over ``horizon``
+minibatches it is added to the new plan's time per minibatch. The decision moves only when the
+current time exceeds that by more than ``threshold`` (a fraction), so measurement noise does not
+move layers back and forth. Where the measurements read two ways (a rank of one layer: slow rank or
+costly layer, ``MeasuredModel.alternatives``), a move must pay under both. A better plan that does
+not fit the memory per worker (``fit``) is skipped with a warning, and the best plan that fits is
+weighed instead. Where a rank's speed cannot be read from a reference yet (the reference profile is
+its own measurements), the caller passes the other reading (``measured.rank_reading``) in
+``readings``, and a move must pay under it too: a plan that puts every layer on a rank that is slow,
+not costly, is slower under that reading and is not chosen. ``confirm`` adds hysteresis across
+checks: a gain beyond ``CLEAR`` thresholds (a rank several times slower) moves at once, and a
+smaller one only when the check before found the same plan, so that noise of a few thresholds' size
+(a loaded machine) does not move layers to a plan that only ties with the current one, nor back
+again; a move that gives a rank of unknown speed work it does not do now (``new_work``) is always
+held for the next check. Pure: no torch import."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from pl_pipedream.planner.costs import fits, held_bytes
 from pl_pipedream.planner.measured import MeasuredModel
 from pl_pipedream.planner.optimize import plan as plan_equal
 from pl_pipedream.planner.plan import Plan, PlanError
@@ -37,7 +35,7 @@ from pl_pipedream.planner.speeds import plan_time, plan_with_speeds
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.profile.graph import Profile
 
-__all__ = ["CLEAR", "Decision", "confirm", "decide", "fits_memory", "move_bytes", "new_work"]
+__all__ = ["CLEAR", "Decision", "Fit", "confirm", "decide", "move_bytes", "new_work"]
 
 CLEAR = 4.0  # a gain beyond 1 + CLEAR x threshold moves at once; a smaller one is seen twice
 
@@ -93,27 +91,23 @@ def new_work(current: Plan, new: Plan, ranks: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def fits_memory(candidate: Plan, profile: Profile, memory: float | None) -> bool:
-    """Whether every stage of ``candidate`` holds at most ``memory`` bytes per worker by the
-    planner's rule (``costs.held_bytes`` of its layers' activations and parameters)."""
-    if memory is None:
-        return True
-    after = candidate.num_workers
-    for stage in candidate.stages:
-        after -= stage.replicas
-        nodes = [profile.node(n) for n in stage.nodes]
-        stash = math.fsum(n.output_bytes + n.parameter_bytes for n in nodes)
-        held = held_bytes(stash, after, stage.replicas, stage.input_bytes, stage.output_bytes)
-        if not fits(held, memory):
-            return False
-    return True
+class Fit(Protocol):
+    """The memory a plan must fit (``core.memory_limit.MemoryFit``: by what the sync mode
+    keeps, the rule setup holds a plan to)."""
+
+    @property
+    def memory(self) -> float: ...
+
+    def fits(self, plan: Plan) -> bool: ...
+
+    def best(self, make: Callable[[float | None], Plan]) -> Plan: ...
 
 
 def decide(
     current: Plan,
     model: MeasuredModel,
     topology: Topology,
-    memory: float | None = None,
+    fit: Fit | None = None,
     *,
     threshold: float = 0.05,
     horizon: int = 1000,
@@ -125,8 +119,9 @@ def decide(
     readings: Sequence[MeasuredModel] = (),
 ) -> Decision:
     """Re-plan for ``model`` and say whether moving to the new plan pays within ``horizon``
-    minibatches (``move_bandwidth``, bytes/s: default the topology's slowest level);
-    ``readings``: other readings of the same measurements a move must pay under as well."""
+    minibatches (``move_bandwidth``, bytes/s: default the topology's slowest level); ``fit``:
+    the memory per worker a plan must fit (None: no limit); ``readings``: other readings of the
+    same measurements a move must pay under as well."""
     if threshold < 0 or horizon < 1:
         raise PlanError(
             f"the threshold must be >= 0 and the horizon >= 1 minibatch (threshold: "
@@ -139,12 +134,13 @@ def decide(
     candidates = []
     for reading in readings:
         best = _best(reading.profile, topology, reading.speeds, None, options)
-        if best is not None and not fits_memory(best, reading.profile, memory):
+        if best is not None and fit is not None and not fit.fits(best):
             warnings.append(
                 f"a faster plan does not fit the memory per worker (plan: {best.shape}, "
-                f"memory: {memory}); it is skipped, and the best plan that fits is weighed instead"
+                f"memory: {fit.memory:.0f} bytes); it is skipped, and the best plan that fits is "
+                "weighed instead"
             )
-            best = _best(reading.profile, topology, reading.speeds, memory, options)
+            best = _fitting(fit, reading, topology, options)
         if best is not None:
             candidates.append(best)
     current_time = plan_time(current, model.profile, topology, model.speeds)
@@ -165,6 +161,23 @@ def decide(
     move = gain > 1.0 + threshold
     chosen = best if move else current
     return Decision(move, chosen, current_time, current_time / gain, seconds, keep.warnings)
+
+
+def _fitting(
+    fit: Fit, reading: MeasuredModel, topology: Topology, options: dict[str, object]
+) -> Plan | None:
+    """The best plan on ``reading`` that ``fit`` accepts (None: none does)."""
+
+    def make(limit: float | None) -> Plan:
+        found = _best(reading.profile, topology, reading.speeds, limit, options)
+        if found is None:
+            raise PlanError(f"no plan fits {limit} bytes per worker")
+        return found
+
+    try:
+        return fit.best(make)
+    except PlanError:
+        return None
 
 
 def _best(

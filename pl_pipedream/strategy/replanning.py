@@ -24,9 +24,14 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_pipedream.core.memory_limit import gather_memory
 from pl_pipedream.core.relayout import relayout
-from pl_pipedream.core.replanner import HISTORY_NAME, Replanner, check_replan_options
+from pl_pipedream.core.replanner import (
+    HISTORY_NAME,
+    Replanner,
+    check_replan_options,
+    create_replanner,
+    tied_straight,
+)
 from pl_pipedream.core.stage import find_ties, pipeline_layers
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.replan import Decision
@@ -69,16 +74,17 @@ class Replanning:
         self._boundary = trainer.global_step
         if not self.on:
             return
-        history = plan_folder(trainer) / HISTORY_NAME
-        self.replanner = Replanner(
+        self.replanner = create_replanner(
             self.mode,
             self.every,
             self.threshold,
+            history=plan_folder(trainer) / HISTORY_NAME,
             topology=strategy.topology,
-            memory=gather_memory(strategy.root_device, strategy.memory),
-            profile=None,
-            history=history,
+            memory=strategy.memory,
+            device=strategy.root_device,
             microbatches=strategy.microbatches,
+            sync=strategy.sync,
+            recompute=strategy.recompute,
             straight=straight_only(strategy),
         )
         self._watch(strategy)
@@ -149,13 +155,9 @@ class Replanning:
 
 
 def straight_only(strategy: Any) -> bool:
-    """Whether only straight plans can train: tied parameters (layers sharing one, wherever
-    they are cut) in the per-minibatch modes (``runtime.ties.check_ties``)."""
-    if not strategy.sync.updates_per_minibatch:
-        return False
+    """``core.replanner.tied_straight`` of the strategy's module."""
     module = strategy.lightning_module
-    layers = pipeline_layers(module)
-    return bool(find_ties(module, layers, Plan.from_balance([1] * len(layers))))
+    return tied_straight(strategy.sync, module, pipeline_layers(module))
 
 
 def refused(strategy: Any, plan: Plan) -> str | None:

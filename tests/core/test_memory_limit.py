@@ -7,11 +7,14 @@ import pytest
 
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.core.memory_limit import (
+    MemoryFit,
     check_ranks_fit,
+    need,
     parse_memory,
     plan_within,
     planner_bytes,
 )
+from pl_pipedream.core.replanner import Replanner
 from pl_pipedream.planner.chunk_plan import plan_chunks
 from pl_pipedream.planner.optimize import plan as make_plan
 from pl_pipedream.planner.plan import Plan, PlanError, Stage
@@ -136,3 +139,30 @@ def test_a_chunked_plan_is_checked_by_the_sum_of_each_ranks_stages() -> None:
         "device (memory: "
     )
     assert "sync: zbv); use more devices, recompute=True or a smaller batch" in str(error.value)
+
+
+# 4 layers of 16 MiB of weights and 4 MiB of activations, one per rank, 4 microbatches: what
+# each mode keeps, the one figure setup fits, re-planning is bound by and the report states.
+FOUR_LAYERS = Profile.chain([1.0] * 4, [2.0] * 4, [4 * MiB] * 4, [16 * MiB] * 4)
+NEEDS = {"async": 100, "vertical_sync": 112, "flush": 64, "gpipe": 72}
+
+
+@pytest.mark.parametrize(("mode", "mib"), list(NEEDS.items()))
+def test_setup_and_re_planning_hold_a_plan_to_one_memory_rule(mode: str, mib: int) -> None:
+    plan = make_plan(FOUR_LAYERS, Topology.flat(4, 1e9), straight=True)
+    assert [len(s.nodes) for s in plan.stages] == [1, 1, 1, 1]
+    sync = SyncMode(mode)
+    assert need(plan, sync, 4) == pytest.approx(mib * MiB, rel=0.02)
+    replanner = Replanner(
+        "auto",
+        1,
+        topology=None,
+        memory=need(plan, sync, 4),
+        profile=None,
+        history=None,
+        sync=sync,
+        microbatches=4,
+    )
+    assert replanner.fit == MemoryFit(need(plan, sync, 4), sync, 4)
+    assert replanner.fit.fits(plan)
+    assert not MemoryFit(need(plan, sync, 4) - 1, sync, 4).fits(plan)

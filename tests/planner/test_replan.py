@@ -5,6 +5,7 @@ that does not fit memory is skipped with a warning."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -16,7 +17,6 @@ from pl_pipedream.planner.replan import (
     Decision,
     confirm,
     decide,
-    fits_memory,
     move_bytes,
     new_work,
 )
@@ -77,14 +77,33 @@ def test_a_move_that_does_not_pay_within_the_horizon_is_not_made() -> None:
     assert not slow_link.move and slow_link.move_seconds > 1.0
 
 
+@dataclass(frozen=True)
+class MostLayers:
+    """A memory rule of a few layers per stage (the rule itself is the front ends'
+    ``core.memory_limit.MemoryFit``): ``best`` lowers the planner's limit until a plan fits."""
+
+    layers: int
+    memory: float = 0.0
+
+    def fits(self, plan: Plan) -> bool:
+        return max(len(s.nodes) for s in plan.stages) <= self.layers
+
+    def best(self, make):  # type: ignore[no-untyped-def]
+        for limit in (1e9, 5e3, 4e3, 3e3, 2e3):
+            found = make(limit)
+            if self.fits(found):
+                return found
+        raise PlanError("none fits")
+
+
 def test_a_faster_plan_that_does_not_fit_memory_is_skipped_with_a_warning() -> None:
     plan = current()
-    # Room for the plan in use (4 layers on the first rank) but not for the 5 the slow rank asks.
-    memory = 4 * 1001.0 * 2 + 10.0
-    assert fits_memory(plan, PROFILE, memory)
-    decision = decide(plan, measure(plan, {1: 2.0}, {}), TOPOLOGY, memory, straight=True)
+    # Room for the plan in use (4 layers on a rank) but not for the 5 the slow rank asks.
+    fit = MostLayers(4)
+    assert fit.fits(plan)
+    decision = decide(plan, measure(plan, {1: 2.0}, {}), TOPOLOGY, fit, straight=True)
     assert decision.warnings and "does not fit the memory" in decision.warnings[0]
-    assert fits_memory(decision.plan, PROFILE, memory)
+    assert fit.fits(decision.plan)
 
 
 def test_a_single_layer_rank_moves_only_when_the_move_pays_either_way() -> None:

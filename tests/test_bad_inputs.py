@@ -98,6 +98,19 @@ class _ListPipeline(_NoPipeline):
         return [self.layer]
 
 
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def _tuple_handed_on(tmp: Path) -> object:
+    from pl_pipedream.profile import profile_layers
+
+    return profile_layers(
+        nn.Sequential(nn.Linear(6, 8), _Pair(), nn.Linear(8, 3)), torch.ones(4, 6)
+    )
+
+
 def _config(*overrides: str) -> object:
     from tests.apps.test_train import composed
 
@@ -133,6 +146,17 @@ ROWS = {
         "a pipeline layer made inside `configure_pipeline`",
         lambda tmp: pipeline_layers(_Foreign()),
         ("must be a submodule", "layer 1: ReLU", "assign it to an attribute"),
+    ),
+    "layer that cannot take the tuple before it": Row(
+        "model",
+        "a layer returns a tuple the next layer cannot take",
+        _tuple_handed_on,
+        (
+            "takes the previous layer's output as its one argument",
+            "layer 2: Linear, after layer 1: _Pair",
+            "passed: tuple(Tensor(4, 8) float32, Tensor(4, 8) float32)",
+            "unpack it inside forward",
+        ),
     ),
     # ----- batch --------------------------------------------------------------------------
     "batch size not a multiple of microbatches": Row(

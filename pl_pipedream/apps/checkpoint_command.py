@@ -1,10 +1,13 @@
-"""``pl-pipedream checkpoint inspect|to-torch|from-torch``: its arguments and its run.
+"""``pl-pipedream checkpoint inspect|to-torch|to-lightning|from-torch``: arguments and run.
 
 * ``inspect PATH`` prints a checkpoint saved under ``PipeDreamStrategy``: the step, the sync
   mode, the microbatches, the plan that saved it, every shard file with its size, and every name
   with its shape, dtype and stage (each shard checked against its sha256 record first);
 * ``to-torch PATH OUT`` writes the LightningModule's full ``state_dict`` (what
   ``consolidate_checkpoint`` returns) to ``OUT`` with ``torch.save``;
+* ``to-lightning PATH OUT`` writes one Lightning checkpoint file (weights, optimizer states by
+  position, loops, callbacks, LR schedulers) that ``Trainer(...).fit(model, ckpt_path=OUT)``
+  resumes from on one device;
 * ``from-torch IN OUT`` makes a checkpoint directory from a plain state dict (or a Lightning
   ``.ckpt`` file's ``state_dict``): one stage holding every name, step 0.
 
@@ -27,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_torch = actions.add_parser("to-torch", help="write one plain torch.save state dict")
     to_torch.add_argument("path", help="the directory trainer.save_checkpoint wrote")
     to_torch.add_argument("out", help="the file to write")
+    to_lightning = actions.add_parser(
+        "to-lightning", help="write one Lightning .ckpt file that one device resumes from"
+    )
+    to_lightning.add_argument("path", help="the directory trainer.save_checkpoint wrote")
+    to_lightning.add_argument("out", help="the .ckpt file to write")
     from_torch = actions.add_parser(
         "from-torch", help="make a pipeline checkpoint from a state dict or Lightning .ckpt"
     )
@@ -49,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "to-torch":
         state = checkpoint_tools.to_torch(args.path, args.out)
         print(f"wrote {len(state)} names to {args.out}")
+    elif args.action == "to-lightning":
+        checkpoint = checkpoint_tools.to_lightning_file(args.path, args.out)
+        print(
+            f"wrote a Lightning checkpoint of step {checkpoint.get('global_step')} to "
+            f"{args.out}: resume on one device with Trainer(...).fit(model, "
+            f"ckpt_path={str(args.out)!r})"
+        )
     else:
         checkpoint_tools.from_torch(args.source, args.out, args.layers)
         print(f"wrote {args.out}: one stage on one worker, step 0")

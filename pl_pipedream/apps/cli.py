@@ -10,9 +10,10 @@ Subcommands:
 * ``reproduce [ROW ...|all]`` plans PipeDream's published profiles for the rows of the paper's
   Table 1 and prints the paper's configuration and speedup beside the planner's
   (``pl_pipedream.reproduce``);
-* ``checkpoint inspect|to-torch|from-torch`` prints a sharded checkpoint, writes it as one plain
-  state dict, or makes one from a plain state dict (``apps.checkpoint_command``, which loads
-  torch only when it runs).
+* ``checkpoint inspect|to-torch|to-lightning|from-torch`` prints a sharded checkpoint, writes
+  it as one plain state dict or as one Lightning checkpoint file that one device resumes from,
+  or makes one from a plain state dict (``apps.checkpoint_command``, which loads torch only when
+  it runs).
 
 This module imports neither torch nor Lightning (planner and schedule are pure Python), so
 no planning command pays for loading them.
@@ -127,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     add_reproduce_arguments(reproduce)
 
     checkpoint = commands.add_parser(
-        "checkpoint", help="inspect a checkpoint, or convert it to or from a plain state dict"
+        "checkpoint",
+        help="inspect a checkpoint, or convert it to or from a plain state dict or .ckpt file",
     )
     add_checkpoint_arguments(checkpoint)
     return parser

@@ -11,11 +11,13 @@ run.ckpt/
                        optimizer states keyed by those names, ``core.named_state``)
 ```
 
-The first replica of each stage writes that stage's shard; state outside the pipeline (shared
-by every rank) goes into stage 0's shard. Each shard's record lists the state names it holds
-with their shapes, so that a rank reads only the shards that hold its stage's names.
-``consolidate_checkpoint`` merges the shards back into the LightningModule's full
-``state_dict``; ``merged_checkpoint`` merges the optimizer states too, which is what any plan
+The first replica of each stage writes that stage's shard; state outside the pipeline (shared by
+every rank) goes into stage 0's shard. A rank holding several stages (the chunked modes,
+``interleaved`` and ``zbv``) writes one shard for all of them, named after the last it holds in
+pipeline order (``save``'s ``writers``): a chunked checkpoint has one shard per rank. Each shard's
+record lists the state names it holds with their shapes, so that a rank reads only the shards that
+hold its stage's names. ``consolidate_checkpoint`` merges the shards back into the LightningModule's
+full ``state_dict``; ``merged_checkpoint`` merges the optimizer states too, which is what any plan
 resumes from, and ``to_lightning`` gives the checkpoint dict one device resumes from.
 
 A save is atomic: the writers (each stage's first replica) write and fsync their shards into a

@@ -1,5 +1,5 @@
 """What ``pl-pipedream checkpoint`` does: describe a sharded checkpoint, write it as one plain
-state dict, and make one from a plain state dict.
+state dict or as one Lightning checkpoint file, and make one from a plain state dict.
 
 Every read and write goes through the format's own functions (``core.checkpoint``: the shards
 checked against ``pipeline.json``'s sha256 records; ``core.atomic``: the staged, fsynced, swapped
@@ -26,6 +26,7 @@ from pl_pipedream.core.checkpoint import (
     consolidate_checkpoint,
     is_sharded,
     read_shards,
+    to_lightning,
     write_description,
     write_shard,
 )
@@ -33,7 +34,14 @@ from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["describe", "from_torch", "read_state_dict", "require_checkpoint", "to_torch"]
+__all__ = [
+    "describe",
+    "from_torch",
+    "read_state_dict",
+    "require_checkpoint",
+    "to_lightning_file",
+    "to_torch",
+]
 
 FROM_TORCH_SYNC = SyncMode.FLUSH  # a one-stage flush pipeline trains as one device does
 
@@ -111,20 +119,42 @@ def _bytes(value: Any) -> int:
 def to_torch(path: str | Path, out: str | Path) -> dict[str, torch.Tensor]:
     """Write the LightningModule's full ``state_dict`` (``consolidate_checkpoint``) to ``out``
     with ``torch.save``, through a temporary file renamed into place; return it."""
+    target = _output_file(out, "to-torch")
     state = consolidate_checkpoint(require_checkpoint(path))
+    _save_file(state, target)
+    return state
+
+
+def to_lightning_file(path: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write the checkpoint as one Lightning checkpoint file (``core.checkpoint.to_lightning``:
+    the full ``state_dict``, each optimizer's state by position, the loops, callbacks and LR
+    schedulers), which ``Trainer(...).fit(model, ckpt_path=out)`` on one device resumes from;
+    through a temporary file renamed into place. Returns the dict written."""
+    target = _output_file(out, "to-lightning")
+    checkpoint = to_lightning(require_checkpoint(path))
+    _save_file(checkpoint, target)
+    return checkpoint
+
+
+def _output_file(out: str | Path, action: str) -> Path:
+    """``out`` as a ``Path``, refused before anything is read when its directory is missing."""
     target = Path(out)
     if not target.parent.is_dir():
         raise CheckpointError(
-            f"to-torch writes into an existing directory (output: {target}, no directory "
+            f"{action} writes into an existing directory (output: {target}, no directory "
             f"{target.parent}); create it first"
         )
+    return target
+
+
+def _save_file(value: Any, target: Path) -> None:
+    """``torch.save(value, target)`` through a temporary file beside it renamed into place."""
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
-        torch.save(state, partial)
+        torch.save(value, partial)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
-    return state
 
 
 def read_state_dict(source: str | Path) -> dict[str, torch.Tensor]:

@@ -1,13 +1,13 @@
 """``Pipeline.save`` and ``Pipeline.load``: the sharded checkpoint directory the strategy writes.
 
-``save(path)`` writes ``core.checkpoint``'s format: one shard per stage (the stage's tensors
-under ``layers.state_dict()``'s names, its optimizer's state keyed by parameter name:
-``core.named_state``) and ``pipeline.json``, published whole by rank 0 (``core.atomic``).
-``pl_pipedream.consolidate_checkpoint(path)`` gives the whole model's ``state_dict`` back for
-one device, and ``load(path)`` resumes it under any plan over the same layers: each rank reads
-only the shards that hold its stage's names (``core.resume.Resume``). The caller's own state
-(a loop's counters, an LR scheduler's state: the same on every rank) rides along under
-``EXTRA`` in stage 0's shard, where the format keeps state outside the pipeline.
+``save(path)`` writes ``core.checkpoint``'s format: one shard per stage, per rank in the chunked
+modes (the stage's tensors under ``layers.state_dict()``'s names, its optimizer's state keyed by
+parameter name: ``core.named_state``) and ``pipeline.json``, published whole by rank 0
+(``core.atomic``). ``pl_pipedream.consolidate_checkpoint(path)`` gives the whole model's
+``state_dict`` back for one device, and ``load(path)`` resumes it under any plan over the same
+layers: each rank reads only the shards that hold its stage's names (``core.resume.Resume``). The
+caller's own state (a loop's counters, an LR scheduler's state: the same on every rank) rides along
+under ``EXTRA`` in stage 0's shard, where the format keeps state outside the pipeline.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from pl_pipedream.profile.alike import equalise
 from pl_pipedream.profile.graph import Profile, ProfileError
+from pl_pipedream.profile.handoff import handoff_message
 from pl_pipedream.trees import map_tensors, tensors
 
 __all__ = ["profile_layers", "profile_layers_one_at_a_time"]
@@ -95,8 +96,9 @@ def profile_layers_one_at_a_time(
     timings = []
     with torch.random.fork_rng(devices=_rng_devices(target)), torch.enable_grad():
         for index, layer in enumerate(layers):
+            before = _before(layers, index)
             with load(layer) as module:
-                timing, value = _time_layer(index, module, value, target, warmup + repeats)
+                timing, value = _time_layer(index, module, value, target, warmup + repeats, before)
             timings.append(timing)
     return _chain_profile(layers, sample, target, timings, warmup, repeats)
 
@@ -146,15 +148,26 @@ def _time_chain(
     timings = []
     value = sample
     for index, layer in enumerate(layers):
-        timing, value = _time_layer(index, layer, value, device, runs)
+        timing, value = _time_layer(index, layer, value, device, runs, _before(layers, index))
         timings.append(timing)
     return timings
 
 
+def _before(layers: nn.Sequential, index: int) -> str | None:
+    """The layer before ``layers[index]``, as the error names it (None for the first)."""
+    return f"layer {index - 1}: {type(layers[index - 1]).__name__}" if index else None
+
+
 def _time_layer(
-    index: int, layer: nn.Module, value: Any, device: torch.device, runs: int
+    index: int,
+    layer: nn.Module,
+    value: Any,
+    device: torch.device,
+    runs: int,
+    before: str | None = None,
 ) -> tuple[_Timing, Any]:
-    """Time ``runs`` forward and backward passes of one layer; also return its last output."""
+    """Time ``runs`` forward and backward passes of one layer; also return its last output.
+    ``before`` names the layer whose output ``value`` is, for the error."""
     module = layer if _lives_on(layer, device) else copy.deepcopy(layer).to(device)
     forward: list[float] = []
     backward: list[float] = []
@@ -165,11 +178,8 @@ def _time_layer(
                 forward.append(forward_ms)
                 backward.append(backward_ms)
     except Exception as error:
-        raise ProfileError(
-            f"every layer must run on the previous layer's output (layer {index}: "
-            f"{type(layer).__name__}, input: {_summarise(value)}): {error}; check the sample's "
-            "shape and the layer order (a layer returning a tuple passes it on as one argument)"
-        ) from error
+        where = f"{device}, while profiling"
+        raise ProfileError(handoff_message(index, layer, before, where, value, error)) from error
     sizes = tuple(float(t.numel() * t.element_size()) for t in tensors(output))
     return _Timing(forward, backward, sizes or (0.0,), _structure(layer, value, output)), output
 

@@ -133,7 +133,8 @@ class StageExecutor(SplitBackward):
         self.describe = describe(rank, stage)
         tied = tied_versions.names if tied_versions else set()
         self.stash = WeightStash(module, self.describe, tied)
-        self._call = StageCall(module)  # the module's forward on a version's tensors
+        # the module's forward on a version's tensors
+        self._call = StageCall(module, self.describe, _before_first(module, stage))
         self.record_timeline = record_timeline
         self.recording = Recording(rank)  # while record_timeline is on
         self.losses = losses or LossBook()  # the training losses this rank knows (shared by its
@@ -412,3 +413,13 @@ class StageExecutor(SplitBackward):
 
 
 _NO_GRADIENT = torch.zeros(0)
+
+
+def _before_first(module: nn.Module, stage: int) -> str | None:
+    """What feeds the stage's first layer, as an error names it: the last layer of the stage
+    before (by index, where the children are named by it: ``core.stage``); None on stage 0."""
+    if stage == 0:
+        return None
+    first = next(iter(module._modules), "")
+    last = f"the last of stage {stage - 1}"
+    return f"layer {int(first) - 1} ({last})" if first.isdigit() else last

@@ -10,7 +10,10 @@ puts the given tensors in those slots, runs the module and puts the parameters b
 the forward raises. As with ``functional_call(module, params, args, strict=False)``, a
 parameter not given keeps the module's own, and a tensor given for one of several names of a
 tied parameter serves all of them. Buffers are not swapped: the module's own are used (and
-updated, e.g. BatchNorm's running statistics), which is what the executor passed anyway.
+updated, e.g. BatchNorm's running statistics), which is what the executor passed anyway. A stage
+module that is an ``nn.Sequential`` runs layer by layer (``profile.handoff.run_layers``): a layer
+that cannot take the previous one's output raises an error naming both, the rank and stage
+(``where``), and the value.
 
 ``ParameterSlots`` is the same idea for reading: ``module.named_parameters()`` walks the module
 tree through generators at every call (about 9 us for a two-layer stage, several times per
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pl_pipedream.profile.handoff import run_layers
 
 __all__ = ["ParameterSlots", "StageCall"]
 
@@ -53,10 +58,13 @@ class ParameterSlots:
 
 class StageCall:
     """``StageCall(module)(params, value)``: ``module(value)`` with ``params`` (by the names of
-    ``module.named_parameters()``) in place of the module's own parameters."""
+    ``module.named_parameters()``) in place of the module's own parameters. ``where`` (the rank
+    and stage) and ``before_first`` (what feeds the first layer) word a layer's ``TypeError``."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, where: str = "", before_first: str | None = None) -> None:
         self.module = module
+        self.where = where or "one stage"
+        self.before_first = before_first
         canonical: dict[int, str] = {}
         for name, param in module.named_parameters():
             canonical[id(param)] = name
@@ -78,6 +86,8 @@ class StageCall:
                     # A plain tensor in the slot for this call (put back below); torch types the
                     # slot as a Parameter.
                     owner._parameters[attribute] = tensor  # type: ignore[assignment]
+            if isinstance(self.module, nn.Sequential):
+                return run_layers(self.module, value, self.where, self.before_first)
             return self.module(value)
         finally:
             for owner, attribute, original in reversed(swapped):

@@ -5,7 +5,10 @@ returns their output; a ``forward`` that does more (or something else) would be 
 a word. So at setup, while rank 0 still holds every layer, it runs ``forward(sample)`` and the
 pipeline on the same sample (one microbatch of the first stage's input, the one planning
 profiles), both in eval mode, without gradients and from the same RNG state, and compares the
-results; it broadcasts its verdict so that every rank stops with the same error.
+results; it broadcasts its verdict so that every rank stops with the same error. The pipeline
+runs layer by layer (``profile.handoff``): a layer that cannot take what the layer before it
+returned stops every rank with an error naming both layers and the value, not torch's bare
+``TypeError`` on rank 0 alone.
 
 Not checked: a module that does not override ``LightningModule.forward`` (under the strategy
 ``self(x)`` simply is the pipeline: nothing is skipped), a setup with no sample (no training
@@ -23,11 +26,13 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from pl_pipedream.core.errors import PipelineSetupError
+from pl_pipedream.profile.handoff import HandoffError, run_layers
 from pl_pipedream.trees import map_tensors
 
 __all__ = ["check_forward", "forward_difference", "forward_is_checked"]
 
 RTOL, ATOL = 1e-4, 1e-6
+_WHERE = "rank 0 at setup (the forward check, before the pipeline is cut into stages)"
 
 
 def forward_is_checked(module: nn.Module, layers: nn.Sequential) -> bool:
@@ -41,19 +46,24 @@ def forward_is_checked(module: nn.Module, layers: nn.Sequential) -> bool:
 def check_forward(module: nn.Module, layers: nn.Sequential, sample: Any) -> None:
     """Rank 0 compares ``forward(sample)`` with ``layers(sample)`` (``sample``: rank 0's, None
     elsewhere or when there is none) and every rank raises ``PipelineSetupError`` when they differ
-    (every rank must call it)."""
+    or the layers raise (every rank must call it; on rank 0 the layers' error is chained)."""
     if not forward_is_checked(module, layers):
         return
     box: list[str | None] = [None]
+    cause: Exception | None = None
     if dist.get_rank() == 0 and sample is not None:
-        box[0] = forward_difference(module, layers, sample)
+        try:
+            box[0] = forward_difference(module, layers, sample)
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it
+            box[0], cause = _raised(error), error
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        raise PipelineSetupError(box[0])
+        raise PipelineSetupError(box[0]) from cause
 
 
 def forward_difference(module: nn.Module, layers: nn.Sequential, sample: Any) -> str | None:
-    """None when ``module.forward(sample)`` equals ``layers(sample)``, else the error text."""
+    """None when ``module.forward(sample)`` equals ``layers(sample)``, else the error text; a
+    layer that cannot take the previous one's output raises ``profile.handoff.HandoffError``."""
     name = type(module).__name__
     device = next((t.device for t in module.parameters()), torch.device("cpu"))
     modes = {sub: sub.training for sub in module.modules()}
@@ -62,7 +72,8 @@ def forward_difference(module: nn.Module, layers: nn.Sequential, sample: Any) ->
         module.eval()
         with torch.no_grad():
             with torch.random.fork_rng(devices=rng):
-                expected = layers(_to(sample, device))  # a copy each: a layer may work in place
+                # a copy each: a layer may work in place
+                expected = run_layers(layers, _to(sample, device), _WHERE)
             with torch.random.fork_rng(devices=rng):
                 try:
                     got = module.forward(_to(sample, device))
@@ -73,6 +84,18 @@ def forward_difference(module: nn.Module, layers: nn.Sequential, sample: Any) ->
             sub.training = training
     difference = _difference(got, expected)
     return None if difference is None else _explain(name, difference)
+
+
+def _raised(error: Exception) -> str:
+    """The verdict when the pipeline's layers raised on the sample."""
+    if isinstance(error, HandoffError):
+        return str(error)
+    lines = str(error).strip().splitlines()
+    return (
+        f"the layers of configure_pipeline() must run on one microbatch of the first stage's "
+        f"input ({_WHERE}: {type(error).__name__}: {lines[0] if lines else ''}); fix the layer "
+        "that raised (rank 0's traceback shows it)"
+    )
 
 
 def _explain(name: str, detail: str) -> str:

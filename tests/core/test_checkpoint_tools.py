@@ -20,6 +20,7 @@ from pl_pipedream.core.checkpoint_tools import (
     from_torch,
     read_state_dict,
     require_checkpoint,
+    to_lightning_file,
     to_torch,
 )
 from pl_pipedream.core.errors import CheckpointError
@@ -104,6 +105,16 @@ def test_to_torch_into_a_missing_directory_names_it(tmp_path: Path) -> None:
     write(path)
     with pytest.raises(CheckpointError, match="no directory .*; create it first"):
         to_torch(path, tmp_path / "nowhere" / "weights.pt")
+
+
+def test_to_lightning_file_into_a_missing_directory_names_it_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.ckpt"
+    write(path)
+    with pytest.raises(CheckpointError, match=r"^to-lightning writes into an existing directory"):
+        to_lightning_file(path, tmp_path / "nowhere" / "one.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt"]
 
 
 # ----- from-torch ---------------------------------------------------------------------------------

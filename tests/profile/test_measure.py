@@ -239,11 +239,33 @@ def test_empty_sequential_is_rejected() -> None:
         profile_layers(nn.Sequential(), torch.randn(2, 2))
 
 
-def test_failing_layer_is_named_by_index_and_type() -> None:
+def test_failing_layer_is_named_by_index_and_type_with_the_layer_before_and_its_input() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(8, 4))
-    with pytest.raises(ProfileError, match=r"layer 2: Linear, input: Tensor\(6, 16\)") as info:
+    found = (
+        r"layer 2: Linear, after layer 1: ReLU, on cpu, while profiling; passed: Tensor\(6, 16\)"
+    )
+    with pytest.raises(ProfileError, match=found) as info:
         profile(model, torch.randn(BATCH, 8))
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def test_a_tuple_the_next_layer_cannot_take_names_the_boundary_one_layer_at_a_time_too() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), _Pair(), nn.Linear(16, 4))
+    found = r"\(layer 2: Linear, after layer 1: _Pair, .*passed: tuple\(Tensor\(6, 16\) float32, "
+    for run in (
+        lambda: profile(model, torch.randn(BATCH, 8)),
+        lambda: profile_layers_one_at_a_time(
+            model, torch.randn(BATCH, 8), contextlib.nullcontext, device="cpu"
+        ),
+    ):
+        with pytest.raises(ProfileError, match=found) as info:
+            run()
+        assert type(info.value.__cause__) is TypeError
 
 
 def test_not_a_sequential_is_rejected() -> None:

@@ -134,6 +134,11 @@ def test_a_checkpoint_saved_in_a_v_resumes_interleaved_and_in_one_stage(tmp_path
             for batch in batches[:2]:
                 pipeline.train_step(batch)
             pipeline.save(tmp_path / "checkpoint")
+        # one shard per rank, named after the last stage the rank holds (docs/checkpoints.md)
+        assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
+            "pipeline.json",
+            "stage-01.pt",
+        ]
         for sync, balance in (("interleaved", [1, 2, 1, 2]), ("flush", [6])):
             with Pipeline(
                 make_model(), nn.functional.mse_loss, sgd, sync=sync, microbatches=2,

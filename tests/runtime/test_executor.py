@@ -13,14 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pl_pipedream.engine.pipeline import Pipeline
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.profile.handoff import HandoffError
 from pl_pipedream.runtime import update
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.executor import Feed, StageExecutor
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime import oracle
-from tests.runtime.distributed import run
+from tests.runtime.distributed import one_rank_group, run
 
 MODES = ("async", "vertical_sync", "2bw", "flush", "gpipe", "zero_bubble")
 SAME_AS_ONE_DEVICE = {"flush", "gpipe", "zero_bubble"}  # the flushed modes update alike
@@ -150,3 +152,34 @@ def optimizer_update(module: nn.Module, optimizer: torch.optim.Optimizer | None)
         return copied
 
     return apply_update
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+@pytest.mark.parametrize(
+    ("sync", "balance", "boundary"),
+    [
+        ("flush", [4], "after layer 1: _Pair, on rank 0 (stage 0)"),
+        ("zbv", [2, 2], "after layer 1 (the last of stage 0), on rank 0 (stage 1)"),
+    ],
+    ids=["in a stage", "between stages"],
+)
+def test_a_layer_that_cannot_take_the_tuple_before_it_names_the_boundary(
+    sync: str, balance: list[int], boundary: str
+) -> None:
+    """One process: in a V both stages are rank 0's, so the tuple crosses a stage boundary."""
+    model = nn.Sequential(nn.Linear(6, 4), _Pair(), nn.Linear(4, 3), nn.Identity())
+    with one_rank_group():
+        with Pipeline(
+            model, nn.functional.mse_loss, OPTIMIZERS["sgd"], sync=sync, microbatches=2,
+            balance=balance,
+        ) as pipeline:  # fmt: skip
+            with pytest.raises(HandoffError) as caught:
+                pipeline.train_step(make_batches(2)[0])
+    assert f"(layer 2: Linear, {boundary}; passed: tuple(Tensor(2, 4) float32, " in str(
+        caught.value
+    )
+    assert type(caught.value.__cause__) is TypeError

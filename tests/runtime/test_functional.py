@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from pl_pipedream.profile.handoff import HandoffError
 from pl_pipedream.runtime.functional import ParameterSlots, StageCall
 
 
@@ -115,3 +117,26 @@ def test_parameter_slots_read_what_named_parameters_gives_from_slots_found_once(
         nn.Module.named_modules = original  # type: ignore[method-assign]
     assert calls == []
     assert names == [n for n, _ in module.named_parameters()]
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def test_a_stage_whose_layer_cannot_take_the_one_before_names_both_the_rank_and_the_value() -> None:
+    """A stage module as ``core.stage`` cuts it: children named by their pipeline index."""
+    stage = nn.Sequential(OrderedDict([("4", nn.Linear(3, 5)), ("5", _Pair()), ("6", nn.ReLU())]))
+    module = nn.Sequential(OrderedDict([*stage.named_children(), ("7", nn.Linear(5, 2))]))
+    call = StageCall(module, "rank 1 (stage 1)", "layer 3 (the last of stage 0)")
+    with pytest.raises(HandoffError) as caught:
+        call(_versions(module), torch.ones(2, 3))
+    assert "(layer 6: ReLU, after layer 5: _Pair, on rank 1 (stage 1); passed: tuple(" in str(
+        caught.value
+    )
+    assert type(caught.value.__cause__) is TypeError
+    assert all(isinstance(p, nn.Parameter) for p in module.parameters())  # put back
+    with pytest.raises(
+        HandoffError, match=r"layer 4: Linear, after layer 3 \(the last of stage 0\)"
+    ):
+        call(_versions(module), (torch.ones(2, 3),))

@@ -68,6 +68,19 @@ class Doubled(nn.Module):
         return x.mul_(2)
 
 
+class Both(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class HandsOnATuple(Net):
+    """Layer 2 returns a tuple that layer 3 (a Linear) cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(2, Both())
+
+
 SAMPLE = torch.randn(4, 6)
 
 
@@ -117,6 +130,35 @@ def test_every_rank_raises_rank_zeros_verdict_and_undefined_forward_is_not_check
         scaled = Scaled()
         scaled.net[4].to("meta")  # a later setup: other stages' layers are on meta
         check_forward(scaled, scaled.configure_pipeline(), SAMPLE)
+
+
+def test_a_layer_that_cannot_take_the_tuple_before_it_names_the_boundary_on_every_rank() -> None:
+    model = HandsOnATuple()
+    with one_rank_group():
+        with pytest.raises(PipelineSetupError) as caught:
+            check_forward(model, model.configure_pipeline(), SAMPLE)
+    text = str(caught.value)
+    assert text.startswith(
+        "each layer of the pipeline takes the previous layer's output as its one argument, as "
+        "in nn.Sequential (layer 3: Linear, after layer 2: Both, on rank 0 at setup (the forward "
+        "check, before the pipeline is cut into stages); passed: tuple(Tensor(4, 8) float32, "
+        "Tensor(4, 8) float32); TypeError: linear(): argument"
+    )
+    assert type(caught.value.__cause__.__cause__) is TypeError  # torch's, chained on rank 0
+
+
+def test_a_layer_that_raises_otherwise_stops_every_rank_too() -> None:
+    model = Net()
+    model.net[2] = nn.Linear(5, 8)  # takes 5 features, gets 8
+    with one_rank_group():
+        with pytest.raises(PipelineSetupError) as caught:
+            check_forward(model, model.configure_pipeline(), SAMPLE)
+    assert str(caught.value).startswith(
+        "the layers of configure_pipeline() must run on one microbatch of the first stage's "
+        "input (rank 0 at setup (the forward check, before the pipeline is cut into stages): "
+        "RuntimeError: mat1 and mat2"
+    )
+    assert isinstance(caught.value.__cause__, RuntimeError)
 
 
 @pytest.mark.slow

@@ -32,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.runtime.ranks import describe, group_failure
+
 __all__ = ["MAX_PERIOD", "MIN_INTERVAL", "Preempted", "Preemption", "exit_code", "parse_signals"]
 
 MIN_INTERVAL = 0.03  # seconds: steps shorter than this share one agreement
@@ -126,7 +129,7 @@ class Preemption:
         if len(self._pending) <= self._lag:
             return
         work, agreed = self._pending.popleft()
-        work.wait()
+        self._wait(work, timeout)
         signum, micros = (int(v) for v in agreed.tolist())
         if signum:
             self._pending.clear()  # every rank stops here: none waits for the rest
@@ -134,6 +137,21 @@ class Preemption:
         fill = math.ceil(MIN_INTERVAL * 1e6 / micros) if micros else 1
         self._period = max(1, min(MAX_PERIOD, fill))
         self._next = step + self._period
+
+    def _wait(self, work: Any, timeout: float) -> None:
+        """Wait for an agreement posted earlier; a rank that stopped fails it on every other
+        rank, named as the backend cannot (``runtime.ranks.group_failure``)."""
+        start = time.perf_counter()
+        try:
+            work.wait()
+        except RuntimeError as error:
+            me, world = dist.get_rank(), dist.get_world_size()
+            others = [describe(rank) for rank in range(world) if rank != me]
+            waited = time.perf_counter() - start
+            text = group_failure(
+                describe(me), "the preemption signals", "peer", others, error, waited, timeout
+            )
+            raise PeerError(text) from None
 
     def finish(self, failed: bool) -> None:
         """At the end of training: the handlers back, and the group given back (after the

@@ -198,7 +198,7 @@ class _Exchange:
             message = self.channel.recv(peer, Tag.RELAYOUT, what)
         except PeerError as error:
             self._tell_lost(peer)
-            raise PeerError(self._lost_text(peer, str(error))) from error
+            raise PeerError(self._lost_text(peer, str(error))) from None
         got = unflatten(message.tensors, message.structure)
         if "lost" in got:
             self._tell_lost(int(got["lost"]))

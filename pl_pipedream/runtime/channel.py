@@ -171,7 +171,7 @@ class Channel:
                 try:
                     posted = self._post(peer, tag)
                 except RuntimeError as error:
-                    raise self._error("receive", what, peer, error) from error
+                    raise self._error("receive", what, peer, error) from None
             work, frame = posted
             self._wait(work, peer, what)
             self._count_received(-frame.nbytes)  # the message's now, or a notice
@@ -218,7 +218,7 @@ class Channel:
                 return self._direct.send([frame], self._group_rank(peer), tag)
             return _started(dist.isend(frame, peer, group=self.group, tag=tag), peer)
         except RuntimeError as error:
-            raise self._error("send", what, peer, error) from error
+            raise self._error("send", what, peer, error) from None
 
     def _group_rank(self, peer: int) -> int:
         found = self._group_ranks.get(peer)
@@ -265,7 +265,7 @@ class Channel:
         except RuntimeError as error:
             waited = time.monotonic() - start
             verb = "send" if sending else "receive"
-            raise self._error(verb, what, peer, error, waited) from error
+            raise self._error(verb, what, peer, error, waited) from None
 
     def _error(
         self, verb: str, what: str, peer: int, cause: BaseException, waited: float | None = None

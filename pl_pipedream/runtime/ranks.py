@@ -9,12 +9,26 @@ over several ranks (a stage's replicas, a tie's holders), by ``group_failure``.
 
 from __future__ import annotations
 
-__all__ = ["describe", "group_failure", "peer_failure"]
+import re
+
+__all__ = ["backend_detail", "describe", "group_failure", "peer_failure"]
 
 
 def describe(rank: int, stage: int | None = None) -> str:
     """``"rank 1 (stage 1)"``, or ``"rank 1"`` where the stage is not known."""
     return f"rank {rank}" if stage is None else f"rank {rank} (stage {stage})"
+
+
+def backend_detail(cause: BaseException) -> str:
+    """The backend's reason in a few words: the first sentence of its first line, without
+    the source file it was raised in and the peer's address ("Connection closed by peer"
+    from gloo's "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:2549. This is...")."""
+    text = str(cause).strip()
+    if not text:
+        return type(cause).__name__
+    line = re.sub(r"^\[?[^\]\s]*:\d+\]\s*", "", text.splitlines()[0])
+    line = re.sub(r"\s*\[[0-9A-Fa-f.:]+\]:\d+", "", line)
+    return line.split(". ")[0].rstrip(".") or type(cause).__name__
 
 
 def peer_failure(
@@ -29,8 +43,7 @@ def peer_failure(
     it (the peer has stopped: its own error is the one to read). ``attempt`` says what failed
     ("rank 1 (stage 1) could not receive ... from rank 2"); ``waited`` is None when the
     operation failed as it was posted; ``timeout`` is the deadline, if there is one."""
-    text = str(cause).strip()
-    detail = text.splitlines()[0] if text else type(cause).__name__
+    detail = backend_detail(cause)
     if waited is not None and timeout is not None and waited >= 0.95 * timeout:
         return (
             f"{attempt} within {timeout:g} s ({detail}); {peer} has probably failed or "

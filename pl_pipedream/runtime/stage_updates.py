@@ -187,7 +187,7 @@ class StageUpdates:
             others = [r for r in self.replica_ranks if r != self.rank]
             raise replica_stopped(
                 self.describe, what, self.stage, others, error, waited, self.timeout
-            ) from error
+            ) from None
 
     def step(self, action: Action, update: Update | None, needed: Needed) -> None:
         """``STEP``: the update's mean gradient applied through ``update``, making the live

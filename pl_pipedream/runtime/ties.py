@@ -87,7 +87,7 @@ class TiedGradients:
             try:
                 dist.all_reduce(total, group=group)
             except RuntimeError as error:
-                raise self._stopped(tie, error, time.monotonic() - start) from error
+                raise self._stopped(tie, error, time.monotonic() - start) from None
             accumulated[name] = total
         return self.names
 

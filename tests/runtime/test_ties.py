@@ -66,8 +66,8 @@ GLOO_TEXT = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.
 
 
 def test_a_holder_that_stopped_is_named_by_rank_and_stage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The all-reduce's own error (gloo's text: an address and port) becomes the cause of a
-    ``PeerError`` naming the other holder."""
+    """The all-reduce's own error (gloo's text: an address and port) becomes a ``PeerError``
+    naming the other holder, with the backend's reason in a few words."""
 
     def closed(*args: object, **kwargs: object) -> None:
         raise RuntimeError(GLOO_TEXT)

@@ -100,6 +100,10 @@ def test_a_killed_middle_rank_of_eight_is_named_first(eight) -> None:  # type: i
     for neighbour in (KILLED - 1, KILLED + 1):
         entry = json.loads((errors / f"rank-{neighbour}.json").read_text())
         assert entry["kind"] == "PeerError" and f"rank {KILLED}" in entry["message"], entry
+    for r, rank in enumerate(ranks):  # each survivor's first error line is ours, not gloo's
+        if r != KILLED:
+            first = next(line for line in rank.stderr.splitlines() if "Error:" in line)
+            assert "PeerError: " in first and "pair.cc" not in first, first
     ends = []
     for r, rank in enumerate(ranks):  # as the launcher reads them (RankProcesses._end)
         end = RankEnd(r, rank.code, rank.at)

@@ -337,7 +337,7 @@ ROWS = {
         "plan",
         "`sync='2bw'` with 2 microbatches on 3 stages",
         lambda tmp: SegmentStream(Plan.from_balance([1, 1, 1]), "2bw", 2),
-        ("2bw needs at least as many microbatches", "PipeDreamStrategy(microbatches=3)"),
+        ("2bw needs at least as many microbatches", "use microbatches=3"),
     ),
     "topology lists of different lengths": Row(
         "plan",

@@ -199,7 +199,7 @@ def plan_within(
         fixes = (
             "more devices or a smaller batch"
             if recompute
-            else ("more devices, PipeDreamStrategy(recompute=True) or a smaller batch")
+            else ("more devices, recompute=True or a smaller batch")
         )
         raise PipelineSetupError(
             f"no pipeline fits the memory per device (memory: {_size(memory)}, the smallest that "

@@ -59,7 +59,7 @@ def parse_signals(names: Sequence[str | int | signal.Signals]) -> tuple[signal.S
         except (KeyError, ValueError):
             raise ValueError(
                 f"preempt_signals must name signals (preempt_signals: {tuple(names)!r}); for "
-                'example PipeDreamStrategy(preempt_signals=("SIGTERM", "SIGUSR1")), or () for none'
+                'example preempt_signals=("SIGTERM", "SIGUSR1"), or () for none'
             ) from None
         if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(

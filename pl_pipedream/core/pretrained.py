@@ -70,7 +70,7 @@ class Pretrained:
             return cls(value)
         raise PipelineSetupError(
             f"pretrained must be a path or a Pretrained (pretrained: {type(value).__name__}); "
-            "pass PipeDreamStrategy(pretrained='model.safetensors') or pretrained=Pretrained(...)"
+            "pass pretrained='model.safetensors' or pretrained=Pretrained(...)"
         )
 
     def describe(self) -> str:

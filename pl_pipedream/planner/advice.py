@@ -41,7 +41,7 @@ def advise(
     ):
         more = fewest_microbatches(free, microbatches)
         needs.append(
-            f"PipeDreamStrategy(microbatches={more}) admits the {free.shape} plan "
+            f"microbatches={more} admits the {free.shape} plan "
             f"({free.speedup_over_data_parallel:.2f}x; replica counts must divide the "
             f"microbatches per batch, now {microbatches})"
         )

@@ -48,7 +48,7 @@ def peer_failure(
         return (
             f"{attempt} within {timeout:g} s ({detail}); {peer} has probably failed or "
             f"stopped: look for its error above, or raise the timeout "
-            f"(PipeDreamStrategy(timeout=...)) if its stage is just slow"
+            f"(timeout=..., the same argument in every front end) if its stage is just slow"
         )
     after = "as it was posted" if waited is None else f"after {waited:.1f} s of waiting"
     return (

@@ -68,13 +68,13 @@ def check_corrections(
         raise ValueError(
             f"the staleness corrections apply to sync '{SyncMode.ASYNC}' and "
             f"'{SyncMode.VERTICAL_SYNC}' only (sync: {sync}, asked: {', '.join(asked)}); "
-            f"use PipeDreamStrategy(sync='{SyncMode.ASYNC}') or leave the option at its default"
+            f"use sync='{SyncMode.ASYNC}' or leave the option at its default"
         )
     if ties:
         raise ValueError(
             f"the staleness corrections do not cover tied parameters, which have versions of "
             f"their own (tied: {'; '.join(ties)}, asked: {', '.join(asked)}); leave the option "
-            f"at its default, use PipeDreamStrategy(sync='{SyncMode.FLUSH}'), or place every "
+            f"at its default, use sync='{SyncMode.FLUSH}', or place every "
             "layer using the parameter on one stage with balance="
         )
 

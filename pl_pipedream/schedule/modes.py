@@ -55,7 +55,7 @@ class SyncMode(str, enum.Enum):
         except ValueError:
             raise ValueError(
                 f"sync must be one of {', '.join(m.value for m in cls)} (sync: {value!r}); "
-                "for example PipeDreamStrategy(sync='async')"
+                "for example sync='async'"
             ) from None
 
     @property

@@ -203,8 +203,5 @@ def fewest_microbatches(plan: Plan, sync: SyncMode, at_least: int = 1) -> int:
 
 
 def _use(microbatches: int, mode: SyncMode) -> str:
-    """How a user asks for ``microbatches``: the strategy's argument and the CLI's flag."""
-    return (
-        f"use PipeDreamStrategy(microbatches={microbatches}) (pl-pipedream simulate "
-        f"--microbatches {microbatches})"
-    )
+    """How a user asks for ``microbatches``: every front end's argument and the CLI's flag."""
+    return f"use microbatches={microbatches} (pl-pipedream simulate --microbatches {microbatches})"

@@ -25,7 +25,7 @@ def test_a_faster_plan_for_more_microbatches_is_named_with_the_count() -> None:
     text = advise(chosen, free, 3, None)
     assert text is not None
     assert text.startswith("predicted slower than data parallelism (0.94x)")
-    assert "PipeDreamStrategy(microbatches=4) admits the 2-2 plan (1.11x" in text
+    assert "microbatches=4 admits the 2-2 plan (1.11x" in text
     assert "Trainer(strategy='ddp')" in text
 
 

@@ -42,7 +42,7 @@ def test_errors_name_the_users_fix(replicas: list[int], sync: str, m: int, fix: 
     with pytest.raises(ValueError) as error:
         rules.check_arguments(plan, sync, 1, m)
     text = str(error.value)
-    assert f"PipeDreamStrategy(microbatches={fix})" in text
+    assert f"use microbatches={fix} (pl-pipedream simulate" in text
     assert f"--microbatches {fix}" in text
     rules.check_arguments(plan, sync, 1, fix)
 
@@ -128,6 +128,6 @@ def test_interleaved_takes_microbatches_in_groups_of_one_per_rank() -> None:
     assert rules.fewest_microbatches(plan, SyncMode.INTERLEAVED, 4) == 6
     with pytest.raises(
         ValueError,
-        match=r"microbatches: 4, ranks: 3\); use PipeDreamStrategy\(microbatches=6\)",
+        match=r"microbatches: 4, ranks: 3\); use microbatches=6",
     ):
         rules.check_arguments(plan, "interleaved", 1, 4)

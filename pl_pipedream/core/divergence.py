@@ -85,8 +85,7 @@ class DivergenceWatch:
                 "divergence_rise must be positive and divergence_patience an integer from 1 to "
                 f"divergence_window (divergence_rise: {rise!r}, divergence_patience: "
                 f"{patience!r}, divergence_window: {window!r}); for example "
-                "PipeDreamStrategy(divergence_rise=0.9, divergence_patience=3, "
-                "divergence_window=5)"
+                "divergence_rise=0.9, divergence_patience=3, divergence_window=5"
             )
         self.rise = float(rise)
         self.patience = patience

@@ -77,7 +77,6 @@ from pl_pipedream.trees import map_tensors
 
 __all__ = ["Pipeline"]
 
-DIVERGENCE_RULE = (0.9, 3, 5)  # rise, patience, window: the strategy's defaults
 CALL = "Pipeline(..., {args})"  # quoted in the fixes of the argument checks
 
 
@@ -89,26 +88,28 @@ class Pipeline:
     ``sync``: ``flush`` (1F1B flushed every batch: equals one device), ``zero_bubble`` (flush
     with each backward split, its weight half in the bubbles: docs/zero-bubble.md), ``gpipe``,
     ``2bw``, ``async`` or ``vertical_sync`` (rules: docs/guide.md), ``interleaved`` or ``zbv``
-    (``chunks_per_rank`` stages per rank, default 2: docs/chunked-planning.md); ``microbatches``:
-    slices per batch; the layout as ``balance`` (layers per stage, one rank each), ``plan``, or
-    planned automatically (``core.planning``) from ``example_input`` (one microbatch of the first
-    layer's input, profiled on rank 0) for ``topology`` (default: one level, the link between
-    ranks 0 and 1 measured) within ``memory`` per rank (bytes or ``"8GiB"``); ``device``:
-    this rank's device (default: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU);
-    ``timeout``: seconds a rank waits for a peer before it fails naming it; ``divergence``:
-    what a diverging loss does (``core.loss_watch``: ``"error"`` stops on a non-finite one,
-    ``"strict"`` on any divergence, ``"warn"``, ``"off"``); ``preempt_signals``: signals (e.g.
-    ``("SIGTERM", "SIGUSR1")``) that stop every rank at one agreed step (``core.preemption``),
-    where ``train_step`` drains and raises ``Preempted``; ``precision``: ``"32-true"``,
-    ``"bf16-mixed"`` or ``"16-mixed"`` (``engine.precision``), or a ``StagePrecision``;
-    ``clip_grad_norm``: the largest gradient norm at each update (``core.clipping``: over every
-    stage in the flushed modes, as one device; over the stage in the other modes);
-    ``pretrained``: weights to start from (a path or a ``Pretrained``: each rank reads its
-    stage's tensors); ``empty_build``: the record of ``pl_pipedream.empty_build()`` when
-    ``layers`` were built on ``meta``, from which each rank creates only its stage;
-    ``replan``: ``"auto"`` checks the plan every ``replan_every`` steps against the measured
-    stage times and moves to a plan faster by more than ``replan_threshold`` (``engine.
-    replanning``; each move a line of ``replan_history``, a JSON-lines file), ``"off"``."""
+    (``chunks_per_rank`` stages per rank, default 2: docs/chunked-planning.md);
+    ``microbatches``: slices per batch; the layout as ``balance`` (layers per stage, one rank
+    each), ``plan``, or planned automatically (``core.planning``) from ``example_input`` (one
+    microbatch of the first layer's input, profiled on rank 0) for ``topology`` (default: one
+    level, the link between ranks 0 and 1 measured) within ``memory`` per rank (bytes or
+    ``"8GiB"``); ``device``: this rank's device (default: ``cuda:LOCAL_RANK`` when the group
+    runs NCCL, else the CPU); ``timeout``: seconds a rank waits for a peer before it fails
+    naming it; ``divergence``: what a diverging loss does (``core.loss_watch``: ``"error"``
+    stops on a non-finite one, ``"strict"`` on any divergence, ``"warn"``, ``"off"``;
+    ``divergence_rise``, ``_patience``, ``_window``: when a loss has given back its progress,
+    docs/divergence.md); ``preempt_signals``: signals (e.g. ``("SIGTERM", "SIGUSR1")``) that
+    stop every rank at one agreed step (``core.preemption``), where ``train_step`` drains and
+    raises ``Preempted``; ``precision``: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``
+    (``engine.precision``), or a ``StagePrecision``; ``clip_grad_norm``: the largest gradient
+    norm at each update (``core.clipping``: over every stage in the flushed modes, as one
+    device; over the stage in the other modes); ``pretrained``: weights to start from (a path or
+    a ``Pretrained``: each rank reads its stage's tensors); ``empty_build``: the record of
+    ``pl_pipedream.empty_build()`` when ``layers`` were built on ``meta``, from which each rank
+    creates only its stage; ``replan``: ``"auto"`` checks the plan every ``replan_every`` steps
+    against the measured stage times and moves to a plan faster by more than
+    ``replan_threshold`` (``engine.replanning``; each move a line of ``replan_history``, a
+    JSON-lines file), ``"off"``."""
 
     def __init__(
         self,
@@ -125,6 +126,9 @@ class Pipeline:
         recompute: bool = False,
         weight_prediction: bool = False,
         divergence: str = "error",
+        divergence_rise: float = 0.9,
+        divergence_patience: int = 3,
+        divergence_window: int = 5,
         preempt_signals: Sequence[str | int] = (),
         precision: str | StagePrecision = "32-true",
         clip_grad_norm: float | None = None,
@@ -148,7 +152,9 @@ class Pipeline:
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)
             self._group_names = [group_names_of(self.layers, optimizer)]  # before the cut
-        self.losses = LossWatch(divergence, DIVERGENCE_RULE)
+        self.losses = LossWatch(
+            divergence, (divergence_rise, divergence_patience, divergence_window)
+        )
         self.preemption = Preemption(parse_signals(preempt_signals))
         self.loss_fn = loss_fn
         self.microbatches = microbatches

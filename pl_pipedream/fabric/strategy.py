@@ -57,7 +57,8 @@ class PipeDreamFabricStrategy(DDPStrategy):
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
         sync, microbatches, balance, plan, example_input, topology, memory, clip_grad_norm,
-            pretrained, timeout, recompute, weight_prediction, divergence, preempt_signals,
+            pretrained, timeout, recompute, weight_prediction, divergence (and its
+            divergence_rise, _patience, _window), preempt_signals,
             replan, replan_every, replan_threshold, replan_history, chunks_per_rank: as
             ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
             one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
@@ -82,6 +83,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
         recompute: bool = False,
         weight_prediction: bool = False,
         divergence: str = "error",
+        divergence_rise: float = 0.9,
+        divergence_patience: int = 3,
+        divergence_window: int = 5,
         preempt_signals: Sequence[str | int] = (),
         replan: str = "off",
         replan_every: int = 50,
@@ -125,6 +129,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
             "recompute": recompute,
             "weight_prediction": weight_prediction,
             "divergence": divergence,
+            "divergence_rise": divergence_rise,
+            "divergence_patience": divergence_patience,
+            "divergence_window": divergence_window,
             "preempt_signals": preempt_signals,
             "replan": replan,
             "replan_every": replan_every,

@@ -261,3 +261,20 @@ def test_pipeline_refuses_a_chunks_per_rank_its_mode_would_ignore() -> None:
                 layers, nn.functional.mse_loss, sgd, sync="zbv", memory="1GiB",
                 example_input=torch.ones(1, 2),
             )  # fmt: skip
+
+
+def test_pipeline_takes_the_divergence_thresholds_and_refuses_bad_ones() -> None:
+    """As ``PipeDreamStrategy`` does: when a loss has given back its progress is the user's."""
+    from pl_pipedream import Pipeline
+    from tests.runtime.distributed import one_rank_group
+
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    with one_rank_group():
+        with pytest.raises(ValueError, match=r"divergence_patience: 6, divergence_window: 5\)"):
+            Pipeline(layers, nn.functional.mse_loss, sgd, balance=[2], divergence_patience=6)
+        with Pipeline(
+            layers, nn.functional.mse_loss, sgd, balance=[2], divergence_rise=0.5,
+            divergence_patience=2, divergence_window=4,
+        ) as pipeline:  # fmt: skip
+            watch = pipeline.losses.watch
+            assert watch is not None and (watch.rise, watch.patience, watch.window) == (0.5, 2, 4)

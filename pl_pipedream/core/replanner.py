@@ -51,9 +51,10 @@ from torch.utils.hooks import RemovableHandle
 
 from pl_pipedream.core.memory_limit import MemoryFit, gather_memory
 from pl_pipedream.core.planning import measure_bandwidth
+from pl_pipedream.core.replan_record import check_report, history_line
 from pl_pipedream.core.stage import find_ties
 from pl_pipedream.core.stage_clock import LayerClock, rank_times
-from pl_pipedream.planner.measured import MeasuredModel, RankTimes, measured_model, rank_reading
+from pl_pipedream.planner.measured import RankTimes, measured_model, rank_reading
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.replan import Decision, confirm, decide, new_work
 from pl_pipedream.planner.topology import Topology
@@ -255,23 +256,8 @@ class Replanner:
             )
         at_once = not new_work(plan, decision.plan, unknown)
         decision, self._proposed = confirm(plan, decision, self._proposed, self.threshold, at_once)
-        line = {
-            "step": step,
-            "old_plan": plan.to_dict(),
-            "new_plan": decision.plan.to_dict(),
-            "measured_ms": {str(t.rank): _stage_ms(t) for t in times},
-            "speeds": list(model.speeds),
-            "predicted_ms": {
-                "current": decision.current_time * 1e3,
-                "new": decision.new_time * 1e3,
-                "old_stages": _predicted_stages(plan, model),
-                "new_stages": _predicted_stages(decision.plan, model),
-            },
-            "predicted_move_seconds": decision.move_seconds,
-            "seconds": None,
-            "warnings": list(decision.warnings),
-        }
-        report = _report(step, times, model, unknown, decision, self._proposed)
+        line = history_line(step, plan, times, model, decision)
+        report = check_report(step, times, model, unknown, decision, self._proposed)
         return decision, line, profile, report
 
     def moved(self, step: int, seconds: float) -> None:
@@ -307,33 +293,6 @@ def _unseen(reference: Plan | None, plan: Plan) -> tuple[int, ...]:
         r
         for r in range(plan.num_workers)
         if set(plan.stage_of_rank(r).nodes) <= set(reference.stage_of_rank(r).nodes)
-    )
-
-
-def _report(
-    step: int,
-    times: Sequence[RankTimes],
-    model: MeasuredModel,
-    unknown: Sequence[int],
-    decision: Decision,
-    held: Plan | None,
-) -> str:
-    """One line: the check's measured stage times per rank, the speeds, and its decision."""
-    measured = " | ".join(
-        f"{math.fsum(_stage_ms(t).values()):.3g}" for t in sorted(times, key=lambda t: t.rank)
-    )
-    speeds = "speeds " + ", ".join(
-        "?" if r in unknown else f"{s:.2f}" for r, s in enumerate(model.speeds)
-    )
-    if unknown:
-        ranks = ", ".join(map(str, unknown))
-        speeds += f" (rank {ranks}: a slow rank or costly layers, not told apart yet)"
-    verdict = decision.render()
-    if held is not None:
-        verdict += f"; holding a move to {held.layout} until the next check finds it again"
-    return (
-        f"re-plan check at step {step}: measured {measured} ms per microbatch (forward and "
-        f"backward, by rank), {speeds}; {verdict}"
     )
 
 
@@ -422,19 +381,3 @@ def tied_straight(sync: SyncMode, module: nn.Module, layers: nn.Sequential) -> b
     if not sync.updates_per_minibatch:
         return False
     return bool(find_ties(module, layers, Plan.from_balance([1] * len(layers))))
-
-
-def _stage_ms(times: RankTimes) -> dict[str, float]:
-    return {
-        "forward": math.fsum(times.forward_ms.values()),
-        "backward": math.fsum(times.backward_ms.values()),
-    }
-
-
-def _predicted_stages(plan: Plan, model: MeasuredModel) -> list[float]:
-    """Each stage's compute milliseconds per minibatch on the model, at its slowest rank."""
-    out = []
-    for stage in plan.stages:
-        compute = math.fsum(model.profile.node(n).compute_ms for n in stage.nodes)
-        out.append(compute / min(model.speeds[r] for r in stage.ranks))
-    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,22 @@ def test_fp16_is_refused_where_updates_happen_inside_the_pipeline_naming_every_f
     flushed = [m.value for m in SyncMode if m.flushes]
     assert len(flushed) == 5 and f"({', '.join(flushed)})" in text
     assert text.endswith("e.g. Pipeline(..., sync='flush')")
+
+
+ROOT = PACKAGE.parent
+TEXTS = [*PACKAGE.rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+
+
+def test_every_text_that_lists_the_flushed_modes_lists_them_all() -> None:
+    """Where prose says "the flushed modes (...)" and names modes in the parentheses, it names
+    ``SyncMode``'s flushed modes, all of them and no other, or the others ("every mode but")."""
+    flushed = {m.value for m in SyncMode if m.flushes}
+    others = set(SYNC_MODES) - flushed
+    wrong = []
+    for path in TEXTS:
+        text = " ".join(path.read_text().split())
+        for listed in re.findall(r"flushed modes \(([^)]*)\)", text):
+            names = set(re.findall(r"`+([a-z_0-9]+)`+", listed)) & set(SYNC_MODES)
+            if names and names not in (flushed, others):
+                wrong.append(f"{path.relative_to(ROOT)}: ({listed})")
+    assert wrong == []

@@ -13,7 +13,6 @@ and gloo, ``cuda:LOCAL_RANK`` under NCCL) and the mixed precision (``accelerate.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,16 +23,14 @@ from torch.optim import Optimizer
 
 from pl_pipedream.accelerate import guards, state
 from pl_pipedream.accelerate.precision import carry_scaler, engine_precision
-from pl_pipedream.core.materialize import EmptyBuild
-from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.engine import Pipeline
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.topology import Topology
-from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.engine.options import checked_options
 
 __all__ = ["prepare_pipeline"]
 
 LAUNCHED = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+CALL = "prepare_pipeline(accelerator, model, optimizer, loss_fn, {args})"  # quoted in fixes
+ACCELERATE_DECIDES = ("device", "precision")  # Pipeline options the Accelerator sets
 
 
 def prepare_pipeline(
@@ -41,71 +38,27 @@ def prepare_pipeline(
     model: nn.Sequential | Sequence[nn.Module],
     optimizer: Optimizer | Callable[[list[nn.Parameter]], Optimizer],
     loss_fn: Callable[[Any, Any], Tensor],
-    *,
-    sync: str | SyncMode = SyncMode.FLUSH,
-    microbatches: int = 1,
-    balance: Sequence[int] | None = None,
-    plan: Plan | None = None,
-    timeout: float = 300.0,
-    recompute: bool = False,
-    weight_prediction: bool = False,
-    divergence: str = "error",
-    divergence_rise: float = 0.9,
-    divergence_patience: int = 3,
-    divergence_window: int = 5,
-    preempt_signals: Sequence[str | int] = (),
-    example_input: Any = None,
-    topology: Topology | None = None,
-    memory: float | str | None = None,
-    clip_grad_norm: float | None = None,
-    pretrained: str | os.PathLike | Pretrained | None = None,
-    empty_build: EmptyBuild | None = None,
-    replan: str = "off",
-    replan_every: int = 50,
-    replan_threshold: float = 0.05,
-    replan_history: str | os.PathLike | None = None,
-    chunks_per_rank: int | None = None,
+    **options: Any,
 ) -> Pipeline:
     """This process's part of a pipeline over ``model``'s layers (an ``nn.Sequential`` or a
     list of modules, the same on every process, not passed to ``accelerator.prepare``),
     trained by ``optimizer`` (built over ``model.parameters()`` before any step, or a function
-    of a stage's parameters) on ``loss_fn(output, targets)``. The other arguments are
-    ``Pipeline``'s (docs/engine.md: a layout as ``balance``/``plan`` or planned from
-    ``example_input``; ``pretrained``/``empty_build`` for a model larger than one process;
-    ``replan``: ``"auto"`` re-plans from measured stage times, docs/replan.md;
-    ``chunks_per_rank``: stages per rank of ``sync="interleaved"``, docs/chunked-planning.md);
-    the device and the precision are the Accelerator's."""
+    of a stage's parameters) on ``loss_fn(output, targets)``. ``options`` are ``Pipeline``'s
+    keyword arguments (``engine.options``; docs/engine.md: ``sync``, ``microbatches``, a layout
+    as ``balance``/``plan`` or planned from ``example_input``, ``pretrained``/``empty_build``
+    for a model larger than one process, ``replan="auto"`` to re-plan from measured stage times,
+    docs/replan.md, ...), checked before anything starts; the device and the precision are the
+    Accelerator's."""
+    checked_options(options, CALL, ACCELERATE_DECIDES)
     check_accelerator(accelerator)
     precision = engine_precision(accelerator)
     pipeline = Pipeline(
         model,
         loss_fn,
         optimizer,
-        sync=sync,
-        microbatches=microbatches,
-        balance=balance,
-        plan=plan,
         device=device_of(accelerator),
-        timeout=timeout,
-        recompute=recompute,
-        weight_prediction=weight_prediction,
-        divergence=divergence,
-        divergence_rise=divergence_rise,
-        divergence_patience=divergence_patience,
-        divergence_window=divergence_window,
-        preempt_signals=preempt_signals,
         precision=precision,
-        example_input=example_input,
-        topology=topology,
-        memory=memory,
-        clip_grad_norm=clip_grad_norm,
-        pretrained=pretrained,
-        empty_build=empty_build,
-        replan=replan,
-        replan_every=replan_every,
-        replan_threshold=replan_threshold,
-        replan_history=replan_history,
-        chunks_per_rank=chunks_per_rank,
+        **options,
     )
     carry_scaler(accelerator, pipeline.scaler)
     guards.install(accelerator, pipeline, optimizer if isinstance(optimizer, Optimizer) else None)

@@ -3,24 +3,35 @@ the rule, the value given and a call that works (``"<rule> (<name>: <value>); <f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_pipedream.core.arguments import check_placement, check_planning_options
-from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
+from pl_pipedream.core.arguments import (
+    check_chunk_options,
+    check_placement,
+    check_planning_options,
+)
+from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS, DivergenceWatch
+from pl_pipedream.core.memory_limit import parse_memory
+from pl_pipedream.core.preemption import parse_signals
 from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.schedule.modes import SyncMode
 
+CALL = "Pipeline(..., {args})"  # how a fix is written for a Pipeline user
+WARN = 'divergence="warn"'
+
 __all__ = [
+    "CALL",
     "batch_pair",
     "check_arguments",
     "check_automatic",
     "check_built_optimizer",
-    "check_replan",
+    "check_options",
     "choose_plan",
     "pipeline_of",
 ]
@@ -44,10 +55,8 @@ def pipeline_of(layers: Any) -> nn.Sequential:
     return layers
 
 
-def check_arguments(
-    loss_fn: Any, optimizer: Any, sync: Any, microbatches: Any, timeout: Any, divergence: Any
-) -> SyncMode:
-    """Raise for a bad plain argument; return the sync mode."""
+def check_arguments(loss_fn: Any, optimizer: Any) -> None:
+    """Raise for a loss function or an optimizer a pipeline cannot use."""
     if not callable(loss_fn):
         raise ValueError(
             f"loss_fn must be a function of (output, targets) returning the loss tensor "
@@ -61,29 +70,48 @@ def check_arguments(
             f"stage's (optimizer: {type(optimizer).__name__}); for example Pipeline(..., "
             "optimizer=lambda params: torch.optim.SGD(params, lr=0.1))"
         )
+
+
+def check_options(options: Mapping[str, Any], call: str = CALL) -> SyncMode:
+    """Raise for a bad plain option of a ``Pipeline`` (``options``: its keyword arguments by
+    name, each one given or at its default); every fix is written in ``call``'s spelling, the
+    front end's, with the arguments in ``{args}``. Nothing here needs a process group, so a
+    front end checks its options when it is made. Returns the sync mode."""
+    microbatches, timeout = options["microbatches"], options["timeout"]
+    example = lambda args: call.format(args=args)  # noqa: E731
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(
             f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
-            "example Pipeline(..., microbatches=4)"
+            f"example {example('microbatches=4')}"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(
             f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
-            "Pipeline(..., timeout=300)"
+            f"{example('timeout=300')}"
         )
-    if divergence not in DIVERGENCE_ACTIONS:
+    if options["divergence"] not in DIVERGENCE_ACTIONS:
         raise ValueError(
             f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
-            f'{divergence!r}); for example Pipeline(..., divergence="warn")'
+            f"{options['divergence']!r}); for example {example(WARN)}"
         )
+    DivergenceWatch(
+        options["divergence_rise"], options["divergence_patience"], options["divergence_window"]
+    )
     try:
-        mode = SyncMode.parse(sync)
+        mode = SyncMode.parse(options["sync"])
     except ValueError:
         choices = ", ".join(m.value for m in SyncMode)
+        flush = example(f"sync='{SyncMode.FLUSH}'")
         raise ValueError(
-            f"sync must be one of {choices} (sync: {sync!r}); for example "
-            f"Pipeline(..., sync='{SyncMode.FLUSH}')"
+            f"sync must be one of {choices} (sync: {options['sync']!r}); for example {flush}"
         ) from None
+    parse_signals(options["preempt_signals"])
+    replan = (options["replan"], options["replan_every"], options["replan_threshold"])
+    check_replan_options(*replan, call.split("(")[0])
+    given = (options["balance"], options["plan"], options["replan"] == "auto")
+    memory = parse_memory(options["memory"])
+    check_chunk_options(mode, options["chunks_per_rank"], memory, *given, call)
+    check_corrections(mode, options["weight_prediction"], 0)
     return mode
 
 
@@ -153,13 +181,6 @@ def choose_plan(
             f"{world_size}"
         )
     return plan
-
-
-def check_replan(mode: Any, every: Any, threshold: Any) -> bool:
-    """Raise for a bad ``replan``, ``replan_every`` or ``replan_threshold``; whether the
-    pipeline re-plans (``engine.replanning``)."""
-    check_replan_options(mode, every, threshold, "Pipeline")
-    return bool(mode == "auto")
 
 
 def check_automatic(

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pl_pipedream.core.arguments import check_chunk_options
 from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import describe_optimizer, divergence_message
 from pl_pipedream.core.elsewhere import mark_other_stages
@@ -50,7 +49,7 @@ from pl_pipedream.engine.arguments import (
     check_arguments,
     check_automatic,
     check_built_optimizer,
-    check_replan,
+    check_options,
     choose_plan,
     pipeline_of,
 )
@@ -77,7 +76,7 @@ from pl_pipedream.trees import map_tensors
 
 __all__ = ["Pipeline"]
 
-CALL = "Pipeline(..., {args})"  # quoted in the fixes of the argument checks
+POSITIONAL = ("layers", "loss_fn", "optimizer")  # the rest are options (engine.options)
 
 
 class Pipeline:
@@ -143,11 +142,11 @@ class Pipeline:
         replan_history: str | os.PathLike | None = None,
         chunks_per_rank: int | None = None,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k not in ("self", *POSITIONAL)}
         self.layers = pipeline_of(layers)
-        self.sync = check_arguments(loss_fn, optimizer, sync, microbatches, timeout, divergence)
-        replanning = check_replan(replan, replan_every, replan_threshold)
-        given = (balance, plan, replanning)
-        check_chunk_options(self.sync, chunks_per_rank, parse_memory(memory), *given, CALL)
+        check_arguments(loss_fn, optimizer)
+        self.sync = check_options(options)  # what the Fabric and Accelerate front ends checked
+        replanning = replan == "auto"
         self._group_names: list[list[list[str]]] | None = None  # the whole module's (replan)
         if isinstance(optimizer, Optimizer):
             check_built_optimizer(optimizer, self.layers)

@@ -22,8 +22,7 @@ the pipeline's batch holds the targets, which a mixed precision must not cast to
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -37,18 +36,16 @@ from typing_extensions import override
 
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import process_group_backend
-from pl_pipedream.core.pretrained import Pretrained
-from pl_pipedream.core.replanner import check_replan_options
 from pl_pipedream.engine import Pipeline
+from pl_pipedream.engine.options import checked_options, option_defaults
 from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
-from pl_pipedream.planner.plan import Plan
-from pl_pipedream.planner.topology import Topology
-from pl_pipedream.schedule.modes import SyncMode, check_chunks_per_rank
 
 __all__ = ["PipeDreamFabricStrategy"]
 
 SETUP = "model, optimizer = fabric.setup(model, optimizer)"
+CALL = "PipeDreamFabricStrategy({args})"  # quoted in the fixes of the option checks
+FABRIC_DECIDES = ("device", "precision", "empty_build")  # Pipeline options Fabric sets
 
 
 class PipeDreamFabricStrategy(DDPStrategy):
@@ -56,42 +53,19 @@ class PipeDreamFabricStrategy(DDPStrategy):
 
     Args:
         loss_fn: ``loss_fn(output, targets) -> loss``, run on the last stage.
-        sync, microbatches, balance, plan, example_input, topology, memory, clip_grad_norm,
-            pretrained, timeout, recompute, weight_prediction, divergence (and its
-            divergence_rise, _patience, _window), preempt_signals,
-            replan, replan_every, replan_threshold, replan_history, chunks_per_rank: as
-            ``pl_pipedream.Pipeline`` takes them (``example_input``: plan automatically from
-            one microbatch of the input; ``pretrained``: weights each rank reads for its stage).
         start_method: ``"popen"`` (``fabric.launch()`` re-runs the script per rank), or
             ``"spawn"`` / ``"fork"`` (``fabric.launch(function)``), as DDP's.
+        options: ``pl_pipedream.Pipeline``'s keyword arguments (``engine.options``), each
+            checked here, but the device, the precision and an empty build, which come from
+            Fabric: ``sync``, ``microbatches``, a layout (``balance``, ``plan``, or
+            ``example_input`` to plan from one microbatch of the input), ``pretrained`` (weights
+            each rank reads for its stage), ``replan``, ...
     """
 
     def __init__(
         self,
         loss_fn: Callable[[Any, Any], Tensor] | None = None,
         *,
-        sync: str | SyncMode = SyncMode.FLUSH,
-        microbatches: int = 1,
-        balance: Sequence[int] | None = None,
-        plan: Plan | None = None,
-        example_input: Any = None,
-        topology: Topology | None = None,
-        memory: float | str | None = None,
-        clip_grad_norm: float | None = None,
-        pretrained: str | os.PathLike | Pretrained | None = None,
-        timeout: float = 300.0,
-        recompute: bool = False,
-        weight_prediction: bool = False,
-        divergence: str = "error",
-        divergence_rise: float = 0.9,
-        divergence_patience: int = 3,
-        divergence_window: int = 5,
-        preempt_signals: Sequence[str | int] = (),
-        replan: str = "off",
-        replan_every: int = 50,
-        replan_threshold: float = 0.05,
-        replan_history: str | os.PathLike | None = None,
-        chunks_per_rank: int | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[Any] | None = None,
@@ -99,7 +73,9 @@ class PipeDreamFabricStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
+        **options: Any,
     ) -> None:
+        self.engine_arguments, _ = checked_options(options, CALL, FABRIC_DECIDES)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -107,38 +83,11 @@ class PipeDreamFabricStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=options.get("timeout", option_defaults()["timeout"])),
             start_method=start_method,
         )
-        check_replan_options(replan, replan_every, replan_threshold, "PipeDreamFabricStrategy")
-        call = "PipeDreamFabricStrategy({args})"  # quoted in the fix
-        check_chunks_per_rank(SyncMode.parse(sync), chunks_per_rank, call)
         self._backward_sync_control = NoAccumulation()  # type: ignore[assignment]
         self.loss_fn = loss_fn
-        self.engine_arguments: dict[str, Any] = {
-            "sync": sync,
-            "microbatches": microbatches,
-            "balance": balance,
-            "plan": plan,
-            "example_input": example_input,
-            "topology": topology,
-            "memory": memory,
-            "clip_grad_norm": clip_grad_norm,
-            "pretrained": pretrained,
-            "timeout": timeout,
-            "recompute": recompute,
-            "weight_prediction": weight_prediction,
-            "divergence": divergence,
-            "divergence_rise": divergence_rise,
-            "divergence_patience": divergence_patience,
-            "divergence_window": divergence_window,
-            "preempt_signals": preempt_signals,
-            "replan": replan,
-            "replan_every": replan_every,
-            "replan_threshold": replan_threshold,
-            "replan_history": replan_history,
-            "chunks_per_rank": chunks_per_rank,
-        }
         self._module: PipelineModule | None = None
         self._build = EmptyBuild()  # what fabric.init_module(empty_init=True) recorded
 
@@ -312,11 +261,11 @@ class PipeDreamFabricStrategy(DDPStrategy):
             )
         arguments = self.engine_arguments
         layouts = ("balance", "plan", "example_input")
-        if not callable(self.loss_fn) or all(arguments[name] is None for name in layouts):
+        if not callable(self.loss_fn) or all(arguments.get(name) is None for name in layouts):
             raise ValueError(
                 f"the pipeline needs its loss function and its layout on the strategy (loss_fn: "
-                f"{type(self.loss_fn).__name__}, balance: {arguments['balance']}, plan: "
-                f"{arguments['plan']}, example_input: None); write Fabric(strategy="
+                f"{type(self.loss_fn).__name__}, balance: {arguments.get('balance')}, plan: "
+                f"{arguments.get('plan')}, example_input: None); write Fabric(strategy="
                 "PipeDreamFabricStrategy(loss_fn=nn.functional.cross_entropy, balance=[2, 2]), "
                 "...) (layers per stage, one rank each), plan=pl_pipedream.plan(profile, "
                 "topology), or example_input=x to plan from one microbatch of the input"

@@ -10,10 +10,11 @@ from pl_pipedream.engine.arguments import (
     check_arguments,
     check_automatic,
     check_built_optimizer,
-    check_replan,
+    check_options,
     choose_plan,
     pipeline_of,
 )
+from pl_pipedream.engine.options import option_defaults
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.schedule.modes import SyncMode
@@ -47,51 +48,72 @@ def test_bad_layers(layers: object, message: str) -> None:
         pipeline_of(layers)
 
 
-def test_good_arguments_give_the_mode() -> None:
-    assert check_arguments(nn.functional.mse_loss, sgd, "async", 2, 30, "off") is SyncMode.ASYNC
+def options(**given: object) -> dict[str, object]:
+    """Every option of a Pipeline at its default, but ``given``."""
+    return {**option_defaults(), **given}
+
+
+def test_good_options_give_the_mode() -> None:
+    check_arguments(nn.functional.mse_loss, sgd)
+    assert check_options(options(sync="async", microbatches=2, divergence="off")) is SyncMode.ASYNC
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
         (
-            (None, sgd, "flush", 1, 30, "error"),
+            (None, sgd),
             r"^loss_fn must be a function of \(output, targets\) "
             r"returning the loss tensor \(loss_fn: NoneType\); for example",
         ),
         (
-            (nn.functional.mse_loss, "sgd", "flush", 1, 30, "error"),
+            (nn.functional.mse_loss, "sgd"),
             r"^optimizer must be a function that builds an optimizer from the "
             r"stage's parameters, .*\(optimizer: str\); for example Pipeline\(\.\.\., "
             r"optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)\)",
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "flush", 1, 30, "loud"),
-            r"^divergence must be one of error, strict, warn, off \(divergence: 'loud'\); for "
-            r'example Pipeline\(\.\.\., divergence="warn"\)',
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "flush", 0, 30, "error"),
-            r"^microbatches must be a positive integer \(microbatches: 0\); for example",
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "flush", True, 30, "error"),
-            r"^microbatches must be a positive integer \(microbatches: True\)",
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "flush", 1, 0, "error"),
-            r"^timeout must be a positive number of seconds \(timeout: 0\); for example",
-        ),
-        (
-            (nn.functional.mse_loss, sgd, "sync", 1, 30, "error"),
-            r"^sync must be one of async, .*\(sync: 'sync'\); for example "
-            r"Pipeline\(\.\.\., sync='flush'\)",
         ),
     ],
 )
 def test_bad_arguments(arguments: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(*arguments)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"divergence": "loud"},
+            r"^divergence must be one of error, strict, warn, off \(divergence: 'loud'\); for "
+            r'example Pipeline\(\.\.\., divergence="warn"\)',
+        ),
+        (
+            {"microbatches": 0},
+            r"^microbatches must be a positive integer \(microbatches: 0\); for example",
+        ),
+        (
+            {"microbatches": True},
+            r"^microbatches must be a positive integer \(microbatches: True\)",
+        ),
+        (
+            {"timeout": 0},
+            r"^timeout must be a positive number of seconds \(timeout: 0\); for example",
+        ),
+        (
+            {"sync": "sync"},
+            r"^sync must be one of async, .*\(sync: 'sync'\); for example "
+            r"Pipeline\(\.\.\., sync='flush'\)",
+        ),
+        ({"replan": "yes"}, r"^replan must be one of off, auto \(replan: 'yes'\)"),
+        ({"divergence_patience": 9}, r"divergence_patience: 9, divergence_window: 5\)"),
+        ({"preempt_signals": ("SIGNOPE",)}, r"^preempt_signals must name signals"),
+        ({"weight_prediction": True}, r"^the staleness corrections apply to sync 'async'"),
+        ({"memory": "lots"}, r"^memory must be a number of bytes"),
+    ],
+)
+def test_bad_options(given: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_options(options(**given))
 
 
 def test_a_built_optimizer_must_hold_the_layers_parameters_and_no_state() -> None:
@@ -220,12 +242,6 @@ def test_without_a_layout_the_plan_is_made_automatically() -> None:
 def test_bad_layouts(balance: object, plan: object, world: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         choose_plan(balance, plan, 3, world)  # type: ignore[arg-type]
-
-
-def test_replan_options_are_checked_and_say_whether_it_replans() -> None:
-    assert check_replan("auto", 50, 0.05) and not check_replan("off", 1, 0)
-    with pytest.raises(ValueError, match=r"^replan must be one of off, auto \(replan: 'yes'\)"):
-        check_replan("yes", 50, 0.05)
 
 
 def test_topology_and_memory_bound_replanning_beside_a_given_layout() -> None:

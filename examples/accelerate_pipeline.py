@@ -1,9 +1,10 @@
 """An Accelerate training loop over pl_pipedream's pipeline: two stages, flushed 1F1B, on CPU.
 
-    accelerate launch --cpu --num_processes 2 examples/accelerate_pipeline.py
-    accelerate launch --num_processes 2 examples/accelerate_pipeline.py --mixed_precision bf16
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/accelerate_pipeline.py
+    accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16 examples/accelerate_pipeline.py
 
-Accelerate starts the processes and their process group (gloo with --cpu, NCCL on GPUs); every
+(``accelerate launch --cpu --num_processes 2`` starts one process: docs/accelerate.md.)
+Accelerate starts the processes and their process group (gloo on CPUs, NCCL on GPUs); every
 process builds the same model and draws the same batches, and ``prepare_pipeline`` keeps only
 its own stage. The loop calls ``pipeline.train_step(batch)``, which runs the forward and
 backward passes and the optimizer's step. Halfway it saves with ``accelerator.save_state`` and

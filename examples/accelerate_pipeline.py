@@ -1,7 +1,9 @@
 """An Accelerate training loop over pl_pipedream's pipeline: two stages, flushed 1F1B, on CPU.
 
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/accelerate_pipeline.py
-    accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16 examples/accelerate_pipeline.py
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 \
+        examples/accelerate_pipeline.py
+    accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16 \
+        examples/accelerate_pipeline.py
 
 (``accelerate launch --cpu --num_processes 2`` starts one process: docs/accelerate.md.)
 Accelerate starts the processes and their process group (gloo on CPUs, NCCL on GPUs); every

@@ -2,6 +2,10 @@
 
 Run: python benchmarks/pipeline_throughput.py --workload mlp|gpt|overhead --repeats 3
 
+This file is the driver; the configurations, workers, figures and tables are in
+benchmarks/throughput_configs.py, _workers.py, _model.py and _report.py, the launch in
+benchmarks/harness.py.
+
 Workloads (benchmarks/throughput_workloads.py): ``mlp`` (8 x Linear(1024), 128 rows per
 microbatch), ``gpt`` (a GPT-style decoder: embedding, 4 pre-LayerNorm blocks of width 256 over
 windows of 128 tokens, head; 8 windows per microbatch) and ``overhead`` (Linear(16)-ReLU-Linear(16),

@@ -244,7 +244,7 @@ def main() -> None:
     )
     rows = [row for devices in args.ranks for row in measure(args, devices)]
     print(render(rows, model_bytes))
-    (Path(args.out) / "checkpoint_cost.json").write_text(json.dumps(rows, indent=1))
+    harness.write_json(Path(args.out) / "checkpoint_cost.json", rows)
     sys.exit(0 if sane(rows) else 1)
 
 

@@ -32,7 +32,6 @@ minutes on two shared cores); ``--tiny`` for a quick check of the harness.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -292,8 +291,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"{r['scenario']}: auto/static {near:.2f} >= 0.9: {'met' if near >= 0.9 else 'missed'}"
         )
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+        harness.write_json(args.json, results)
     return results
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -37,8 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
 MIB = 2**20
 
@@ -151,8 +149,7 @@ def launch(args: argparse.Namespace, devices: int, phase: str, out: Path) -> flo
     command += ["--layers", str(args.layers), "--optimizer", args.optimizer]
     if phase == "load":
         command += ["--resume", str(out / "run.ckpt")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = harness.child_env(OMP_NUM_THREADS="1")
     start = time.perf_counter()
     subprocess.run(command, check=True, env=env, cwd=out)
     return time.perf_counter() - start
@@ -247,7 +244,7 @@ def main() -> None:
     )
     rows = [row for devices in args.ranks for row in measure(args, devices)]
     print(render(rows, model_bytes))
-    (Path(args.out) / "checkpoint_cost.json").write_text(json.dumps(rows, indent=1))
+    harness.write_json(Path(args.out) / "checkpoint_cost.json", rows)
     sys.exit(0 if sane(rows) else 1)
 
 

@@ -47,7 +47,6 @@ import csv
 import inspect
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 # Named strategy keyword sets; None is one device (a plain Trainer). One line per configuration.
 CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -304,8 +303,7 @@ def launch(names: list[str], devices: int, quick: bool, out: Path) -> None:
         str(out),
     ]
     command += ["--quick"] if quick else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = harness.child_env(OMP_NUM_THREADS="1")
     subprocess.run([*command, "--runs", *names], check=True, env=env, cwd=out)
 
 
@@ -432,7 +430,6 @@ def main() -> None:
         run_worker(args.runs, args.devices, args.quick, out)
         return
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
     names = quick_configs() if args.quick else list(CONFIGS)
     if args.configs:
         names = ["one device", *(c for c in names if c in args.configs and c != "one device")]

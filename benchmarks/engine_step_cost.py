@@ -12,24 +12,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+import harness
+
 WIDTH, BATCH = 16, 8
 
 
-def _rank(rank: int, port: int, sync: str, steps: int, warmup: int, queue) -> None:  # type: ignore[no-untyped-def]
+def _rank(rank: int, world: int, sync: str, steps: int, warmup: int) -> tuple[float, float]:
+    """This rank's wall and CPU ms per step (``harness.fork_ranks`` forms the group)."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from pl_pipedream import Pipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     layers = nn.Sequential(
         nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()), nn.Linear(WIDTH, WIDTH)
@@ -52,28 +51,13 @@ def _rank(rank: int, port: int, sync: str, steps: int, warmup: int, queue) -> No
     pipeline.drain()
     pipeline.close()
     n = steps - 1 - warmup
-    queue.put((rank, (wall[-1] - wall[warmup]) / n * 1e3, (cpu[-1] - cpu[warmup]) / n * 1e3))
-    dist.destroy_process_group()
+    return (wall[-1] - wall[warmup]) / n * 1e3, (cpu[-1] - cpu[warmup]) / n * 1e3
 
 
 def run(sync: str, steps: int, warmup: int) -> tuple[float, float, float]:
     """Rank 0's wall ms/step, rank 0's and rank 1's CPU ms/step."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [
-        context.Process(target=_rank, args=(r, port, sync, steps, warmup, queue)) for r in (0, 1)
-    ]
-    for proc in procs:
-        proc.start()
-    results = dict((r, (w, c)) for r, w, c in (queue.get(timeout=600) for _ in procs))
-    for proc in procs:
-        proc.join(timeout=30)
-    return results[0][0], results[0][1], results[1][1]
+    (wall, cpu0), (_, cpu1) = harness.fork_ranks(2, _rank, sync, steps, warmup)
+    return wall, cpu0, cpu1
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+
 STEPS = 30  # training steps of a trial that is not interrupted
 EVERY = 5  # validation and checkpoint interval, in steps
 PHASES = ("train", "validation", "checkpoint")
@@ -226,8 +226,7 @@ def run_trial(trial: Trial, out: Path, timeout: float) -> Trial:
     command += ["--ranks", str(trial.ranks), "--timeout", str(timeout)]
     command += ["--victim", str(trial.victim), "--phase", trial.phase, "--at", str(trial.at)]
     command += ["--batch", str(trial.batch)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = harness.child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.time()
     launcher = subprocess.Popen(command, env=env, cwd=out, start_new_session=True)
     pids: dict[int, int] = {}

@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from pl_pipedream import PipeDreamStrategy  # noqa: E402
+from pl_pipedream import PipeDreamStrategy
 
 ROWS = 128  # per microbatch
 MICROBATCHES = 4

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pl_pipedream.runtime.gradient_sums import GradientSums  # noqa: E402
-from pl_pipedream.runtime.linear_sums import LinearGradientSums  # noqa: E402
+from pl_pipedream.runtime.gradient_sums import GradientSums
+from pl_pipedream.runtime.linear_sums import LinearGradientSums
 
 
 def _sync(device: torch.device) -> None:

@@ -32,16 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from pl_pipedream import PipeDreamStrategy  # noqa: E402
-from pl_pipedream.core.pretrained import Pretrained  # noqa: E402
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.core.pretrained import Pretrained
 
 VOCAB, POSITIONS, WIDTH, HEADS, LAYERS = 50257, 1024, 768, 12, 12
 CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")

@@ -15,21 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from pl_pipedream import PipeDreamStrategy  # noqa: E402
-from pl_pipedream.planner.plan import Plan  # noqa: E402
-from pl_pipedream.profile.measure import profile_layers  # noqa: E402
+from pl_pipedream import PipeDreamStrategy
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.profile.measure import profile_layers
 
 
 class Mlp(LightningModule):

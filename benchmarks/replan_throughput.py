@@ -32,18 +32,15 @@ minutes on two shared cores); ``--tiny`` for a quick check of the harness.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pl_pipedream import Pipeline
@@ -109,20 +106,6 @@ class SlowDown:
                 output.register_hook(lambda grad: time.sleep(2 * seconds))
 
 
-def _train(rank: int, world: int, port: int, options: dict[str, Any], queue: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        queue.put((rank, _run(rank, world, options)))
-    except BaseException as error:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-    finally:
-        dist.destroy_process_group()
-
-
 def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     cost = o["cost_ms"] / 1e3 if o["work"] == "sleep" else 0.0
@@ -171,24 +154,7 @@ def _run(rank: int, world: int, o: dict[str, Any]) -> dict[str, Any]:
 
 def launch(options: dict[str, Any], ranks: int) -> dict[str, Any]:
     """Rank 0's result of one run on ``ranks`` fresh processes."""
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [
-        context.Process(target=_train, args=(r, ranks, port, options, queue), daemon=True)
-        for r in range(ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=600) for _ in range(ranks))
-    for proc in procs:
-        proc.join(timeout=10)
-    errors = {r: v["error"] for r, v in results.items() if "error" in v}
-    if errors:
-        raise RuntimeError(f"a run failed: {errors}")
-    result = results[0]
+    result = harness.fork_ranks(ranks, _run, options)[0]
     print(
         f"  {options['scenario']} {options['mode']:<4} {layout(options['plan']):<10} "
         f"{result['samples_per_s']:6.0f} samples/s"
@@ -270,10 +236,6 @@ def segments(auto: dict[str, Any], args: argparse.Namespace) -> dict[str, float]
     }
 
 
-def spread(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -308,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for r in results:
         best = r["runs"][f"static {r['static_plan']}"]
         print(
-            f"{r['scenario']:<12}  {spread(r['runs']['off']):<15} "
-            f"{spread(r['runs']['auto']):<15} {spread(best)} ({r['static_plan']})"
+            f"{r['scenario']:<12}  {harness.spread(r['runs']['off']):<15} "
+            f"{harness.spread(r['runs']['auto']):<15} {harness.spread(best)} ({r['static_plan']})"
             f"  {r['auto'] / r['off']:8.2f}  {r['auto'] / r['static']:11.2f}"
         )
         for plans, moves, part in zip(r["plans"], r["moves"], r["segments"], strict=True):
@@ -329,8 +291,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"{r['scenario']}: auto/static {near:.2f} >= 0.9: {'met' if near >= 0.9 else 'missed'}"
         )
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+        harness.write_json(args.json, results)
     return results
 
 

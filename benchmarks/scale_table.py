@@ -41,18 +41,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from pl_pipedream.planner.costs import stashed_bytes  # noqa: E402
-from pl_pipedream.planner.plan import Plan  # noqa: E402
-from pl_pipedream.schedule.memory import kept_bytes, versions_kept  # noqa: E402
-from pl_pipedream.schedule.modes import SyncMode  # noqa: E402
-from pl_pipedream.schedule.stream import SegmentStream  # noqa: E402
+from pl_pipedream.planner.costs import stashed_bytes
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule.memory import kept_bytes, versions_kept
+from pl_pipedream.schedule.modes import SyncMode
+from pl_pipedream.schedule.stream import SegmentStream
 
 BATCHES = 5
 ROWS = 2  # per microbatch
@@ -160,7 +158,7 @@ def measure(n: int, args: argparse.Namespace) -> str:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(n)]
         command += ["--microbatches", str(args.microbatches), "--width", str(args.width)]
         command += ["--out", directory]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        env = harness.child_env(OMP_NUM_THREADS="1")
         start = time.perf_counter()
         result = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start

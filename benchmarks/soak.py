@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
 SERIES = ("rss", "stash", "fds", "threads")
 RSS_TOLERANCE = 2**20  # bytes of growth over the second half still counted as flat
@@ -197,8 +196,7 @@ def main() -> None:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out)]
     command += ["--steps", str(args.steps), "--every", str(args.every)]
     command += ["--sample", str(args.sample), "--leak", str(args.leak)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = harness.child_env(OMP_NUM_THREADS="1")
     start = time.perf_counter()
     subprocess.run(command, check=True, env=env, cwd=out)
     seconds = time.perf_counter() - start

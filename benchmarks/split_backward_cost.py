@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pl_pipedream.runtime.channel import Channel  # noqa: E402
-from pl_pipedream.runtime.executor import Feed, StageExecutor  # noqa: E402
-from pl_pipedream.runtime.frames import Message  # noqa: E402
-from pl_pipedream.schedule.actions import Action, ActionKind  # noqa: E402
-from pl_pipedream.schedule.modes import SyncMode, update_settings  # noqa: E402
+from pl_pipedream.runtime.channel import Channel
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
+from pl_pipedream.runtime.frames import Message
+from pl_pipedream.schedule.actions import Action, ActionKind
+from pl_pipedream.schedule.modes import SyncMode, update_settings
 
 K = ActionKind
 

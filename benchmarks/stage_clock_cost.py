@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
+import harness
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,9 +57,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = harness.free_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:

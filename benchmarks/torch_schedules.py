@@ -21,7 +21,7 @@ each rank bound to a core of its own. Configurations, interleaved, in fresh proc
   stages (the blocks in quarters; gpt: the embedding on the first, the head on the last).
 
 A schedule that fails on this machine is reported with its error, and the run goes on. Time is
-rank 0's wall clock over the steady batches (``pipeline_throughput.measure``). Targets, as ratios
+rank 0's wall clock over the steady batches (``throughput_model.measure``). Targets, as ratios
 within each repeat, median over repeats: ``zero_bubble``-8 at least 1.05x torch's ``1F1B``-8
 (gpt), and at every m our best flushed mode at least torch's best schedule (all of torch's
 schedules are flushed: one update per batch).
@@ -37,19 +37,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+import pipeline_throughput as bench
+import throughput_workloads as work
+import torch
+import torch.distributed as dist
+from throughput_configs import NUM_STAGES, Config, Result
+from throughput_model import measure
+from throughput_report import print_check
+from throughput_workers import BatchClock, bind_rank, make_optimizer
+from torch import nn
 
-import pipeline_throughput as bench  # noqa: E402
-import throughput_workloads as work  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from pl_pipedream.runtime.memory import retain_freed_memory  # noqa: E402
+from pl_pipedream.runtime.memory import retain_freed_memory
 
 SCRIPT = Path(__file__).resolve()
-RANKS = bench.NUM_STAGES
+RANKS = NUM_STAGES
 # torch's schedules by short name, and where their stages sit: "single" (one stage per rank),
 # "loop" (rank r holds stages r and r + RANKS) or "v" (rank r holds r and 2 RANKS - 1 - r)
 SCHEDULES = {
@@ -119,15 +121,15 @@ def make_schedule(args: argparse.Namespace, rank: int) -> tuple[Any, list[nn.Mod
     return schedule, [modules[i] for i in indices]
 
 
-def run_torch(args: argparse.Namespace) -> bench.Result:
+def run_torch(args: argparse.Namespace) -> Result:
     """One rank of ``torch.distributed.pipelining`` with ``--schedule`` and ``--m``."""
-    rank = bench.worker_rank()
+    rank = harness.launched_rank()
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     schedule, modules = make_schedule(args, rank)
     indices = stages_of(args.schedule, rank)
     first, last = 0 in indices, stage_count(args.schedule) - 1 in indices
-    optimizer = bench.make_optimizer([p for m in modules for p in m.parameters()])
-    clock = bench.BatchClock()
+    optimizer = make_optimizer([p for m in modules for p in m.parameters()])
+    clock = BatchClock()
     for x, y in work.make_batches(args, args.batch):
         schedule.step(*([x] if first else []), **({"target": y} if last else {}))
         optimizer.step()
@@ -140,7 +142,7 @@ def run_torch(args: argparse.Namespace) -> bench.Result:
 # ----- the driver ------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, config: bench.Config) -> list[bench.Result]:
+def run(args: argparse.Namespace, config: Config) -> list[Result]:
     if config.owner == "ours":
         return bench.run_config(args, config)
     extra = [f"--batch={config.rows(args)}", f"--m={config.microbatches}"]
@@ -162,7 +164,7 @@ def drive(args: argparse.Namespace) -> None:
         f"{args.microbatch} rows per microbatch, {args.steps} batches of which the first "
         f"{args.warmup} are not timed, SGD, 1 thread per process"
     )
-    configs = [bench.Config.parse(name) for name in args.configs]
+    configs = [Config.parse(name) for name in args.configs]
     runs: dict[str, list[float]] = {c.name: [] for c in configs}
     cores: dict[str, list[float]] = {c.name: [] for c in configs}
     failed: dict[str, str] = {}
@@ -176,7 +178,7 @@ def drive(args: argparse.Namespace) -> None:
                 failed[config.name] = failure(error)
                 print(f"  repeat {repeat}: {config.name:<30} FAILED: {failed[config.name]}")
                 continue
-            measured = bench.measure(args, config, results)
+            measured = measure(args, config, results)
             rate = measured["samples"]
             runs[config.name].append(rate)
             cores[config.name].append(measured["cores"])
@@ -191,7 +193,7 @@ def drive(args: argparse.Namespace) -> None:
 
 def print_table(
     args: argparse.Namespace,
-    configs: list[bench.Config],
+    configs: list[Config],
     runs: dict[str, list[float]],
     cores: dict[str, list[float]],
     failed: dict[str, str],
@@ -238,7 +240,7 @@ def print_targets(args: argparse.Namespace, runs: dict[str, list[float]]) -> Non
             1.05 if gpt else None,
         )
     ]
-    for m in sorted({bench.Config.parse(n).microbatches for n in runs} - {1}):
+    for m in sorted({Config.parse(n).microbatches for n in runs} - {1}):
         ours = best(runs, [f"ours-{sync}-{m}" for sync in OURS_FLUSHED])
         theirs = best(runs, [f"torch-{schedule}-{m}" for schedule in SCHEDULES])
         checks.append((f"best ours-{m} / best torch-{m} >= 1.0", ratios(ours, theirs), 1.0))
@@ -249,7 +251,7 @@ def print_targets(args: argparse.Namespace, runs: dict[str, list[float]]) -> Non
     ran = [(label, values, goal) for label, values, goal in checks if values]
     print("\ntargets (met/MISSED; a row without a goal is for information), median of per-repeat:")
     for label, values, goal in ran:
-        bench.print_check(label, values, goal, higher=True)
+        print_check(label, values, goal, higher=True)
 
 
 # ----- entry point -----------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def print_targets(args: argparse.Namespace, runs: dict[str, list[float]]) -> Non
 def config_name(name: str) -> str:
     """``name`` if it names one of this benchmark's configurations, else argparse's error."""
     try:
-        config = bench.Config.parse(name)
+        config = Config.parse(name)
     except ValueError:
         config = None
     known = (
@@ -326,10 +328,9 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     retain_freed_memory()
-    bench.bind_rank(bench.worker_rank())
+    bind_rank(harness.launched_rank())
     result = run_torch(args)
-    rank = bench.worker_rank()
-    Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(bench.json.dumps(result))
+    harness.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Stage
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.lookahead import ExecutorError, run_posting_ahead
 from pl_pipedream.runtime.timeline import Recording, TimelineEvent

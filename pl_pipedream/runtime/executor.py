@@ -3,7 +3,8 @@
 There is no schedule in here. Each action kind has one handler: receive or send a message, run
 a forward or backward pass on a weight version; ``ALLREDUCE`` and ``STEP``, the update side, are
 ``runtime.stage_updates``'. What a run needs from outside comes with it (``execute``): the first
-stage's inputs and the last stage's loss (a ``Feed``), and the ``Update`` that applies a ``STEP``.
+stage's inputs and the last stage's loss (a ``Feed``), and the ``Update`` that applies a ``STEP``;
+what each forward pass leaves for its backward pass is an ``InFlight`` (``runtime.feed``).
 
 Where every update averages the same number of microbatches (the batch-mean modes), the last
 stage scales the seed of its backward pass by ``loss_scale`` (``schedule.modes.update_settings``):
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +31,9 @@ from torch import nn
 
 from pl_pipedream.runtime.boundary import CrossingError, explain, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel, PeerError
+from pl_pipedream.runtime.feed import Feed, InFlight
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.functional import StageCall
-from pl_pipedream.runtime.linear_sums import HeldProducts
 from pl_pipedream.runtime.lookahead import (
     ExecutorError,
     batch_of,
@@ -61,38 +61,7 @@ from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import UpdateSettings
 from pl_pipedream.trees import map_tensors
 
-__all__ = ["ExecutorError", "Feed", "StageExecutor"]
-
-
-@dataclass(frozen=True)
-class Feed:
-    """What a run's forward passes take from outside, by global minibatch index: the first
-    stage's ``inputs(i)`` and the last stage's ``loss(output, i)``. ``fingerprint(i, received)``,
-    if given, returns this rank's fingerprint of microbatch ``i``'s data (sent on with the
-    activations) after checking it against ``received``, stage 0's (None on stage 0).
-    ``logged(i)``, if given, returns what else ``loss(output, i)`` logged, (key, value) pairs
-    that travel with the loss (``runtime.losses``)."""
-
-    inputs: Callable[[int], Any]
-    loss: Callable[[Any, int], torch.Tensor]
-    fingerprint: Callable[[int, float | None], float] | None = None
-    logged: Callable[[int], tuple[tuple[str, Any], ...]] | None = None
-
-
-@dataclass
-class _InFlight:
-    """What a forward pass leaves for its backward pass."""
-
-    version: int
-    params: dict[str, torch.Tensor]
-    inputs: list[torch.Tensor]  # the received tensors (their gradients travel back)
-    outputs: list[torch.Tensor]  # the tensors of the output, in ``flatten``'s order
-    structure: bytes | None = None  # what the outputs sit in (``runtime.boundary``)
-    loss: torch.Tensor | None = None
-    fingerprint: float | None = None  # of the data stage 0 fed in; travels with the activations
-    predicted: bool = False  # ``params`` are a prediction of its own, not a stashed version
-    replay: Replay | None = None  # recompute: the input to run the forward again from
-    held: HeldProducts | None = None  # a split backward's Linear products (``linear_sums``)
+__all__ = ["ExecutorError", "StageExecutor"]
 
 
 class StageExecutor(SplitBackward):
@@ -143,7 +112,7 @@ class StageExecutor(SplitBackward):
         self._update: Update | None = None
         self._received: dict[int, Message] = {}
         self._gradients: dict[int, Message] = {}
-        self._flight: dict[int, _InFlight] = {}
+        self._flight: dict[int, InFlight] = {}
         self._owed: dict[int, Owed] = {}  # weight halves to come (runtime.split_backward)
         self.updates = StageUpdates(  # the update side: sums, replica all-reduce, step
             module,
@@ -330,9 +299,7 @@ class StageExecutor(SplitBackward):
             with self.updates.capture(params, held), saving, self.updates.recording(i):
                 output = self._call(params, value)  # one argument, as nn.Sequential passes it
             loss = self._loss(output, i) if self.stage == self.num_stages - 1 else None
-        flight = _InFlight(
-            version, params, inputs, [], fingerprint=fingerprint, predicted=predicted
-        )
+        flight = InFlight(version, params, inputs, [], fingerprint=fingerprint, predicted=predicted)
         flight.replay, flight.held = replay, held
         if loss is None:
             try:

@@ -36,7 +36,8 @@ from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.channel import Channel
 from pl_pipedream.runtime.chunks import ChunkedExecutor, Loopback, chunk_of
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.losses import Logged, LossBook
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.staleness import check_corrections

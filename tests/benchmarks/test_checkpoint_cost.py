@@ -8,12 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoint_cost
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import checkpoint_cost  # noqa: E402
 
 
 def test_the_layer_count_makes_the_asked_size() -> None:

@@ -8,12 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import convergence
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import convergence  # noqa: E402
 
 
 def test_epochs_to_a_target() -> None:

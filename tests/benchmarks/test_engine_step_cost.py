@@ -3,15 +3,8 @@ and both ranks' CPU milliseconds per step."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import engine_step_cost
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import engine_step_cost  # noqa: E402
 
 
 @pytest.mark.slow

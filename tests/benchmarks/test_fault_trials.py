@@ -8,12 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fault_trials
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import fault_trials  # noqa: E402
 
 
 def test_trials_are_drawn_from_the_seed_and_kill_after_the_first_save() -> None:

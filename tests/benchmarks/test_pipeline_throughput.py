@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import throughput_configs as configs
+import throughput_model as model
+import throughput_report as report
+import throughput_workloads as work
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import pipeline_throughput as bench  # noqa: E402
-import throughput_workloads as work  # noqa: E402
 
 
 def sizes(workload: str, **given: int) -> argparse.Namespace:
@@ -28,7 +28,10 @@ def sizes(workload: str, **given: int) -> argparse.Namespace:
 def test_equal_microbatch_multiplies_the_batch_and_equal_minibatch_splits_it() -> None:
     args = sizes("mlp", microbatch=128)
     rows = {
-        name: (bench.Config.parse(name).rows(args), bench.Config.parse(name).microbatch_rows(args))
+        name: (
+            configs.Config.parse(name).rows(args),
+            configs.Config.parse(name).microbatch_rows(args),
+        )
         for name in ("single", "ours-async-1", "ours-flush-8", "torch-1F1B-8", "ours-async-4")
     }
     assert rows == {
@@ -38,25 +41,25 @@ def test_equal_microbatch_multiplies_the_batch_and_equal_minibatch_splits_it() -
         "torch-1F1B-8": (1024, 128),
         "ours-async-4": (512, 128),
     }
-    config = bench.Config.parse("torch-1F1B-8-minibatch")
+    config = configs.Config.parse("torch-1F1B-8-minibatch")
     assert (config.rows(args), config.microbatch_rows(args), config.equal_minibatch) == (
         128,
         16,
         True,
     )
-    unbound = bench.Config.parse("ours-async-1-unbound")
+    unbound = configs.Config.parse("ours-async-1-unbound")
     assert (unbound.unbound, unbound.equal_minibatch, unbound.rows(args)) == (True, False, 128)
 
 
 def test_a_configuration_name_is_checked() -> None:
-    assert bench.config_name("ours-2bw-4-minibatch") == "ours-2bw-4-minibatch"
-    listed = {*bench.CONFIGS}
-    for names in (*bench.DEFAULT_CONFIGS.values(), *bench.QUICK_CONFIGS.values()):
+    assert configs.config_name("ours-2bw-4-minibatch") == "ours-2bw-4-minibatch"
+    listed = {*configs.CONFIGS}
+    for names in (*configs.DEFAULT_CONFIGS.values(), *configs.QUICK_CONFIGS.values()):
         listed.update(names)
-    assert all(bench.config_name(name) == name for name in listed)
+    assert all(configs.config_name(name) == name for name in listed)
     for wrong in ("ours-flush", "torch-Interleaved-8", "ours-flush-8-fast", "torch-1F1B-8-unbound"):
         with pytest.raises(argparse.ArgumentTypeError, match="a configuration is"):
-            bench.config_name(wrong)
+            configs.config_name(wrong)
 
 
 @pytest.mark.parametrize("workload", work.WORKLOADS)
@@ -84,14 +87,14 @@ def test_a_mode_of_several_stages_per_rank_is_not_simulated_on_two_stages_costs(
     (on 4 stages, ``stage_count``) without a prediction."""
     args = sizes("mlp")
     for name in ("ours-zbv-8", "ours-interleaved-8"):
-        assert bench.config_name(name) == name
-        assert bench.simulated(args, bench.Config.parse(name), [], {}, {}) == (None, None)
+        assert configs.config_name(name) == name
+        assert model.simulated(args, configs.Config.parse(name), [], {}, {}) == (None, None)
 
 
 def test_verdicts_compare_the_median_against_the_goal(capsys: pytest.CaptureFixture[str]) -> None:
-    bench.print_check("async-1 / torch-1F1B-8", [1.2, 1.0, 1.05], 1.1, higher=True)
-    bench.print_check("ms per step", [1.4, 1.6, 1.45], 1.5, higher=False)
-    bench.print_check("ms per step", [1.6, 1.4, 1.55], 1.5, higher=False)
+    report.print_check("async-1 / torch-1F1B-8", [1.2, 1.0, 1.05], 1.1, higher=True)
+    report.print_check("ms per step", [1.4, 1.6, 1.45], 1.5, higher=False)
+    report.print_check("ms per step", [1.6, 1.4, 1.55], 1.5, higher=False)
     lines = capsys.readouterr().out.splitlines()
     assert "1.050  MISSED" in lines[0]
     assert "1.450  met" in lines[1]
@@ -101,11 +104,11 @@ def test_verdicts_compare_the_median_against_the_goal(capsys: pytest.CaptureFixt
 def test_targets_without_their_configurations_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     args = argparse.Namespace(workload="mlp")
     one = [{"samples": 100.0}]
-    bench.print_targets(args, {"single": one, "ours-flush-2": one})  # type: ignore[dict-item]
+    report.print_targets(args, {"single": one, "ours-flush-2": one})  # type: ignore[dict-item]
     out = capsys.readouterr().out
     assert "targets (" not in out  # no heading over an empty list
     assert "targets: none printed" in out
-    bench.print_targets(args, {"single": one, "ours-async-1": [{"samples": 180.0}]})  # type: ignore[dict-item]
+    report.print_targets(args, {"single": one, "ours-async-1": [{"samples": 180.0}]})  # type: ignore[dict-item]
     lines = capsys.readouterr().out.splitlines()
     assert "met/MISSED against the goal" in lines[1]
     assert lines[2].split()[:3] == ["async-1", "efficiency", "0.900"]

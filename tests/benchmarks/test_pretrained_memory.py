@@ -4,17 +4,11 @@ shapes (checked on ``meta``, nothing allocated); the benchmark itself is run by 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from pretrained_memory import GPT2, from_conv1d, hf_layout, hf_name
 
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.pretrained import Pretrained, WeightsFile, match
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from pretrained_memory import GPT2, from_conv1d, hf_layout, hf_name  # noqa: E402
 
 
 def test_hugging_face_gpt2_names_map_onto_the_module() -> None:

@@ -3,19 +3,12 @@ slows, stays near the best static plan, and keeps the plan when nothing changes.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+import replan_sim
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import replan_sim  # noqa: E402
-
-from pl_pipedream.planner import Topology  # noqa: E402
-from pl_pipedream.planner.speeds import plan_with_speeds  # noqa: E402
-from pl_pipedream.profile.graph import Profile  # noqa: E402
+from pl_pipedream.planner import Topology
+from pl_pipedream.planner.speeds import plan_with_speeds
+from pl_pipedream.profile.graph import Profile
 
 PROFILE = Profile.chain([1.0] * 12, [2.0] * 12, [1.0] * 12, [100.0] * 12)
 TOPOLOGY = Topology.flat(3, 1e9)

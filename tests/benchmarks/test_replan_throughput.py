@@ -4,15 +4,8 @@ seconds went, and the verdicts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import replan_throughput  # noqa: E402
+import replan_throughput
 
 
 @pytest.mark.slow

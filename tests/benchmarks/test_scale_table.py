@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
+import scale_table
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import scale_table  # noqa: E402
-
-from pl_pipedream.schedule.modes import SyncMode  # noqa: E402
+from pl_pipedream.schedule.modes import SyncMode
 
 MIB = 2**20
 

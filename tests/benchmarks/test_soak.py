@@ -9,11 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import soak
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import soak  # noqa: E402
 
 
 def test_the_slope_is_per_step_least_squares() -> None:

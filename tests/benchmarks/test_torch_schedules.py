@@ -10,17 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import throughput_configs as configs
+import throughput_workloads as work
 import torch
+import torch_schedules as schedules
+
+from pl_pipedream.planner.plan import Plan
+from pl_pipedream.schedule import SyncMode
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import pipeline_throughput as bench  # noqa: E402
-import throughput_workloads as work  # noqa: E402
-import torch_schedules as schedules  # noqa: E402
-
-from pl_pipedream.planner.plan import Plan  # noqa: E402
-from pl_pipedream.schedule import SyncMode  # noqa: E402
 
 
 def sizes(workload: str, **given: int) -> argparse.Namespace:
@@ -68,9 +66,9 @@ def test_our_chunked_modes_train_the_stages_torch_places_where_torch_places_them
     stages torch's loop/V schedules cut, and the strategy's placement (``Plan.from_balance`` as
     ``strategy.planning`` calls it) puts them on the ranks torch does."""
     args = sizes(workload, depth=4)
-    assert bench.stage_count(sync) == 4 and bench.stage_count("zero_bubble") == 2
+    assert configs.stage_count(sync) == 4 and configs.stage_count("zero_bubble") == 2
     parts = schedules.cut(work.make_layers(args), args, schedules.stage_count(torch_schedule))
-    balance = work.balance(args, bench.stage_count(sync))
+    balance = work.balance(args, configs.stage_count(sync))
     assert balance == [len(part) for part in parts]
     plan = Plan.from_balance(balance, placement=SyncMode(sync).placement, num_ranks=2)
     for rank in range(2):

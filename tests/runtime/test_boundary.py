@@ -23,7 +23,8 @@ from pl_pipedream.models.seq2seq import Seq2Seq
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.boundary import CrossingError, flatten, unflatten
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
+from pl_pipedream.runtime.executor import ExecutorError, StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.frames import Message, layout_of, pack, unpack
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.actions import Action, ActionKind

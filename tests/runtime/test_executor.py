@@ -18,7 +18,8 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.profile.handoff import HandoffError
 from pl_pipedream.runtime import update
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.modes import SyncMode, update_settings
 from tests.runtime import oracle

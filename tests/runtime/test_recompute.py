@@ -17,7 +17,8 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.recompute import Activations, Replay, detached, rng_state
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.modes import SyncMode, update_settings

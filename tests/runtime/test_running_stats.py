@@ -18,7 +18,8 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.running_stats import RunningStats
 from pl_pipedream.schedule import build
 from pl_pipedream.schedule.actions import ActionKind

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import ExecutorError, Feed, StageExecutor
+from pl_pipedream.runtime.executor import ExecutorError, StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.schedule.actions import Action, ActionKind
 from pl_pipedream.schedule.modes import SyncMode, update_settings

@@ -12,7 +12,8 @@ from torch import nn
 
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.channel import Channel
-from pl_pipedream.runtime.executor import Feed, StageExecutor
+from pl_pipedream.runtime.executor import StageExecutor
+from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.frames import Message
 from pl_pipedream.runtime.losses import LossBook
 from pl_pipedream.runtime.streams import (

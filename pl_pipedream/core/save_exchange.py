@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import secrets
 import time
 from datetime import timedelta
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from pl_pipedream.core.errors import CheckpointError
 from pl_pipedream.runtime.channel import PeerError
+from pl_pipedream.runtime.ranks import backend_detail
 from pl_pipedream.runtime.tags import Tag
 
 __all__ = ["SaveExchange"]
@@ -111,7 +111,7 @@ class SaveExchange:
                 return
             detail = "no answer"
         except RuntimeError as error:
-            detail = _first_sentence(str(error))
+            detail = backend_detail(error)
         raise PeerError(
             f"every writer of a checkpoint must finish its part before the checkpoint is "
             f"published (rank {self.rank} could not {what} rank {peer}: {detail} after "
@@ -119,9 +119,3 @@ class SaveExchange:
             f"{self.path}); rank {peer} has probably failed: look for its error above. Nothing "
             f"was published: a checkpoint already at {self.path} is intact"
         )
-
-
-def _first_sentence(message: str) -> str:
-    """The gist of a gloo error: its first sentence without the source location."""
-    message = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[0] if message else "")
-    return message.split(". ")[0] or "the connection failed"

@@ -59,7 +59,6 @@ from pl_pipedream.engine.replanning import after_step, make_replanner, watch_sta
 from pl_pipedream.engine.running import (
     Running,
     Settings,
-    carry_over,
     check_plan_ties,
     create_stage,
     group_names_of,
@@ -315,7 +314,7 @@ class Pipeline:
         holds = any(group["params"] for group in optimizer.param_groups)
         self.optimizer = optimizer if holds or self._factory is None else None
         running = Running.start(self.local, self.plan, self.optimizer, self._settings)
-        carry_over(runner, running.runner)
+        running.runner.carry_over(runner)
         self.updates, self.runner, self._forward = running.updates, running.runner, running.forward
         return moved
 

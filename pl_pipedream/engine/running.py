@@ -30,7 +30,6 @@ from pl_pipedream.schedule.modes import SyncMode, check_chunked
 __all__ = [
     "Running",
     "Settings",
-    "carry_over",
     "check_plan_ties",
     "create_stage",
     "group_names_of",
@@ -137,11 +136,6 @@ def shell(factory: Factory, device: torch.device) -> Optimizer:
     for group in optimizer.param_groups:
         group["params"] = []
     return optimizer
-
-
-def carry_over(old: PipelineRunner, new: PipelineRunner) -> None:
-    """The new runner goes on counting the batches fed and keeps the newest finished loss."""
-    new.batches, new.loss, new.loss_batch = old.batches, old.loss, old.loss_batch
 
 
 def create_stage(

@@ -176,6 +176,14 @@ class PipelineRunner:
             runner.data_group = replica_groups[0]
         return runner
 
+    def carry_over(self, old: PipelineRunner) -> None:
+        """Go on from ``old``, a drained runner this one replaces (a re-plan): what counts for
+        the whole fit, the batches fed (the divergence check finds a loss's batch by it), the
+        newest loss and its batch, and a learning-rate warm-up's updates applied."""
+        self.batches, self.loss, self.loss_batch = old.batches, old.loss, old.loss_batch
+        if hasattr(old.update, "count") and hasattr(self.update, "count"):
+            self.update.count = old.update.count  # runtime.staleness.WarmedUpdate
+
     @property
     def drained(self) -> bool:
         return self.step == 0

@@ -203,17 +203,9 @@ def move(strategy: Any, trainer: Any, plan: Plan) -> float:
     strategy.resume.name_parameters(module)  # the parameters created for the layers that came
     old.close()
     build_pipeline(strategy, trainer)
-    carry_over(old, strategy.runner)
+    strategy.runner.carry_over(old)
     patch_lightning(strategy, trainer)
     return time.perf_counter() - start
-
-
-def carry_over(old: Any, new: Any) -> None:
-    """What a drained runner counts for the whole fit: batches fed (the divergence check finds
-    a loss's batch by it), the newest loss and its batch, a warm-up's updates applied."""
-    new.batches, new.loss, new.loss_batch = old.batches, old.loss, old.loss_batch
-    if hasattr(old.update, "count") and hasattr(new.update, "count"):
-        new.update.count = old.update.count  # runtime.staleness.WarmedUpdate
 
 
 def announce_move(

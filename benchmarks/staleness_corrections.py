@@ -1,11 +1,94 @@
 """Delay-aware corrections of ``sync="async"``, measured on the one-process oracle (issue 37).
 
-PLACEHOLDER: the header with the command and the figures is written after the runs.
+An exploration, not a decision: which correction of PipeDream's weight stashing makes ``async``
+learn what one device learns. ``train`` below is ``tests/runtime/oracle.py``'s async rule
+(straight pipeline, stage s w_s = p - 1 - s updates stale, one update per 32-example minibatch,
+weights applied in index order; it reuses the oracle's ``version_of`` and ``_gradients``) with
+the corrections of ``Correction`` added; ``sync="flush"`` with one microbatch is one device.
+``--check`` compares it with the oracle itself.
+
+Model and data: digits6 of docs/convergence.md (flatten, Linear 64-128, 128-128, 128-128,
+128-128, 128-64, 64-10 with ReLUs: 12 pipeline layers cut evenly into 2, 3 or 4 stages),
+scikit-learn digits through ``DigitsDataModule(batch_size=32, seed)`` (its seeded split and
+per-epoch shuffle), 15 epochs = 585 updates per stage, seeds 0..2 (split, order and initial
+weights). Optimizers: SGD lr 0.03 and 0.1 momentum 0.9, AdamW lr 1e-3 (betas 0.9/0.999, wd 0.01).
+Equal samples and equal updates coincide here: one microbatch per batch, so async and one device
+both step every stage once per 32 examples (the Nesterov paper's trap, 4x fewer sync updates,
+does not arise). The score is the final validation accuracy (270 examples; 1/270 = 0.004).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --check   # 10 s
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py           # 630 s
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --settings sgd0.03 \
+        --stages 3 4 --epochs 40 --corrections async pred pred1.5 pred+dca1 pred+lrInf
+
+Correction names ("+" joins them; ``parse``): ``pred`` prediction along the optimizer's own step
+(SGD: W - d lr buf, which is the existing ``weight_prediction`` exactly; AdamW: W - d lr (m_hat /
+(sqrt(v_hat) + eps) + wd W), the existing rule up to lr wd (W_v - W_(v-1))); ``pred1.5`` the
+same 1.5 d steps ahead; ``lrT5`` PipeMare lr / tau_s^(1 - min(u / T, 1)), tau_s = max(1, w_s),
+T = 5 epochs; ``lrInf`` lr / tau_s throughout; ``dca1`` DC-ASGD-a (g + lambda_t g g (W_now -
+W_stashed), lambda_t = 1 / sqrt(moving mean of g g)); ``mpow`` stage momentum/beta1 beta^(1 +
+w_s); ``mimpl`` beta - w_s / (w_s + 1) (asynchrony's implicit momentum taken off).
+
+Printed on 2 shared CPU cores (torch 2.13.0+cpu), --check:
+
+    check sgd0.03-m0.9 wd 0.01 flush predict=0.0: max |oracle - this| 0.00e+00
+    check sgd0.03-m0.9 wd 0.01 async predict=0.0: max |oracle - this| 0.00e+00
+    check sgd0.03-m0.9 wd 0.01 async predict=1.0: max |oracle - this| 7.45e-09
+    check adamw0.001 wd 0 flush predict=0.0: max |oracle - this| 0.00e+00
+    check adamw0.001 wd 0 async predict=0.0: max |oracle - this| 0.00e+00
+    check adamw0.001 wd 0 async predict=1.0: max |oracle - this| 2.79e-07
+    check adamw0.001 wd 0.01 flush predict=0.0: max |oracle - this| 0.00e+00
+    check adamw0.001 wd 0.01 async predict=0.0: max |oracle - this| 0.00e+00
+    check adamw0.001 wd 0.01 async predict=1.0: max |oracle - this| 2.23e-03
+
+(AdamW with weight decay: the 2e-3 is Adam normalising the lr wd (W_v - W_(v-1)) difference of
+1.7e-8 per prediction over 20 steps; without decay the two rules agree to 3e-7.)
+
+The grid (the table it prints, in two halves: mean final val_acc over seeds 0..2; * within
+0.02 of one device; 630 s):
+
+    setting       one device      async       pred    pred1.5       lrT5      lrInf       dca1
+    sgd0.03-2st        0.932      0.833      0.852     0.912*      0.833      0.833      0.844
+    sgd0.03-3st        0.932      0.449      0.749      0.864      0.499      0.542      0.637
+    sgd0.03-4st        0.932      0.307      0.516      0.520      0.257      0.326      0.258
+    sgd0.1-2st         0.440      0.140      0.153      0.200      0.140      0.140      0.295
+    sgd0.1-3st         0.440      0.084      0.084      0.119      0.084      0.084      0.073
+    sgd0.1-4st         0.440      0.084      0.084      0.084      0.125      0.130      0.084
+    adamw1e-3-2st      0.948     0.954*     0.957*     0.954*     0.954*     0.954*     0.956*
+    adamw1e-3-3st      0.948      0.923     0.943*     0.951*      0.926      0.916     0.942*
+    adamw1e-3-4st      0.948     0.942*     0.951*     0.942*     0.956*     0.937*     0.948*
+
+    setting             mpow      mimpl pred+lrInf  pred+dca1  pred+mpow pred+mimpl
+    sgd0.03-2st        0.706      0.751      0.852      0.896     0.933*      0.791
+    sgd0.03-3st        0.381      0.430      0.812      0.706      0.670      0.520
+    sgd0.03-4st        0.415      0.360      0.531      0.667      0.323      0.365
+    sgd0.1-2st         0.168      0.365      0.153      0.247      0.384      0.259
+    sgd0.1-3st         0.144      0.233      0.170      0.084      0.084      0.332
+    sgd0.1-4st         0.084      0.209      0.084      0.084      0.084      0.199
+    adamw1e-3-2st     0.940*     0.949*     0.957*     0.953*     0.954*     0.946*
+    adamw1e-3-3st     0.952*     0.956*     0.956*     0.954*     0.933*     0.957*
+    adamw1e-3-4st     0.956*     0.935*     0.949*     0.947*     0.951*      0.910
+
+Reading it: AdamW is already within 0.02 of one device at 2 and 4 stages, and every prediction
+variant (pred, pred1.5, pred+dca1, pred+lrInf) is at 2-4 stages. SGD lr 0.03 momentum 0.9 is
+the hard case: nothing is within 0.02 at 3-4 stages after 15 epochs; pred1.5 (2 stages) and
+pred+mpow (2 stages) are. One device itself sits on a loss plateau (2.30) for 3-4 epochs here
+and async leaves it later, so 15 epochs measures the escape: at 25-40 epochs async reaches
+0.92-0.94 on seed 0 (see the 40-epoch run). SGD lr 0.1: one device learns on 2 seeds of 3
+(0.104 0.493 0.722), no async variant does reliably; not a setting one device learns.
+
+Per seed, spread and val_loss: the script prints them per setting (e.g. sgd0.03-3st one device
+0.933 0.919 0.944, async 0.463 0.422 0.463, pred 0.807 0.837 0.604, pred1.5 0.844 0.889 0.859).
+Earlier sweeps on sgd0.03-3st (3 seeds, same command with --corrections): DC-ASGD with a constant
+lambda 0.1 / 1 / 10 / 100: 0.488 / 0.485 / 0.541 / 0.578; DC-ASGD-a lambda0 0.1 / 1 / 4: 0.468 /
+0.637 / 0.412; PipeMare T = 1 / 5 / 15 epochs / inf: 0.298 / 0.499 / 0.344 / 0.542; momentum
+"pow" with lr scaled to keep lr / (1 - beta) (mpowlr): 0.420; pred2 / pred3: 0.678 / 0.627.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -43,10 +126,12 @@ class Correction:
     """A set of corrections of the async rule, each off by default.
 
     predict: (c) stage s runs minibatch i (on version v, d = i - v updates stale) on
-        W_v - predict * d * lr * D_v (predict 1: the update's own delay; "pred<k>": k times it), D_v the optimizer's own step direction in its state after update v
+        W_v - predict * d * lr * D_v ("pred": predict 1; "pred<k>": k), D_v the optimizer's own
+        step direction in its state after update v
         (SGD: the momentum buffer; Adam/AdamW: m_hat / (sqrt(v_hat) + eps) + wd * W_v).
     lr_horizon: (a) PipeMare: update u of stage s steps with lr / tau_s ** (1 - min(u / T, 1)),
-        tau_s = max(1, w_s); T in updates (math.inf: lr / tau_s throughout).
+        tau_s = max(1, w_s) (tau_plus_one: w_s + 1); T in updates (math.inf: lr / tau_s
+        throughout).
     dc: (b) DC-ASGD: the gradient g computed on the stashed W_used is applied as
         g + lambda * g * g * (W_now - W_used); dc is lambda (0: off).
     dc_adaptive: DC-ASGD-a: lambda_t = dc / sqrt(MS_t), MS an elementwise moving mean of g*g
@@ -59,6 +144,7 @@ class Correction:
 
     predict: float = 0.0
     lr_horizon: float = 0.0
+    tau_plus_one: bool = False
     dc: float = 0.0
     dc_adaptive: bool = False
     momentum: str = ""
@@ -106,11 +192,13 @@ def train(
     """``oracle.train``'s per-minibatch rule (straight pipeline, one microbatch per batch) with
     the corrections of ``corr``; ``sync="flush"`` is one device (no correction applies)."""
     assert all(s.replicas == 1 for s in plan.stages)
-    model = __import__("copy").deepcopy(model)
+    model = copy.deepcopy(model)
     stages = [nn.ModuleDict({n: model[int(n)] for n in st.nodes}) for st in plan.stages]
     delays = [s.warmup if sync == "async" else 0 for s in plan.stages]
     betas = [stage_beta(opt.beta, d, corr.momentum) for d in delays]
-    optimizers = [make_optimizer(opt, list(st.parameters()), b) for st, b in zip(stages, betas)]
+    optimizers = [
+        make_optimizer(opt, list(st.parameters()), b) for st, b in zip(stages, betas, strict=True)
+    ]
     base_lr = [
         opt.lr * ((1 - b) / (1 - opt.beta) if corr.momentum == "pow_lr" else 1.0) for b in betas
     ]
@@ -153,8 +241,11 @@ def train(
                     p.grad = g
             lr = base_lr[s]
             if corr.lr_horizon and delays[s]:
-                frac = min(applied[s] / corr.lr_horizon, 1.0) if math.isfinite(corr.lr_horizon) else 0
-                lr = lr / max(1, delays[s]) ** (1 - frac)
+                frac = (
+                    min(applied[s] / corr.lr_horizon, 1.0) if math.isfinite(corr.lr_horizon) else 0
+                )
+                tau = delays[s] + 1 if corr.tau_plus_one else max(1, delays[s])
+                lr = lr / tau ** (1 - frac)
             optimizers[s].param_groups[0]["lr"] = lr
             optimizers[s].step()
             optimizers[s].zero_grad(set_to_none=True)
@@ -192,19 +283,20 @@ def setup(seed: int, epochs: int, num_stages: int, hidden=HIDDEN6):  # type: ign
 
 
 def parse(name: str, per_epoch: int) -> Correction:
-    """A correction from its name: "+"-joined parts of "async" (none), "pred", "lrT<epochs>"
-    (PipeMare, horizon in epochs), "lrInf", "dc<lambda>", "dca<lambda0>", "mpow", "mimpl",
-    "mpowlr"; e.g. "pred+dca1"."""
+    """A correction from its name: "+"-joined parts of "async" (none), "pred", "pred<k>",
+    "lrT<epochs>" (PipeMare, horizon in epochs), "lrInf", either with "p1" (tau = d + 1),
+    "dc<lambda>", "dca<lambda0>", "mpow", "mimpl", "mpowlr"; e.g. "pred+dca1"."""
     corr = Correction()
     for part in name.split("+"):
         if part == "async":
             continue
         elif part.startswith("pred"):
             corr = replace(corr, predict=float(part[4:] or 1))
-        elif part == "lrInf":
-            corr = replace(corr, lr_horizon=math.inf)
-        elif part.startswith("lrT"):
-            corr = replace(corr, lr_horizon=float(part[3:]) * per_epoch)
+        elif part.startswith("lr"):  # lrT<epochs> or lrInf, "p1" at the end: tau = d + 1
+            plus = part.endswith("p1")
+            horizon = part[2:].removesuffix("p1")
+            epochs = math.inf if horizon == "Inf" else float(horizon.removeprefix("T"))
+            corr = replace(corr, lr_horizon=epochs * per_epoch, tau_plus_one=plus)
         elif part.startswith("dca"):
             corr = replace(corr, dc=float(part[3:]), dc_adaptive=True)
         elif part.startswith("dc"):
@@ -217,8 +309,18 @@ def parse(name: str, per_epoch: int) -> Correction:
 
 
 CORRECTIONS = [
-    "async", "pred", "pred1.5", "lrT5", "lrInf", "dca1", "mpow", "mimpl",
-    "pred+lrInf", "pred+dca1", "pred+mpow", "pred+mimpl",
+    "async",
+    "pred",
+    "pred1.5",
+    "lrT5",
+    "lrInf",
+    "dca1",
+    "mpow",
+    "mimpl",
+    "pred+lrInf",
+    "pred+dca1",
+    "pred+mpow",
+    "pred+mimpl",
 ]
 SETTINGS = {
     "sgd0.03": Optim("sgd", 0.03),
@@ -254,6 +356,7 @@ def check() -> None:
     batches, _, model, plan = setup(0, 1, 3)
     batches = batches[:20]
     for opt in (Optim("sgd", 0.03), Optim("adamw", 1e-3, weight_decay=0.0), Optim("adamw", 1e-3)):
+
         def make(params, opt=opt):  # type: ignore[no-untyped-def]
             return make_optimizer(opt, params, opt.beta)
 
@@ -266,7 +369,10 @@ def check() -> None:
             ours = train(model, plan, batches, opt, corr, sync=sync)
             diff = max(float((ref[k] - ours[k]).abs().max()) for k in ref)
             wd = f" wd {opt.weight_decay:g}" if opt.kind == "adamw" else ""
-            print(f"check {opt.label}{wd} {sync} predict={corr.predict}: max |oracle - this| {diff:.2e}")
+            print(
+                f"check {opt.label}{wd} {sync} predict={corr.predict:g}: "
+                f"max |oracle - this| {diff:.2e}"
+            )
 
 
 def main() -> None:
@@ -290,7 +396,9 @@ def main() -> None:
             key = f"{setting}-{stages}st"
             rows: dict[str, list[tuple[float, float]]] = {}
             for seed in range(args.seeds):
-                for name, score in run(setting, stages, seed, args.corrections, args.epochs).items():
+                for name, score in run(
+                    setting, stages, seed, args.corrections, args.epochs
+                ).items():
                     rows.setdefault(name, []).append(score)
             results[key] = rows
             _print(key, rows, time.time() - start)
@@ -309,8 +417,11 @@ def _print(key: str, rows: dict[str, list[tuple[float, float]]], elapsed: float)
         loss = sum(lo for _, lo in scores) / len(scores)
         mark = "ok" if mean >= base - 0.02 else ""
         shown = " ".join(f"{a:.3f}" for a in accs)
-        print(f"  {name:<14} acc {mean:.3f} [{min(accs):.3f}..{max(accs):.3f}] "
-              f"({shown}) val_loss {loss:.3f} {mark}", flush=True)
+        print(
+            f"  {name:<14} acc {mean:.3f} [{min(accs):.3f}..{max(accs):.3f}] "
+            f"({shown}) val_loss {loss:.3f} {mark}",
+            flush=True,
+        )
 
 
 def _table(results: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
@@ -326,7 +437,9 @@ def _table(results: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
                 cells.append("")
                 continue
             mean = sum(accs) / len(accs)
-            cells.append(f"{mean:.3f}" + ("*" if name != "one device" and mean >= base - 0.02 else ""))
+            cells.append(
+                f"{mean:.3f}" + ("*" if name != "one device" and mean >= base - 0.02 else "")
+            )
         print(f"| {key} | " + " | ".join(cells) + " |")
 
 

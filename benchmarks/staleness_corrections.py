@@ -69,13 +69,20 @@ The grid (the table it prints, in two halves: mean final val_acc over seeds 0..2
     adamw1e-3-3st     0.952*     0.956*     0.956*     0.954*     0.933*     0.957*
     adamw1e-3-4st     0.956*     0.935*     0.949*     0.947*     0.951*      0.910
 
-Reading it: AdamW is already within 0.02 of one device at 2 and 4 stages, and every prediction
-variant (pred, pred1.5, pred+dca1, pred+lrInf) is at 2-4 stages. SGD lr 0.03 momentum 0.9 is
-the hard case: nothing is within 0.02 at 3-4 stages after 15 epochs; pred1.5 (2 stages) and
-pred+mpow (2 stages) are. One device itself sits on a loss plateau (2.30) for 3-4 epochs here
-and async leaves it later, so 15 epochs measures the escape: at 25-40 epochs async reaches
-0.92-0.94 on seed 0 (see the 40-epoch run). SGD lr 0.1: one device learns on 2 seeds of 3
-(0.104 0.493 0.722), no async variant does reliably; not a setting one device learns.
+The 40-epoch run (third command; 1,560 updates per stage; 162 s), as printed:
+
+    setting       one device      async       pred    pred1.5  pred+dca1 pred+lrInf
+    sgd0.03-3st        0.973      0.940     0.965*     0.956*     0.973*     0.983*
+    sgd0.03-4st        0.973      0.832      0.878      0.836      0.948     0.967*
+
+Reading it: AdamW is within 0.02 of one device at 2 and 4 stages without correction, and every
+prediction variant (pred, pred1.5, pred+dca1, pred+lrInf) is at 2-4 stages. SGD lr 0.03
+momentum 0.9 is the hard case: after 15 epochs nothing is within 0.02 at 3-4 stages (pred1.5
+and pred+mpow are at 2). One device itself sits on a loss plateau (2.30) for 3-4 epochs here and
+async leaves it later, so 15 epochs mostly measures that escape; at 40 epochs pred+lrInf
+(prediction and lr / tau_s) is within 0.02 at 3 and 4 stages, pred+dca1 at 3 (0.948 at 4),
+plain async is not (0.940, 0.832). SGD lr 0.1: one device learns on 2 seeds of 3 (0.104 0.493
+0.722) and no async variant does reliably: not a setting one device learns.
 
 Per seed, spread and val_loss: the script prints them per setting (e.g. sgd0.03-3st one device
 0.933 0.919 0.944, async 0.463 0.422 0.463, pred 0.807 0.837 0.604, pred1.5 0.844 0.889 0.859).

@@ -1,4 +1,4 @@
-"""Delay-aware corrections of ``sync="async"``, measured on the one-process oracle (issue 37).
+"""Delay-aware corrections of ``sync="async"``, measured on the one-process oracle.
 
 An exploration, not a decision: which correction of PipeDream's weight stashing makes ``async``
 learn what one device learns. ``train`` below is ``tests/runtime/oracle.py``'s async rule

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pl_pipedream.core.divergence import DIVERGENCE_ACTIONS
 from pl_pipedream.core.errors import PipelineSetupError
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.schedule import rules
 from pl_pipedream.schedule.modes import SyncMode, check_chunked, check_chunks_per_rank
 
 __all__ = [
-    "check_arguments",
+    "check_start_method",
     "check_chunk_options",
     "check_layer_sync",
     "check_planning_options",
@@ -21,25 +20,11 @@ __all__ = [
 ]
 
 
-def check_arguments(microbatches: Any, start_method: str, divergence: str, timeout: Any) -> None:
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(
-            f"microbatches must be a positive integer (microbatches: {microbatches!r}); for "
-            "example PipeDreamStrategy(microbatches=4)"
-        )
-    if not isinstance(timeout, (int, float)) or not timeout > 0:  # 0 would fail every wait
-        raise ValueError(
-            f"timeout must be a positive number of seconds (timeout: {timeout!r}); for example "
-            "PipeDreamStrategy(timeout=300)"
-        )
+def check_start_method(start_method: str) -> None:
+    """How the strategy starts its ranks: its launchers' methods."""
     if start_method not in ("popen", "spawn", "fork"):
         raise ValueError(
             f"start_method must be 'popen', 'spawn' or 'fork' (start_method: {start_method!r})"
-        )
-    if divergence not in DIVERGENCE_ACTIONS:
-        raise ValueError(
-            f"divergence must be one of {', '.join(DIVERGENCE_ACTIONS)} (divergence: "
-            f'{divergence!r}); for example PipeDreamStrategy(divergence="warn")'
         )
 
 

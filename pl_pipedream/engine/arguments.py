@@ -23,10 +23,30 @@ from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.schedule.modes import SyncMode
 
 CALL = "Pipeline(..., {args})"  # how a fix is written for a Pipeline user
+# The options ``check_options`` reads: every front end takes them under these names.
+CHECKED = (
+    "sync",
+    "microbatches",
+    "timeout",
+    "divergence",
+    "divergence_rise",
+    "divergence_patience",
+    "divergence_window",
+    "preempt_signals",
+    "replan",
+    "replan_every",
+    "replan_threshold",
+    "balance",
+    "plan",
+    "memory",
+    "chunks_per_rank",
+    "weight_prediction",
+)
 WARN = 'divergence="warn"'
 
 __all__ = [
     "CALL",
+    "CHECKED",
     "batch_pair",
     "check_arguments",
     "check_automatic",

@@ -36,6 +36,7 @@ from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.resume import Resume
 from pl_pipedream.core.stage import LocalStage
+from pl_pipedream.engine.arguments import CHECKED, check_options
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime.pipeline import PipelineRunner
@@ -67,8 +68,7 @@ class PipeDreamStrategy(ParallelStrategy):
         timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
         timeline: a path for a Chrome trace of every action, with the bubble per rank.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
-        retain_freed_memory: on CPU with glibc, keep freed memory (``runtime.memory``).
-        bind_cpus: on CPU, bind each rank to its own share of the cores (``placement``).
+        retain_freed_memory, bind_cpus: on CPU, keep freed memory; give each rank its cores.
         weight_prediction: in ``async`` and ``vertical_sync``, run each minibatch on its stale
             weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
         lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
@@ -120,6 +120,8 @@ class PipeDreamStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in CHECKED}  # as every front end's
+        self.sync = check_options(options, "PipeDreamStrategy({args})")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -127,8 +129,7 @@ class PipeDreamStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        arguments.check_arguments(microbatches, start_method, divergence, timeout)
-        self.sync, self.chunks_per_rank = SyncMode.parse(sync), chunks_per_rank
+        arguments.check_start_method(start_method)
         check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.balance = list(balance) if balance is not None else None
@@ -154,10 +155,10 @@ class PipeDreamStrategy(ParallelStrategy):
         self.empty_build = EmptyBuild()  # what configure_model() built on meta (materialize)
         self.recompute, self.pretrained = bool(recompute), Pretrained.parse(pretrained)
         self.memory, self.microbatches = parse_memory(memory), microbatches
+        self.chunks_per_rank = chunks_per_rank
         self.replanning = Replanning(replan, replan_every, replan_threshold)
         layout = (balance, plan, self.replanning.on)
         arguments.check_planning_options({"topology": topology, "memory": self.memory}, *layout)
-        arguments.check_chunk_options(self.sync, chunks_per_rank, self.memory, *layout)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
 
     @property

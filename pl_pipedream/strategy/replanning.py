@@ -28,7 +28,6 @@ from pl_pipedream.core.relayout import relayout
 from pl_pipedream.core.replanner import (
     HISTORY_NAME,
     Replanner,
-    check_replan_options,
     create_replanner,
     tied_straight,
 )
@@ -48,7 +47,7 @@ class Replanning:
     plan, the boundary it is at, and the timeline of the pipelines it replaced."""
 
     def __init__(self, mode: str = "off", every: int = 50, threshold: float = 0.05) -> None:
-        check_replan_options(mode, every, threshold, "PipeDreamStrategy")
+        # (checked with the strategy's other options: engine.arguments.check_options)
         self.mode, self.every, self.threshold = mode, int(every), float(threshold)
         self.requested: Plan | None = None
         self.replanner: Replanner | None = None

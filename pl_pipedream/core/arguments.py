@@ -103,8 +103,8 @@ def check_planning_options(
         shown = repr(value) if isinstance(value, str) else "given"
     layout = f"balance: {list(balance)}" if balance is not None else "plan: given"
     names = ", ".join(f"{n}=" for n, _ in given)
-    bound = [n for n, _ in given if n in ("topology", "memory")] == [n for n, _ in given]
     bounds = "they bound" if len(given) > 1 else "it bounds"
+    bound = all(n in ("topology", "memory") for n, _ in given)  # what re-planning is held to
     also = f', or add replan="auto", whose plans {bounds}' if bound else ""
     raise ValueError(
         f"{names} only serve{'s' if len(given) == 1 else ''} automatic planning, which a layout "

@@ -133,8 +133,7 @@ class Replanner:
         self.on = mode == "auto"  # checks run, so the timeline must be recorded
         self.topology, self.memory, self.profile = topology, memory, profile
         microbatches = plan_options.get("microbatches") or 1
-        fit = MemoryFit(memory, sync, microbatches, recompute) if memory is not None else None
-        self.fit = fit
+        self.fit = MemoryFit(memory, sync, microbatches, recompute) if memory is not None else None
         self.history = Path(history) if history is not None else None
         self.horizon = horizon or DEFAULT_HORIZON
         self.plan_options = plan_options

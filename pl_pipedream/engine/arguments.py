@@ -41,6 +41,7 @@ CHECKED = (
     "memory",
     "chunks_per_rank",
     "weight_prediction",
+    "lr_warmup_per_delay",
 )
 WARN = 'divergence="warn"'
 
@@ -131,7 +132,7 @@ def check_options(options: Mapping[str, Any], call: str = CALL) -> SyncMode:
     given = (options["balance"], options["plan"], options["replan"] == "auto")
     memory = parse_memory(options["memory"])
     check_chunk_options(mode, options["chunks_per_rank"], memory, *given, call)
-    check_corrections(mode, options["weight_prediction"], 0)
+    check_corrections(mode, options["weight_prediction"], options["lr_warmup_per_delay"])
     return mode
 
 

@@ -18,8 +18,10 @@ optimizer steps inside the pipeline when the schedule says (``engine.updates``).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,18 +33,18 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from pl_pipedream.core.data import Fingerprints, SameData
-from pl_pipedream.core.divergence import describe_optimizer, divergence_message
-from pl_pipedream.core.elsewhere import mark_other_stages
+from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
 from pl_pipedream.core.microbatches import slice_batch
-from pl_pipedream.core.placement import keep_local_parameters, move_to_device
+from pl_pipedream.core.placement import keep_local_parameters
 from pl_pipedream.core.planning import plan_at_setup
 from pl_pipedream.core.preemption import Preempted, Preemption, exit_code, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
-from pl_pipedream.core.relayout import Moved, check_plans, relayout
-from pl_pipedream.core.stage import LocalStage, cut_stage, find_ties
+from pl_pipedream.core.relayout import Moved, check_plans
+from pl_pipedream.core.replanner import Replanner
+from pl_pipedream.core.stage import LocalStage, find_ties
 from pl_pipedream.engine import checkpoints
 from pl_pipedream.engine.arguments import (
     batch_pair,
@@ -54,26 +56,23 @@ from pl_pipedream.engine.arguments import (
     pipeline_of,
 )
 from pl_pipedream.engine.group import default_device, join_launched_group
+from pl_pipedream.engine.moving import group_names_of, to_move
 from pl_pipedream.engine.precision import choose_precision
-from pl_pipedream.engine.replanning import after_step, make_replanner, watch_stage
-from pl_pipedream.engine.running import (
-    Running,
-    Settings,
-    check_plan_ties,
-    create_stage,
-    group_names_of,
-    to_move,
-)
+from pl_pipedream.engine.replanning import ReplanChecks, make_replanner
+from pl_pipedream.engine.session import Session, Settings
+from pl_pipedream.engine.updates import OptimizerUpdate, clipping
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.schedule import rules
+from pl_pipedream.runtime.timeline import gather_trace
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.trees import map_tensors
 
 __all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
 
 POSITIONAL = ("layers", "loss_fn", "optimizer")  # the rest are options (engine.options)
 
@@ -123,6 +122,7 @@ class Pipeline:
         timeout: float = 300.0,
         recompute: bool = False,
         weight_prediction: bool = False,
+        lr_warmup_per_delay: int = 0,
         divergence: str = "error",
         divergence_rise: float = 0.9,
         divergence_patience: int = 3,
@@ -140,6 +140,7 @@ class Pipeline:
         replan_threshold: float = 0.05,
         replan_history: str | os.PathLike | None = None,
         chunks_per_rank: int | None = None,
+        timeline: str | os.PathLike | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", *POSITIONAL)}
         self.layers = pipeline_of(layers)
@@ -157,6 +158,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.timeout = float(timeout)
+        self.timeline = Path(timeline) if timeline is not None else None
+        self.bubbles: dict[int, float] = {}  # the trace's bubble per rank (timeline=)
         join_launched_group(self.timeout)
         self.rank = dist.get_rank()
         world = dist.get_world_size()
@@ -164,6 +167,16 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else default_device()
         chosen = choose_precision(precision, self.sync, self.device)
         self.precision, self.scaler = chosen.stage, chosen.scaler
+        self._clip = clip_grad_norm
+        self.optimizer: Optimizer | None = None
+        settings = Settings(
+            self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,
+            weight_prediction, lr_warmup_per_delay, recompute, self.timeline is not None,
+            replanning,
+        )  # fmt: skip
+        self.session = Session(
+            self.layers, self.layers, settings, self._update_of, self._optimizers
+        )
 
         def automatically() -> Plan:
             limit = gather_memory(self.device, parse_memory(memory))
@@ -172,34 +185,63 @@ class Pipeline:
             return plan_at_setup(self.layers, sample, topology, *sizes)[0]
 
         layout = (balance, plan, len(self.layers), world, automatically, self.sync)
-        self.plan = choose_plan(*layout, chunks_per_rank)
-        self.local: LocalStage = cut_stage(self.layers, self.layers, self.plan, self.rank)
-        create_stage(self.layers, self.local, self.device, pretrained, empty_build)
-        mark_other_stages(self.layers, self.layers, self.plan, self.rank)
-        move_to_device(self.layers, self.device)
-        self.describe = ranks.describe(self.rank, self.local.stage.index)
-        params = list(self.local.module.parameters())
-        self.optimizer: Optimizer | None
+        self.session.cut(choose_plan(*layout, chunks_per_rank))
+        self.session.create(Pretrained.parse(pretrained), empty_build)
+        self.session.place()
+        self.describe = ranks.describe(self.rank, self.stage)
+        params = list(self.module.parameters())
         self._factory = None if isinstance(optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer):
             keep_local_parameters(self.layers, [optimizer])  # groups and settings kept
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(params) if params else None
-        self.replanner = make_replanner(
-            (replan, replan_every, replan_threshold, replan_history), topology, memory,
-            self.device, microbatches, self.sync, recompute, self.layers,
-        )  # fmt: skip
-        self._settings = Settings(
-            self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,
-            self.scaler, clip_grad_norm, weight_prediction, recompute, self.replanner.on,
-        )  # fmt: skip
-        running = Running.start(self.local, self.plan, self.optimizer, self._settings)
-        self.runner: PipelineRunner | None = running.runner
-        self.updates, self._forward = running.updates, running.forward
-        watch_stage(self)
+        history = Path(replan_history) if replan_history is not None else None
+        options = (replan, replan_every, replan_threshold, history)
+        replanner = make_replanner(
+            options, topology, parse_memory(memory), self.session, self.layers
+        )
+        self.session.start()
+        self.replanning = ReplanChecks(replanner, self.session, log.info, self._warn)
         self.steps = 0  # batches trained
         self._fingerprints = Fingerprints()
+
+    def _update_of(self, local: LocalStage, plan: Plan) -> OptimizerUpdate:
+        """The session's update seam: the stage's optimizer steps inside the pipeline."""
+        norm = clipping(self._clip, self.sync, local, plan, self.device)
+        elsewhere = local.ties_counted_elsewhere()
+        return OptimizerUpdate(local.module, self.optimizer, self.scaler, norm, elsewhere)
+
+    def _optimizers(self) -> list[Optimizer]:
+        return [self.optimizer] if self.optimizer is not None else []
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in use."""
+        assert self.session.plan is not None
+        return self.session.plan
+
+    @property
+    def local(self) -> LocalStage:
+        """This rank's stage under the plan in use."""
+        assert self.session.local is not None
+        return self.session.local
+
+    @property
+    def runner(self) -> PipelineRunner | None:
+        """The runner in use (None once closed)."""
+        return self.session.runner
+
+    @property
+    def replanner(self) -> Replanner:
+        """The re-planner (``core.replanner``; never due with ``replan="off"``)."""
+        return self.replanning.replanner
+
+    @property
+    def updates(self) -> OptimizerUpdate:
+        """The stage's update (``engine.updates``)."""
+        assert isinstance(self.session.update, OptimizerUpdate)
+        return self.session.update
 
     @property
     def stage(self) -> int:
@@ -230,31 +272,27 @@ class Pipeline:
         )
         runner.take_logged()  # the engine's loss function logs nothing: drop the empty records
         self.steps += 1
-        if runner.loss is not None:
-            self._judge(runner.loss, runner.loss_batch)
+        self.session.judge(self.losses, self.steps, self._warn, "Pipeline(..., clip_grad_norm=1.0)")
         loss = torch.tensor(math.nan if runner.loss is None else runner.loss)
         if self.replanner.on:
-            after_step(self)  # may move to a new plan (a new runner)
+            self._check_plan()  # may move to a new plan (a new runner)
         return loss
 
-    def _judge(self, loss: float, batch: int | None) -> None:
-        """The divergence check: every rank logs the same loss, so every rank acts alike."""
+    def _check_plan(self) -> None:
+        """Every rank after a step when re-planning is on: move when a due check says so."""
+        decision = self.replanning.at(self.steps)
+        if decision is None or not decision.move:
+            return
+        start = time.perf_counter()
+        self.replan(decision.plan)
+        seconds = time.perf_counter() - start
+        self.replanning.moved(self.steps, seconds)
+        if self.rank == 0:
+            log.info("step %d: %s, moved in %.3f s", self.steps, decision.render(), seconds)
 
-        def explain(reason: str) -> str:
-            plan, sync = self.plan, self.sync
-            delays = [rules.update_delay(plan, sync, s) for s in range(plan.num_stages)]
-            groups = self.optimizer.param_groups if self.optimizer is not None else []
-            optimizer = describe_optimizer(groups)
-            clipping = "Pipeline(..., clip_grad_norm=1.0)"
-            return divergence_message(
-                reason, self.steps, sync, delays, optimizer, "Pipeline", clipping
-            )
-
-        def warn(text: str) -> None:
-            if self.rank == 0:
-                warnings.warn(text, stacklevel=4)
-
-        self.losses.check(loss, batch, self.steps, explain, self.drain, warn)
+    def _warn(self, text: str) -> None:
+        if self.rank == 0:
+            warnings.warn(text, stacklevel=4)
 
     def _stop(self, signum: int) -> None:
         """At the step every rank agreed on after a preemption signal: drain, then raise."""
@@ -270,8 +308,8 @@ class Pipeline:
         inputs, targets = batch_pair(self._to_device(batch))
         what = f"the evaluation activations of step {self.steps}"
         with self.precision.forward():
-            loss = self._forward.forward(lambda: inputs, lambda o: self.loss_fn(o, targets), what)
-        loss = self._forward.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
+            loss = self._pipe.forward(lambda: inputs, lambda o: self.loss_fn(o, targets), what)
+        loss = self._pipe.to_every_rank(loss, f"the evaluation loss of step {self.steps}")
         runner.executor.channel.flush()
         return loss.detach()
 
@@ -283,8 +321,8 @@ class Pipeline:
         self.local.module.eval()
         what = f"the predictions of step {self.steps}"
         with self.precision.forward():
-            output = self._forward.forward(lambda: self._to_device(inputs), lambda o: o, what)
-        output = self._forward.to_every_rank(output, what)
+            output = self._pipe.forward(lambda: self._to_device(inputs), lambda o: o, what)
+        output = self._pipe.to_every_rank(output, what)
         runner.executor.channel.flush()
         return output
 
@@ -297,26 +335,20 @@ class Pipeline:
         """Every rank at the same step: drain, move the stages' layers and their optimizer
         state to ``new_plan`` (``core.relayout``: point to point, no file), and go on training
         on it with the same optimizer and ``steps``; returns what the move did on this rank."""
-        runner = self._running()
+        self._running()
         check_plans(self.plan, new_plan, len(self.layers))  # refused before anything stops
-        check_plan_ties(find_ties(self.layers, self.layers, new_plan), new_plan, self.sync)
-        runner.drain()
+        ties = find_ties(self.layers, self.layers, new_plan)
+        self.session.check_plan(ties, new_plan)
+        self.session.drain()
         names = (self._group_names, self.layers, self.plan)  # the names: recorded, or gathered
         optimizer, self._group_names = to_move(self.optimizer, self._factory, *names, self.device)
-        self.runner = None  # closed: a failed move leaves no pipeline to train with
-        runner.close()
-        moved = relayout(
-            self.layers, self.layers, self.local, self.plan, new_plan, self.rank, [optimizer],
-            self._group_names, self.device, self.timeout,
-        )  # fmt: skip
-        self.plan, self.local = new_plan, moved.local
-        self.describe = ranks.describe(self.rank, self.stage)
-        holds = any(group["params"] for group in optimizer.param_groups)
-        self.optimizer = optimizer if holds or self._factory is None else None
-        running = Running.start(self.local, self.plan, self.optimizer, self._settings)
-        running.runner.carry_over(runner)
-        self.updates, self.runner, self._forward = running.updates, running.runner, running.forward
-        return moved
+
+        def keep() -> None:  # after the layers moved: the optimizer, if the stage holds any
+            holds = any(group["params"] for group in optimizer.param_groups)
+            self.optimizer = optimizer if holds or self._factory is None else None
+            self.describe = ranks.describe(self.rank, self.stage)
+
+        return self.session.move(new_plan, [optimizer], self._group_names, keep)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, after a drain, copied: its stage's tensors under the names
@@ -370,31 +402,35 @@ class Pipeline:
         return extra
 
     def close(self) -> None:
-        """Wait for the messages still under way, then give back the pipeline's process groups
-        (the user's default group stays); a second call does nothing."""
-        runner, self.runner = self.runner, None
+        """Write the trace asked for (``timeline=``: every rank's actions, gathered), wait for the
+        messages still under way, then give back the pipeline's process groups (the user's
+        default group stays); a second call does nothing."""
+        if self.timeline is not None and self.runner is not None:
+            self.drain()
+            self.bubbles = gather_trace(self.session.timeline(), self.timeline) or {}
         self.preemption.finish(failed=False)
-        self.replanner.close()
-        if runner is not None:
-            runner.close()
+        self.replanning.close()
+        self.session.close()
 
     def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        runner, self.runner = self.runner, None
-        failed = error is not None and not isinstance(error, Preempted)
+        if error is None:
+            self.close()
+            return
+        failed = not isinstance(error, Preempted)
         self.preemption.finish(failed)
-        self.replanner.close()
-        if runner is not None:
-            runner.close(failed=failed)
+        self.replanning.close()
+        self.session.close(failed=failed)
 
     def _running(self) -> PipelineRunner:
-        if self.runner is None:
-            raise RuntimeError(
-                f"the pipeline is closed ({self.describe}); build a new Pipeline to train again"
-            )
-        return self.runner
+        return self.session.running()
+
+    @property
+    def _pipe(self) -> ForwardPipe:
+        assert self.session.forward is not None
+        return self.session.forward
 
     def _to_device(self, batch: Any) -> Any:
         return map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)

@@ -1,101 +1,108 @@
-"""The engine's re-planning: ``Pipeline(replan="auto")`` checks its plan every ``replan_every``
-steps against the measured stage times (``core.replanner``) and, when a plan pays, moves to it at
-once (``Pipeline.replan``: drain, layers and optimizer state moved, runner rebuilt).
+"""Re-planning while training, for every front end: the checks of a ``Replanner`` over a session.
+
+``replan="auto"`` checks the plan every ``replan_every`` steps against the measured stage times
+(``core.replanner``); ``ReplanChecks`` is the one driver of those checks, which ``Pipeline`` and
+``PipeDreamStrategy`` call at their step boundaries: the first step after a start or a move is
+warm-up (the actions since are dropped and the clocks reset), a due check takes the session's
+actions since the last one (``Session.take_timeline``, so the record never holds more than one
+interval), decides, and reports on rank 0 through the front end's ``info`` and ``warn``; after
+the front end moved (``Session.move``), ``moved`` starts the warm-up again over the new stage.
 
 ``replan="off"`` (the default) builds a ``Replanner`` that is never due: the timeline is not
-recorded and a step pays one comparison. With ``"auto"`` the timeline is recorded, the
-``LayerClock`` times the stage's layers, and every rank takes the timeline since the last check
-(``StageExecutor.take_timeline``), so it never holds more than one interval's actions. The memory
-limit (``memory=``, else the device's) and ``topology`` also bound re-planning, so they are
-accepted beside a ``balance=`` or ``plan=`` when ``replan="auto"``.
+recorded and a step pays one comparison. The memory limit (``memory=``, else the device's) and
+``topology`` also bound re-planning, so they are accepted beside a ``balance=`` or ``plan=`` when
+``replan="auto"``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import torch
 from torch import nn
 
-from pl_pipedream.core.memory_limit import parse_memory
 from pl_pipedream.core.replanner import Replanner, create_replanner, tied_straight
+from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.replan import Decision
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.schedule.modes import SyncMode
 
-__all__ = ["after_step", "check_plan", "make_replanner", "watch_stage"]
-
-log = logging.getLogger(__name__)
+__all__ = ["ReplanChecks", "make_replanner"]
 
 
 def make_replanner(
-    options: tuple[str, int, float, str | os.PathLike | None],
+    options: tuple[str, int, float, Path | None],
     topology: Topology | None,
-    memory: float | str | None,
-    device: torch.device,
-    microbatches: int,
-    sync: SyncMode,
-    recompute: bool,
-    layers: nn.Sequential,
+    memory: float | None,
+    session: Session,
+    module: nn.Module,
 ) -> Replanner:
-    """The ``Pipeline``'s ``Replanner`` (``core.replanner.create_replanner``, every rank at the
-    same point) from its ``options`` (``replan``, ``replan_every``, ``replan_threshold``,
-    ``replan_history``), bound by its ``topology`` and ``memory`` arguments."""
+    """A front end's ``Replanner`` (``core.replanner.create_replanner``, every rank at the same
+    point) from its ``options`` (``replan``, ``replan_every``, ``replan_threshold``, the history
+    file), bound by its ``topology`` and ``memory`` (bytes) over ``session``'s layers inside
+    ``module``."""
     mode, every, threshold, history = options
+    s = session.settings
     return create_replanner(
         mode,
         every,
         threshold,
-        history=Path(history) if history is not None else None,
+        history=history,
         topology=topology,
-        memory=parse_memory(memory),
-        device=device,
-        microbatches=microbatches,
-        sync=sync,
-        recompute=recompute,
-        straight=tied_straight(sync, layers, layers),
+        memory=memory,
+        device=s.device,
+        microbatches=s.microbatches,
+        sync=s.sync,
+        recompute=s.recompute,
+        straight=tied_straight(s.sync, module, session.layers),
     )
 
 
-def watch_stage(pipeline: Any) -> None:  # an engine.pipeline.Pipeline
-    """Time the layers this rank holds now (named by their index, as the plan's nodes)."""
-    pipeline.replanner.watch(dict(pipeline.local.module.named_children()))
+class ReplanChecks:
+    """The re-plan checks of ``replanner`` over ``session``; ``info`` and ``warn`` report on
+    rank 0 (the front end's log and warnings)."""
 
+    def __init__(
+        self,
+        replanner: Replanner,
+        session: Session,
+        info: Callable[[str], None],
+        warn: Callable[[str], None],
+    ) -> None:
+        self.replanner, self.session = replanner, session
+        self.info, self.warn = info, warn
+        self.watch()
 
-def after_step(pipeline: Any) -> None:  # an engine.pipeline.Pipeline
-    """Every rank after each step when re-planning is on: start measuring after a step of
-    warm-up, or check when due."""
-    replanner = pipeline.replanner
-    if replanner.starts(pipeline.steps):
-        pipeline._running().executor.take_timeline()
-        replanner.reset()
-    elif replanner.due(pipeline.steps):
-        check_plan(pipeline)
+    def at(self, step: int, check: bool = True) -> Decision | None:
+        """Every rank at the boundary before step ``step``: the warm-up's end, or a due check's
+        decision (``check=False``: the front end moves anyway, so no check is taken)."""
+        if self.replanner.starts(step):  # the steps before: warm-up
+            self.session.take_timeline()
+            self.replanner.reset()
+            return None
+        if not (check and self.replanner.due(step)):
+            return None
+        since = self.session.take_timeline()
+        plan = self.session.plan
+        assert plan is not None
+        decision = self.replanner.check(step, plan, since, self.session.settings.rank)
+        if decision is not None and self.session.settings.rank == 0:
+            self.info(self.replanner.report)
+            for warning in decision.warnings:
+                self.warn(warning)
+        return decision
 
+    def moved(self, step: int, seconds: float) -> None:
+        """After a move at ``step`` that took ``seconds``: the next step is warm-up again, over
+        the layers this rank holds now; the move's own actions are not training."""
+        self.replanner.moved(step, seconds)
+        self.watch()
+        self.session.take_timeline()
 
-def check_plan(pipeline: Any) -> Decision | None:  # an engine.pipeline.Pipeline
-    """Every rank after a step that is a check: decide, warn, and move when the plan pays."""
-    runner = pipeline._running()
-    timeline = runner.executor.take_timeline()
-    decision = pipeline.replanner.check(pipeline.steps, pipeline.plan, timeline, pipeline.rank)
-    if decision is None:
-        return None
-    if pipeline.rank == 0:
-        log.info("%s", pipeline.replanner.report)
-        for warning in decision.warnings:
-            warnings.warn(warning, stacklevel=3)
-    if decision.move:
-        start = time.perf_counter()
-        pipeline.replan(decision.plan)
-        seconds = time.perf_counter() - start
-        pipeline.replanner.moved(pipeline.steps, seconds)
-        watch_stage(pipeline)
-        pipeline._running().executor.take_timeline()  # the move's own actions are not training
-        if pipeline.rank == 0:
-            log.info("step %d: %s, moved in %.3f s", pipeline.steps, decision.render(), seconds)
-    return decision
+    def watch(self) -> None:
+        """Time the layers this rank holds (named by their index, as the plan's nodes)."""
+        assert self.session.local is not None
+        self.replanner.watch(dict(self.session.local.module.named_children()))
+
+    def close(self) -> None:
+        """The history written, the hooks removed."""
+        self.replanner.close()

@@ -1,17 +1,12 @@
-"""What a ``Pipeline`` rebuilds on a new plan (``engine.running``), one process: the names of an
-optimizer's groups, an empty optimizer of a factory's kind, the runner's counts carried over,
-and ties refused under a plan whose mode cannot keep their rule."""
+"""What a ``Pipeline``'s re-plan needs of its optimizer (``engine.moving``), one process: the
+names of an optimizer's groups and an empty optimizer of a factory's kind."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from torch import nn
 
-from pl_pipedream.core.stage import find_ties
-from pl_pipedream.engine.running import check_plan_ties, group_names_of, shell, to_move
+from pl_pipedream.engine.moving import group_names_of, shell, to_move
 from pl_pipedream.planner.plan import Plan
-from pl_pipedream.schedule.modes import SyncMode
 from tests.engine.test_replan import tied_model
 
 
@@ -39,17 +34,3 @@ def test_the_names_recorded_at_construction_are_kept() -> None:
         optimizer,
         recorded,
     )
-
-
-def test_a_tie_across_a_replicated_stage_is_refused_in_a_per_minibatch_mode() -> None:
-    model = tied_model()
-    plan = Plan.from_balance([3, 3], replicas=[2, 1])
-    check_plan_ties(find_ties(model, model, plan), plan, SyncMode.FLUSH)  # flush keeps the rule
-    with pytest.raises(ValueError, match="tied"):
-        check_plan_ties(find_ties(model, model, plan), plan, SyncMode.ASYNC)
-
-
-def test_layers_without_a_tie_pass_under_any_plan() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    plan = Plan.from_balance([1, 1], replicas=[2, 1])
-    check_plan_ties(find_ties(model, model, plan), plan, SyncMode.ASYNC)

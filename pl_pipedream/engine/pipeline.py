@@ -18,7 +18,6 @@ optimizer steps inside the pipeline when the schedule says (``engine.updates``).
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import os
 import time
@@ -58,7 +57,7 @@ from pl_pipedream.engine.arguments import (
 from pl_pipedream.engine.group import default_device, join_launched_group
 from pl_pipedream.engine.moving import group_names_of, to_move
 from pl_pipedream.engine.precision import choose_precision
-from pl_pipedream.engine.replanning import ReplanChecks, make_replanner
+from pl_pipedream.engine.replanning import ReplanChecks, log, make_replanner
 from pl_pipedream.engine.session import Session, Settings
 from pl_pipedream.engine.updates import OptimizerUpdate, clipping
 from pl_pipedream.planner.plan import Plan
@@ -71,8 +70,6 @@ from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.trees import map_tensors
 
 __all__ = ["Pipeline"]
-
-log = logging.getLogger(__name__)
 
 POSITIONAL = ("layers", "loss_fn", "optimizer")  # the rest are options (engine.options)
 

@@ -16,6 +16,7 @@ recorded and a step pays one comparison. The memory limit (``memory=``, else the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.replan import Decision
 from pl_pipedream.planner.topology import Topology
 
-__all__ = ["ReplanChecks", "make_replanner"]
+__all__ = ["ReplanChecks", "log", "make_replanner"]
+
+log = logging.getLogger(__name__)  # the engine's re-plan reports and moves
 
 
 def make_replanner(

@@ -135,7 +135,7 @@ def run_worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     trainer.fit(Chain(), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=args.resume)
     figures["rank"] = trainer.global_rank
-    figures["stage"] = strategy.local_stage.stage.index
+    figures["stage"] = strategy.session.local.stage.index
     name = f"{args.phase}-rank{trainer.global_rank}.json"
     (out / name).write_text(json.dumps(figures))
 

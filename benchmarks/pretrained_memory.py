@@ -257,8 +257,8 @@ def main() -> None:
         rank = 2  # reported as "one device"
         held = model.state_dict(keep_vars=True).values()
     else:
-        assert strategy.local_stage is not None
-        held = strategy.local_stage.module.state_dict(keep_vars=True).values()
+        assert strategy.session is not None and strategy.session.local is not None
+        held = strategy.session.local.module.state_dict(keep_vars=True).values()
     stage = sum(t.nbytes for t in {id(t): t for t in held}.values())
     every = model.state_dict(keep_vars=True).values()  # other stages' on meta: no memory
     whole = sum(t.nbytes for t in {id(t): t for t in every}.values())

@@ -71,7 +71,7 @@ def run_worker(args: argparse.Namespace) -> None:
                 return
             if args.leak:  # a deliberate leak, to see the verdict fail
                 leaked.append(bytearray(args.leak * args.sample))
-            stash = trainer.strategy.runner.executor.stash.held_bytes
+            stash = trainer.strategy.session.runner.executor.stash.held_bytes
             fds = len(os.listdir("/proc/self/fd"))
             seconds = time.perf_counter() - self.start
             rss, threads = status("VmRSS"), status("Threads")

@@ -78,7 +78,8 @@ class EmptyBuild:
 
     def context(
         self,
-        strategy: Any,
+        connected: bool,
+        precision: Callable[[], contextlib.AbstractContextManager[Any]],
         empty_init: bool | None,
         whole: Callable[[bool | None], contextlib.AbstractContextManager[None]],
     ) -> contextlib.AbstractContextManager[object]:
@@ -86,11 +87,11 @@ class EmptyBuild:
         ``configure_model()`` (Lightning passes ``empty_init=None`` there, with the module
         connected) and under ``trainer.init_module(empty_init=True)``; ``whole(empty_init)``,
         Lightning's own, otherwise."""
-        empty = empty_init if empty_init is not None else strategy.lightning_module is not None
+        empty = empty_init if empty_init is not None else connected
         if not empty:
             return whole(empty_init)
         stack = contextlib.ExitStack()
-        stack.enter_context(strategy.precision_plugin.tensor_init_context())
+        stack.enter_context(precision())
         stack.enter_context(self.record())
         return stack
 

@@ -194,10 +194,9 @@ class Pipeline:
         else:
             self.optimizer = optimizer(params) if params else None
         history = Path(replan_history) if replan_history is not None else None
-        options = (replan, replan_every, replan_threshold, history)
-        replanner = make_replanner(
-            options, topology, parse_memory(memory), self.session, self.layers
-        )
+        checks = (replan, replan_every, replan_threshold, history)
+        bounds = (topology, parse_memory(memory))
+        replanner = make_replanner(checks, *bounds, self.session, self.layers)
         self.session.start()
         self.replanning = ReplanChecks(replanner, self.session, log.info, self._warn)
         self.steps = 0  # batches trained

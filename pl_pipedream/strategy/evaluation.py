@@ -15,9 +15,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from pl_pipedream.core.evaluation import ForwardPipe
+from pl_pipedream.engine.session import Session
 from pl_pipedream.strategy.batches import first_stage_input, forward_returns
 
 __all__ = ["EvaluationPipe", "evaluation_step"]
@@ -54,15 +56,21 @@ class EvaluationPipe(ForwardPipe):
 
 
 def evaluation_step(
-    strategy: Any, hook: str, batch: Any, batch_idx: int = 0, *rest: Any, **kwargs: Any
+    session: Session | None,
+    precision: Precision,
+    module: nn.Module | None,
+    hook: str,
+    batch: Any,
+    batch_idx: int = 0,
+    *rest: Any,
+    **kwargs: Any,
 ) -> Any:
     """The strategy's ``validation_step``, ``test_step`` or ``predict_step`` (``hook``): the
-    batch through the ``EvaluationPipe`` built at setup, in the precision plugin's step context
-    as in Lightning's own steps; predictions reach every rank."""
-    pipe: EvaluationPipe | None = strategy.evaluation
-    assert pipe is not None
-    context = getattr(strategy.precision_plugin, _CONTEXTS[hook])
-    module = strategy.lightning_module
+    batch through the ``session``'s ``EvaluationPipe``, in the ``precision`` plugin's step
+    context as in Lightning's own steps; predictions reach every rank."""
+    pipe = session.forward if session is not None else None
+    assert isinstance(pipe, EvaluationPipe) and module is not None
+    context = getattr(precision, _CONTEXTS[hook])
     result = pipe.run(module, hook, batch, batch_idx, *rest, context=context, **kwargs)
     if hook == "predict_step":
         return pipe.predictions_to_every_rank(result, batch_idx)

@@ -124,7 +124,10 @@ class PipelineSpawnLauncher(MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None) if callback else None
         fitted = trainer.state.fn == TrainerFn.FITTING
-        state = _gather_state_dict(self._strategy) if fitted else None
+        strategy, state = self._strategy, None
+        if fitted:
+            own = strategy.lightning_module_state_dict()
+            state = _gather_state_dict(strategy.world_size, own)
         # This worker process ends next: close the process group first, so that no gloo thread
         # is still running when the interpreter exits (that aborts the process).
         if dist.is_initialized():
@@ -141,8 +144,9 @@ class PipelineSpawnLauncher(MultiProcessingLauncher):
         )
 
 
-def _gather_state_dict(strategy: Any) -> dict[str, Tensor]:
-    """Every stage's state, merged under the LightningModule's names (all ranks call it)."""
-    gathered: list[dict[str, Tensor]] = [{}] * strategy.world_size
-    dist.all_gather_object(gathered, strategy.lightning_module_state_dict())
+def _gather_state_dict(world_size: int, own: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every stage's state (``own``: this rank's), merged under the LightningModule's names
+    (all ranks call it)."""
+    gathered: list[dict[str, Tensor]] = [{}] * world_size
+    dist.all_gather_object(gathered, own)
     return merge_states(gathered)

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
@@ -124,7 +125,7 @@ def patch_for_pipeline(
     check_sigterm_per_rank(trainer, at_step)
 
 
-def layer_sync(strategy: Any) -> Any | None:
+def layer_sync(strategy: ParallelStrategy) -> Any | None:
     """The ``LayerSync`` plugin the Trainer handed the strategy (``ParallelStrategy.
     _layer_sync``: ``TorchSyncBatchNorm`` for ``Trainer(sync_batchnorm=True)``), or None."""
     return _require(strategy, "_layer_sync", "ParallelStrategy")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from pl_pipedream.schedule.memory import (
     versions_kept,
 )
 from pl_pipedream.schedule.modes import SyncMode
+
+if TYPE_CHECKING:
+    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
 
 __all__ = ["StageMemory", "estimate", "estimate_frames", "measure", "of_fit", "render", "report"]
 
@@ -155,11 +158,13 @@ def report(rank: int, plan: Plan, *measured: Any) -> list[StageMemory]:
     return rows
 
 
-def of_fit(strategy: Any) -> list[StageMemory]:
+def of_fit(strategy: PipeDreamStrategy) -> list[StageMemory]:
     """``report`` for a ``PipeDreamStrategy`` at the end of its fit ([] without a pipeline)."""
-    runner, local, plan = strategy.runner, strategy.local_stage, strategy.plan
-    if runner is None or local is None or plan is None:
+    session = strategy.session
+    if session is None or session.runner is None or session.local is None:
         return []
+    runner, local, plan = session.runner, session.local, session.plan
+    assert plan is not None
     executor = runner.executor
     stashed, activations = executor.memory_peaks()
     measured: tuple[Any, ...] = (local.module, stashed, activations)

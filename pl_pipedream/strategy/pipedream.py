@@ -35,20 +35,17 @@ from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.resume import Resume
-from pl_pipedream.core.stage import LocalStage
 from pl_pipedream.engine.arguments import CHECKED, check_options
+from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.staleness import check_corrections
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy import lightning_patches, memory_report
-from pl_pipedream.strategy.evaluation import EvaluationPipe, evaluation_step
+from pl_pipedream.strategy.evaluation import evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.replanning import Replanning
 from pl_pipedream.strategy.setup import end_fit, set_up, set_up_environment, tear_down
 from pl_pipedream.strategy.step import TrainingSteps, backward
-from pl_pipedream.strategy.updates import LightningUpdates
 
 __all__ = ["PipeDreamStrategy"]
 
@@ -56,33 +53,19 @@ __all__ = ["PipeDreamStrategy"]
 class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
+    The options every front end shares (``sync``, ``microbatches``, ``balance``, ``plan``,
+    ``topology``, ``memory``, ``timeout``, ``timeline``, ``recompute``, ``weight_prediction``,
+    ``lr_warmup_per_delay``, ``divergence`` and its thresholds, ``preempt_signals``,
+    ``pretrained``, ``replan`` and its settings, ``chunks_per_rank``) mean what they mean for
+    ``pl_pipedream.Pipeline`` and are checked by the same rule (``engine.arguments``). Here they
+    differ in their defaults: ``sync="async"`` (PipeDream's own mode), ``preempt_signals``
+    SIGTERM and SIGUSR1 (each stops every rank at one step with ``last.ckpt`` saved; ``()``
+    leaves them to Lightning), and with neither ``balance`` nor ``plan`` rank 0 profiles and
+    plans at setup from the first batch (``strategy.planning``). The strategy's own options:
+
     Args:
-        sync: a ``SyncMode`` (docs/guide.md): ``"async"``, ``"vertical_sync"``, ``"2bw"``,
-            ``"flush"``, ``"gpipe"``, ``"zero_bubble"``, ``"interleaved"`` or ``"zbv"``, whose
-            ranks hold ``chunks_per_rank`` stages each (2 or more, default 2; ``"zbv"``: 2).
-        microbatches: each Lightning batch is split along dim 0 into this many equal slices.
-        balance: layers per stage of a straight pipeline (``len(balance)`` stages).
-        plan: a ``Plan`` (replicated stages) over the pipeline indices "0", "1", ... With neither
-            ``balance`` nor ``plan``, rank 0 profiles and plans at setup (``strategy.planning``).
-        topology: the cluster the planner optimises for; by default one level, measured.
-        timeout: seconds a rank waits for a peer before it stops with an error naming the peer.
-        timeline: a path for a Chrome trace of every action, with the bubble per rank.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
         retain_freed_memory, bind_cpus: on CPU, keep freed memory; give each rank its cores.
-        weight_prediction: in ``async`` and ``vertical_sync``, run each minibatch on its stale
-            weights extrapolated by its delay d, W_v + d (W_v - W_(v-1)) (``runtime.staleness``).
-        lr_warmup_per_delay: in ``async`` and ``vertical_sync``, ramp each stage's learning rate
-            linearly over this many updates per update of its delay (0: no warm-up).
-        divergence: ``"error"`` (default), ``"strict"``, ``"warn"`` or ``"off"`` on a diverging loss
-            (docs/divergence.md); divergence_rise, _patience, _window: when it gave back progress.
-        preempt_signals: signals that stop every rank at one step with ``last.ckpt`` saved
-            (``core.preemption``); ``()`` leaves them to Lightning.
-        recompute: stages keep only minibatches' inputs and recompute (``runtime.recompute``).
-        memory: bytes per rank (or ``"8GiB"``) an automatic plan must fit (GPU: free memory).
-        pretrained: weights to start from, a path or a ``Pretrained``; each rank reads only its
-            stage's tensors at setup, unless ``fit(ckpt_path=...)`` resumes (docs/pretrained.md).
-        replan: ``"auto"`` re-plans from the measured stage times every ``replan_every``
-            optimizer steps, moving at a drain when faster by ``replan_threshold`` (``replanning``).
     """
 
     strategy_name = "pipedream"
@@ -130,10 +113,9 @@ class PipeDreamStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         arguments.check_start_method(start_method)
-        check_corrections(self.sync, weight_prediction, lr_warmup_per_delay)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
         self.balance = list(balance) if balance is not None else None
-        self.plan = self._given_plan = plan  # the plan in use: set at setup unless given
+        self._given_plan = plan
         self.topology, self.setup_seconds, self.timeout = topology, 0.0, float(timeout)
         self.timeline = Path(timeline) if timeline is not None else None
         self.bubbles: dict[int, float] = {}
@@ -145,10 +127,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self._unbound_cpus: frozenset[int] | None = None  # the cores to restore at teardown
         self._process_group_backend = process_group_backend
         self.num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
-        self.local_stage: LocalStage | None = None  # these four: set up by setup.set_up
-        self.runner: PipelineRunner | None = None
-        self.updates: LightningUpdates | None = None
-        self.evaluation: EvaluationPipe | None = None
+        self.session: Session | None = None  # the pipeline, staged by setup.set_up
         self.resume = Resume()  # the checkpoint resumed, the optimizers' names (core.resume)
         self.loader_seeds = LoaderSeeds()  # agreed at setup (core.data)
         self.preemption = Preemption(parse_signals(preempt_signals))
@@ -160,6 +139,13 @@ class PipeDreamStrategy(ParallelStrategy):
         layout = (balance, plan, self.replanning.on)
         arguments.check_planning_options({"topology": topology, "memory": self.memory}, *layout)
         self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in use: the given one until setup planned (``strategy.planning``)."""
+        if self.session is not None and self.session.plan is not None:
+            return self.session.plan
+        return self._given_plan
 
     @property
     @override
@@ -207,7 +193,11 @@ class PipeDreamStrategy(ParallelStrategy):
     ) -> AbstractContextManager[object]:
         """``configure_model()`` and ``trainer.init_module(empty_init=True)`` build on ``meta``;
         setup creates this rank's stage only (``core.materialize``)."""
-        return self.empty_build.context(self, empty_init, super().tensor_init_context)
+        connected = self.lightning_module is not None
+        precision = self.precision_plugin.tensor_init_context
+        return self.empty_build.context(
+            connected, precision, empty_init, super().tensor_init_context
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -230,11 +220,11 @@ class PipeDreamStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        return self.steps.run(self, batch, batch_idx)
+        return self.steps.run(self.session, self.lightning_module, batch, batch_idx)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        return backward(self, closure_loss)
+        return backward(self.session, self.lightning_module, self.precision_plugin, closure_loss)
 
     @override
     def optimizer_step(
@@ -246,22 +236,26 @@ class PipeDreamStrategy(ParallelStrategy):
 
     def drain(self) -> None:
         """Finish every minibatch in flight (all ranks must call this at the same point)."""
-        if self.runner is not None:
-            self.runner.drain()
+        if self.session is not None:
+            self.session.drain()
 
     # ----- evaluation: forward only, on drained weights ---------------------------------------
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return evaluation_step(self, "validation_step", *args, **kwargs)
+        return self._evaluation_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return evaluation_step(self, "test_step", *args, **kwargs)
+        return self._evaluation_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return evaluation_step(self, "predict_step", *args, **kwargs)
+        return self._evaluation_step("predict_step", *args, **kwargs)
+
+    def _evaluation_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        parts = (self.session, self.precision_plugin, self.lightning_module)
+        return evaluation_step(*parts, hook, *args, **kwargs)
 
     @override
     def on_validation_start(self) -> None:
@@ -281,8 +275,9 @@ class PipeDreamStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This stage's state under the LightningModule's names (drains first)."""
         self.drain()
-        assert self.local_stage is not None and self.lightning_module is not None
-        return self.local_stage.state_dict(self.lightning_module)
+        assert self.session is not None and self.session.local is not None
+        assert self.lightning_module is not None
+        return self.session.local.state_dict(self.lightning_module)
 
     @override
     def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:

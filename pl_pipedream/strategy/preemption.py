@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +41,18 @@ def checkpoint_path(trainer: Any) -> Path:
     return Path(callback.last_model_path)
 
 
-def stop_fit(trainer: Any, strategy: Any, signum: int) -> None:
-    """What every rank does at the agreed step: drain, save, requeue (SLURM), and exit."""
+def stop_fit(trainer: Any, drain: Callable[[], None], signum: int) -> None:
+    """What every rank does at the agreed step: ``drain``, save, requeue (SLURM), and exit."""
     path = checkpoint_path(trainer)
     name = signal.Signals(signum).name
     print(
-        f"[rank {strategy.global_rank}] {name}: every rank stops at step {trainer.global_step} "
+        f"[rank {trainer.global_rank}] {name}: every rank stops at step {trainer.global_step} "
         f"and saves {path}; resume with trainer.fit(..., ckpt_path='last'), or in the app with "
         "pl-pipedream-train <the same overrides> hydra.run.dir=<this run's directory> "
         "ckpt_path=last",
         flush=True,
     )
-    strategy.drain()
+    drain()
     trainer.save_checkpoint(path)
     lightning_patches.slurm_requeue(trainer, signum)
     processes.agree_exit(exit_code(signum))  # the report counts this status as no failure

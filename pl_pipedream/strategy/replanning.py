@@ -6,7 +6,7 @@ after paying for the move (``core.replanner``, collective). When it does, every 
 the same training step: drains the pipeline (the async modes keep minibatches in flight between
 steps), moves the layers and their optimizer state point to point (``core.relayout``: the
 optimizer objects are kept, so Lightning and the LR schedulers go on with them), rebuilds what
-setup built over the plan (``setup.build_pipeline``: the stage's updates, the
+setup built over the plan (``engine.session.Session.move``: the stage's updates, the
 ``PipelineRunner``, the evaluation pipe) and the Lightning patches that captured them, rewrites
 ``pipedream_plan.json`` and logs the move (rank 0's log and the Trainer's loggers).
 
@@ -20,39 +20,37 @@ no check: every rank must ask for the same plan in the same step (a callback's
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_pipedream.core.relayout import relayout
-from pl_pipedream.core.replanner import (
-    HISTORY_NAME,
-    Replanner,
-    create_replanner,
-    tied_straight,
-)
-from pl_pipedream.core.stage import find_ties, pipeline_layers
+from pl_pipedream.core.memory_limit import parse_memory
+from pl_pipedream.core.replanner import HISTORY_NAME, Replanner
+from pl_pipedream.core.stage import find_ties
+from pl_pipedream.engine.replanning import ReplanChecks, make_replanner
+from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.replan import Decision
-from pl_pipedream.runtime.ties import check_ties
-from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.strategy.planning import plan_folder, write_plan
-from pl_pipedream.strategy.setup import build_pipeline, patch_lightning
+from pl_pipedream.strategy.setup import patch_lightning
 
-__all__ = ["Replanning", "move", "refused", "straight_only"]
+if TYPE_CHECKING:
+    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
+
+__all__ = ["Replanning", "move", "refused"]
 
 
 class Replanning:
-    """One strategy's re-planning: its options, its ``Replanner`` during a fit, a requested
-    plan, the boundary it is at, and the timeline of the pipelines it replaced."""
+    """One strategy's re-planning: its options, its checks during a fit (``engine.replanning.
+    ReplanChecks``, the driver every front end shares), a requested plan, and the boundary it
+    is at."""
 
     def __init__(self, mode: str = "off", every: int = 50, threshold: float = 0.05) -> None:
         # (checked with the strategy's other options: engine.arguments.check_options)
         self.mode, self.every, self.threshold = mode, int(every), float(threshold)
         self.requested: Plan | None = None
-        self.replanner: Replanner | None = None
+        self.checks: ReplanChecks | None = None
         self.moves = 0  # moves made in this fit
-        self.earlier: list[TimelineEvent] = []  # actions taken from the runners, for timeline=
         self._boundary = 0  # trainer.global_step at the last boundary
 
     @property
@@ -60,35 +58,38 @@ class Replanning:
         """Whether checks run (and so the timeline is recorded)."""
         return self.mode != "off"
 
+    @property
+    def replanner(self) -> Replanner | None:
+        """The fit's ``Replanner`` (``core.replanner``), while it checks."""
+        return self.checks.replanner if self.checks is not None else None
+
     def request(self, plan: Plan) -> None:
         """Move to ``plan`` at the next step boundary (every rank asks in the same step)."""
         self.requested = plan
 
-    def start(self, strategy: Any, trainer: Any) -> None:
-        """At the setup of a fit, once the pipeline is built (every rank): a fresh
-        ``Replanner`` watching this rank's layers (``mode="auto"``), bound by the topology and
-        the memory per worker (``memory=``, else a GPU's free memory: one collective)."""
+    def start(self, strategy: PipeDreamStrategy, trainer: Any) -> None:
+        """At the setup of a fit, once the pipeline is built (every rank): fresh checks
+        watching this rank's layers (``mode="auto"``), bound by the topology and the memory per
+        worker (``memory=``, else a GPU's free memory: one collective)."""
         self.finish()
-        self.moves, self.earlier = 0, []
+        self.moves = 0
         self._boundary = trainer.global_step
         if not self.on:
             return
-        self.replanner = create_replanner(
-            self.mode,
-            self.every,
-            self.threshold,
-            history=plan_folder(trainer) / HISTORY_NAME,
-            topology=strategy.topology,
-            memory=strategy.memory,
-            device=strategy.root_device,
-            microbatches=strategy.microbatches,
-            sync=strategy.sync,
-            recompute=strategy.recompute,
-            straight=straight_only(strategy),
+        session, module = strategy.session, strategy.lightning_module
+        assert session is not None and module is not None
+        history = plan_folder(trainer) / HISTORY_NAME
+        options = (self.mode, self.every, self.threshold, history)
+        bounds = (strategy.topology, parse_memory(strategy.memory))
+        replanner = make_replanner(options, *bounds, session, module)
+        self.checks = ReplanChecks(
+            replanner,
+            session,
+            lambda text: rank_zero_info(f"PipeDream {text}"),
+            lambda text: rank_zero_warn(f"PipeDreamStrategy: {text}"),
         )
-        self._watch(strategy)
 
-    def at_step(self, strategy: Any, trainer: Any) -> None:
+    def at_step(self, strategy: PipeDreamStrategy, trainer: Any) -> None:
         """Before each training step, on every rank: at a boundary, a requested plan or a due
         check's better plan is moved to."""
         step = trainer.global_step
@@ -97,71 +98,34 @@ class Replanning:
         self._boundary = step
         new, decision = self.requested, None
         self.requested = None
-        replanner = self.replanner
-        if replanner is not None and replanner.starts(step):  # the steps before: warm-up
-            self._take(strategy)
-            replanner.reset()
-        elif new is None and replanner is not None and replanner.due(step):
-            decision = self._check(strategy, step)
-            new = decision.plan if decision is not None and decision.move else None
+        if self.checks is not None:
+            decision = self.checks.at(step, check=new is None)
+            if decision is not None and decision.move:
+                new = decision.plan
         if new is None or new == strategy.plan:
             return
+        old = strategy.plan
+        assert old is not None
         refusal = refused(strategy, new)
         if refusal is not None:
             rank_zero_warn(f"PipeDreamStrategy: not re-planning at step {step}: {refusal}")
             return
-        old = strategy.plan
-        self._take(strategy)
         seconds = move(strategy, trainer, new)
         self.moves += 1
-        if replanner is not None:
-            replanner.moved(step, seconds)  # the next step is warm-up again
-            self._watch(strategy)
+        if self.checks is not None:
+            self.checks.moved(step, seconds)  # the next step is warm-up again
         announce_move(trainer, step, old, new, decision, seconds)
-
-    def timeline(self, runner: Any) -> list[TimelineEvent]:
-        """Every action of this fit (with ``timeline=``): those taken from the runners, the
-        replaced ones' included, and ``runner``'s since."""
-        return self.earlier + (runner.executor.timeline if runner is not None else [])
 
     def finish(self) -> None:
         """At the end of a fit (or its teardown): the history written, the hooks removed."""
-        if self.replanner is not None:
-            replanner, self.replanner = self.replanner, None
-            replanner.close()
-
-    def _take(self, strategy: Any) -> list[TimelineEvent]:
-        """The runner's actions since the last take (its timeline starts again empty), kept
-        for the trace when ``timeline=`` asks for one."""
-        events = strategy.runner.executor.take_timeline()
-        if strategy.timeline is not None:
-            self.earlier += events
-        return events
-
-    def _check(self, strategy: Any, step: int) -> Decision | None:
-        assert self.replanner is not None
-        since = self._take(strategy)
-        decision = self.replanner.check(step, strategy.plan, since, strategy.global_rank)
-        if decision is not None:
-            rank_zero_info(f"PipeDream {self.replanner.report}")
-        for warning in decision.warnings if decision is not None else ():
-            rank_zero_warn(f"PipeDreamStrategy: {warning}")
-        return decision
-
-    def _watch(self, strategy: Any) -> None:
-        assert self.replanner is not None and strategy.local_stage is not None
-        self.replanner.watch(dict(strategy.local_stage.module.named_children()))
+        if self.checks is not None:
+            checks, self.checks = self.checks, None
+            checks.close()
 
 
-def straight_only(strategy: Any) -> bool:
-    """``core.replanner.tied_straight`` of the strategy's module."""
-    module = strategy.lightning_module
-    return tied_straight(strategy.sync, module, pipeline_layers(module))
-
-
-def refused(strategy: Any, plan: Plan) -> str | None:
+def refused(strategy: PipeDreamStrategy, plan: Plan) -> str | None:
     """Why the pipeline cannot train under ``plan``, or None: a worker per process, replica
-    counts that divide the microbatches, and tied parameters' rule (``runtime.ties``)."""
+    counts that divide the microbatches, and the rules of the session's plans (its ties)."""
     if plan.num_workers != strategy.world_size:
         return f"the plan has {plan.num_workers} workers for {strategy.world_size} processes"
     odd = [s.replicas for s in plan.stages if strategy.microbatches % s.replicas]
@@ -170,39 +134,27 @@ def refused(strategy: Any, plan: Plan) -> str | None:
             f"replica counts {odd} do not divide the microbatches ({strategy.microbatches}) of "
             "a batch, which replicas share round robin"
         )
-    module = strategy.lightning_module
-    ties = find_ties(module, pipeline_layers(module), plan)
+    session = strategy.session
+    assert session is not None
     try:
-        check_ties(strategy.sync, [t.describe() for t in ties], [s.replicas for s in plan.stages])
+        session.check_plan(find_ties(session.root, session.layers, plan), plan)
     except ValueError as error:
         return str(error)
     return None
 
 
-def move(strategy: Any, trainer: Any, plan: Plan) -> float:
-    """Every rank: drain, move the layers and optimizer state to ``plan`` (``core.relayout``),
-    rebuild the pipeline and the patches over it; returns the seconds it took on this rank."""
+def move(strategy: PipeDreamStrategy, trainer: Any, plan: Plan) -> float:
+    """Every rank: the session moves the layers and optimizer state to ``plan`` (``Session.
+    move``: drain, ``core.relayout``, a runner over the new plan); then the patches over it.
+    The optimizer objects are kept, so Lightning and the LR schedulers go on with them.
+    Returns the seconds it took on this rank."""
     start = time.perf_counter()
-    strategy.drain()
+    session: Session | None = strategy.session
     module = strategy.lightning_module
-    old = strategy.runner
-    moved = relayout(
-        module,
-        pipeline_layers(module),
-        strategy.local_stage,
-        strategy.plan,
-        plan,
-        strategy.global_rank,
-        [getattr(o, "_optimizer", o) for o in strategy.optimizers],
-        strategy.resume.groups,
-        strategy.root_device,
-        strategy.timeout,
-    )
-    strategy.plan, strategy.local_stage = plan, moved.local
-    strategy.resume.name_parameters(module)  # the parameters created for the layers that came
-    old.close()
-    build_pipeline(strategy, trainer)
-    strategy.runner.carry_over(old)
+    assert session is not None and module is not None
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    named = lambda: strategy.resume.name_parameters(module)  # noqa: E731 - the layers that came
+    session.move(plan, optimizers, strategy.resume.groups, named)
     patch_lightning(strategy, trainer)
     return time.perf_counter() - start
 

@@ -1,29 +1,30 @@
-"""The strategy's setup and teardown: the environment, the plan, this rank's stage, the pipeline.
+"""The strategy's setup and teardown: the environment, the session, and what the fit ends with.
 
 ``set_up_environment`` joins the process group and places the rank. ``set_up``, in order: the
-checks on the Trainer and the precision, the plan (``planning``), this rank's stage cut from the
-LightningModule (``stage``) and created from its empty build (``materialize``) or filled from
-pretrained weights (``core.pretrained``; not read when ``fit(ckpt_path=...)`` resumes), with a
-resumed checkpoint's state of the stage loaded (``core.resume``), the other
-stages' parameters marked (``elsewhere``) and the stage placed (``placement``); then the stage's
-updates (``updates``), the ``PipelineRunner`` that runs its segment of the schedule, the
-evaluation pipe, the optimizers with the divergence watch when fitting, and last the Lightning
-internals the pipeline needs (``lightning_patches``). ``end_fit`` reports the fit's memory and
-timeline; ``tear_down`` undoes what the fit set up.
+checks on the Trainer and the precision, the plan (``planning``), and the strategy's session
+(``engine.session``, the driver every front end shares) staged in Lightning's call order: this
+rank's stage cut from the LightningModule, created from its empty build or filled from
+pretrained weights (not read when ``fit(ckpt_path=...)`` resumes, ``stage_weights``), a resumed
+checkpoint's state of the stage loaded (``core.resume``), converted to the precision plugin's
+dtype, placed and started, with Lightning's updates (``updates``) as its update seam and the
+LightningModule's hooks at the end of its evaluation pipe (``evaluation``); then the optimizers
+with the divergence watch and re-planning when fitting, and last the Lightning internals the
+pipeline needs (``lightning_patches``). ``end_fit`` reports the fit's memory and timeline;
+``tear_down`` undoes what the fit set up.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
-from pl_pipedream.core.elsewhere import mark_other_stages
-from pl_pipedream.core.materialize import materialize, model_tensors
+from pl_pipedream.core.materialize import model_tensors
 from pl_pipedream.core.placement import (
     bind_to_cpu_share,
     join_process_group,
@@ -31,16 +32,14 @@ from pl_pipedream.core.placement import (
     move_to_device,
     process_group_backend,
 )
-from pl_pipedream.core.pretrained import Pretrained, load_stage
+from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.resume import Resume
-from pl_pipedream.core.stage import cut_stage, pipeline_layers
+from pl_pipedream.core.stage import LocalStage, pipeline_layers
+from pl_pipedream.engine.session import Session, Settings
+from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
-from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
 from pl_pipedream.runtime.timeline import gather_trace
-from pl_pipedream.runtime.update import Update
-from pl_pipedream.schedule.modes import check_chunked
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.batches import shape_forward
 from pl_pipedream.strategy.evaluation import EvaluationPipe
@@ -53,16 +52,19 @@ from pl_pipedream.strategy.precision import (
 )
 from pl_pipedream.strategy.preemption import stop_fit
 from pl_pipedream.strategy.updates import (
+    LightningUpdates,
     TrainerUpdates,
-    check_ties,
     check_trainer,
     lightning_updates,
 )
 
+if TYPE_CHECKING:
+    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
+
 __all__ = [
     "attached_trainer",
-    "build_pipeline",
     "end_fit",
+    "new_session",
     "patch_lightning",
     "set_up",
     "set_up_environment",
@@ -71,9 +73,9 @@ __all__ = [
 ]
 
 
-def set_up(strategy: Any, trainer: pl.Trainer) -> None:
-    """``PipeDreamStrategy.setup`` after the accelerator's: sets the strategy's ``plan``,
-    ``local_stage``, ``updates``, ``runner`` and ``evaluation`` (see the module docstring)."""
+def set_up(strategy: PipeDreamStrategy, trainer: pl.Trainer) -> None:
+    """``PipeDreamStrategy.setup`` after the accelerator's: the strategy's ``session``
+    (``engine.session``) planned, built and started (see the module docstring)."""
     module = strategy.lightning_module
     assert module is not None
     check_trainer(strategy.sync, trainer)
@@ -98,33 +100,18 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
         sync=strategy.sync,
         chunks=strategy.chunks_per_rank,
     )
-    strategy.plan = planner.plan(trainer, module, layers)
+    plan = planner.plan(trainer, module, layers)
     strategy.setup_seconds = planner.seconds or strategy.setup_seconds
-    local_stage = cut_stage(module, layers, strategy.plan, strategy.global_rank)
-    strategy.local_stage = local_stage
-    strategy.resume.check_plan(strategy.plan, local_stage.stage.index)  # keyed by position?
-    initial = (
-        module,
-        layers,
-        local_stage.layer_indices,
-        strategy.root_device,
-        strategy.empty_build,
-    )
+    session = strategy.session = new_session(strategy, trainer, module, layers)
+    local_stage = session.cut(plan)
+    strategy.resume.check_plan(plan, local_stage.stage.index)  # keyed by position?
     weights = stage_weights(strategy.pretrained, trainer, built_empty, strategy.resume)
-    if weights is not None:
-        load_stage(weights, *initial)
-    else:
-        materialize(*initial)
+    session.create(weights, strategy.empty_build)
+    if weights is None:
         strategy.resume.load_stage(module)  # built whole: a sharded checkpoint's state of it
     convert_stage(strategy.precision_plugin, module)  # the true precisions: the stage's dtype
-    replicas = [s.replicas for s in strategy.plan.stages]
-    ties = [tie.describe() for tie in local_stage.ties]
-    check_ties(strategy.sync, ties, replicas)
-    check_chunked(strategy.sync, ties, strategy.replanning.on, "PipeDreamStrategy(sync='{sync}')")
-    check_corrections(strategy.sync, strategy.weight_prediction, strategy.lr_warmup_per_delay, ties)
-    mark_other_stages(module, layers, strategy.plan, strategy.global_rank)
-    move_to_device(module, strategy.root_device)
-    build_pipeline(strategy, trainer)
+    session.place()
+    session.start()
     if trainer.state.fn == TrainerFn.FITTING:
         strategy.setup_optimizers(trainer)
         check_optimizers(strategy.precision_plugin, strategy.optimizers)
@@ -136,17 +123,50 @@ def set_up(strategy: Any, trainer: pl.Trainer) -> None:
     patch_lightning(strategy, trainer)
 
 
-def patch_lightning(strategy: Any, trainer: pl.Trainer) -> None:
+def new_session(
+    strategy: PipeDreamStrategy, trainer: pl.Trainer, module: nn.Module, layers: nn.Sequential
+) -> Session:
+    """The strategy's session: its options as ``engine.session.Settings``, Lightning's updates
+    (``updates``: the precision plugin and the hooks) as the update seam, the evaluation pipe
+    with the LightningModule's hooks as the forward-only pipe."""
+    device = strategy.root_device
+    settings = Settings(
+        strategy.sync,
+        strategy.microbatches,
+        strategy.global_rank,
+        device,
+        strategy.timeout,
+        stage_precision(strategy.precision_plugin, device),
+        strategy.weight_prediction,
+        strategy.lr_warmup_per_delay,
+        strategy.recompute,
+        keep_timeline=strategy.timeline is not None,
+        replanning=strategy.replanning.on,
+        caller="PipeDreamStrategy",
+    )
+    optimizers = lambda: strategy.optimizers  # noqa: E731 - set up after the pipeline
+
+    def update_of(local: LocalStage, plan: Plan) -> LightningUpdates:
+        replicas, elsewhere = local.stage.replicas, local.ties_counted_elsewhere()
+        return lightning_updates(
+            strategy.sync, local.module, optimizers, trainer, replicas, device, elsewhere
+        )
+
+    return Session(module, layers, settings, update_of, optimizers, EvaluationPipe)
+
+
+def patch_lightning(strategy: PipeDreamStrategy, trainer: pl.Trainer) -> None:
     """The Lightning internals the pipeline needs (``lightning_patches``), over the strategy's
     pipeline in use: at setup, and again after a re-plan built another (``replanning``)."""
-    module = strategy.lightning_module
-    assert strategy.evaluation is not None and strategy.runner is not None
-    updates = strategy.updates
+    module, session = strategy.lightning_module, strategy.session
+    assert session is not None and module is not None
+    pipe, runner, updates = session.forward, session.running(), session.update
+    assert isinstance(pipe, EvaluationPipe)
     clip = updates.clip_global_norm if isinstance(updates, TrainerUpdates) else None
 
     def at_step() -> None:  # before each training step: a preemption's stop, a re-plan's move
         strategy.preemption.at_step(
-            strategy.timeout, lambda signum: stop_fit(trainer, strategy, signum)
+            strategy.timeout, lambda signum: stop_fit(trainer, strategy.drain, signum)
         )
         strategy.replanning.at_step(strategy, trainer)
 
@@ -156,8 +176,8 @@ def patch_lightning(strategy: Any, trainer: pl.Trainer) -> None:
         shape_forward(pipeline_layers(module)),
         strategy.precision_plugin,
         clip,
-        strategy.evaluation.metrics_source,
-        strategy.runner.executor.channel.flush,
+        pipe.metrics_source,
+        runner.executor.channel.flush,
         at_step,
     )
 
@@ -185,48 +205,7 @@ def stage_weights(
     return Pretrained(state) if state is not None else None
 
 
-def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
-    """The stage's updates, the pipeline that runs it, the evaluation pipe."""
-    assert strategy.local_stage is not None and strategy.plan is not None
-    stage, module = strategy.local_stage.stage, strategy.local_stage.module
-    optimizers = lambda: strategy.optimizers  # noqa: E731 - set up after the pipeline
-    strategy.updates = lightning_updates(
-        strategy.sync,
-        module,
-        optimizers,
-        trainer,
-        stage.replicas,
-        strategy.root_device,
-        strategy.local_stage.ties_counted_elsewhere(),
-    )
-    apply: Update = strategy.updates
-    if strategy.lr_warmup_per_delay:  # (the per-minibatch modes only: checked at __init__)
-        steps = strategy.lr_warmup_per_delay * stage_delay(
-            strategy.plan, strategy.sync, stage.index
-        )
-        apply = WarmedUpdate(strategy.updates, optimizers, steps)
-    strategy.runner = PipelineRunner.create(
-        strategy.plan,
-        strategy.sync,
-        strategy.microbatches,
-        module,
-        strategy.global_rank,
-        apply,
-        strategy.root_device,
-        strategy.timeout,
-        record_timeline=strategy.timeline is not None or strategy.replanning.on,
-        ties=strategy.local_stage.ties,
-        weight_prediction=strategy.weight_prediction,
-        recompute=strategy.recompute,
-        precision=stage_precision(strategy.precision_plugin, strategy.root_device),
-    )
-    channel = strategy.runner.executor.channel
-    strategy.evaluation = EvaluationPipe(
-        strategy.plan, strategy.local_stage, channel, strategy.global_rank
-    )
-
-
-def set_up_environment(strategy: Any) -> None:
+def set_up_environment(strategy: PipeDreamStrategy) -> None:
     """``PipeDreamStrategy.setup_environment``: this rank in the cluster environment, the
     process group, and on CPU the allocator kept and the rank bound to its share of the cores
     (``placement``)."""
@@ -252,7 +231,7 @@ def set_up_environment(strategy: Any) -> None:
         strategy._unbound_cpus, strategy.cpu_binding = bound or (None, None)
 
 
-def tear_down(strategy: Any) -> None:
+def tear_down(strategy: PipeDreamStrategy) -> None:
     """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
     pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
     rank's cores given back."""
@@ -260,9 +239,8 @@ def tear_down(strategy: Any) -> None:
     failed = trainer is not None and trainer.interrupted
     strategy.preemption.finish(failed)
     strategy.replanning.finish()
-    if strategy.runner is not None:
-        runner, strategy.runner = strategy.runner, None
-        runner.close(failed=failed)
+    if strategy.session is not None:
+        strategy.session.close(failed=failed)
     if strategy.lightning_module is not None:
         move_to_device(strategy.lightning_module, torch.device("cpu"))
     if strategy._unbound_cpus is not None:
@@ -280,15 +258,14 @@ def attached_trainer(module: Any) -> Any | None:
         return None
 
 
-def end_fit(strategy: Any) -> None:
+def end_fit(strategy: PipeDreamStrategy) -> None:
     """At the end of training, on drained weights: the memory report (printed by rank 0) and,
     with ``timeline=``, the Chrome trace with the measured bubble per rank."""
     strategy.memory_report = memory_report.of_fit(strategy)
     strategy.replanning.finish()
-    timeline, runner = strategy.timeline, strategy.runner
-    if timeline is not None and runner is not None:
-        events = strategy.replanning.timeline(runner)  # the replaced pipelines' too
-        strategy.bubbles = gather_trace(events, timeline) or {}
+    timeline, session = strategy.timeline, strategy.session
+    if timeline is not None and session is not None and session.runner is not None:
+        strategy.bubbles = gather_trace(session.timeline(), timeline) or {}  # every runner's
         if strategy.bubbles:
             summary = ", ".join(f"rank {r}: {b:.3f}" for r, b in strategy.bubbles.items())
             rank_zero_info(f"PipeDream timeline written to {timeline}; bubble {summary}")

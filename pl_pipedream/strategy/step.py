@@ -15,16 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from pl_pipedream.core.data import Fingerprints, SameData
-from pl_pipedream.core.divergence import DivergenceWatch, describe_optimizer, divergence_message
+from pl_pipedream.core.divergence import DivergenceWatch
 from pl_pipedream.core.loss_watch import LossWatch
+from pl_pipedream.engine.session import Session
 from pl_pipedream.runtime import ranks
-from pl_pipedream.schedule import rules
+from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.batches import TrainingBatch
 from pl_pipedream.strategy.step_logs import LossName, log_finished
+from pl_pipedream.strategy.updates import LightningUpdates
 
 __all__ = ["TrainingSteps", "backward", "must_drain"]
 
@@ -51,44 +54,41 @@ class TrainingSteps:
         self.losses = LossWatch(self.divergence, self.rule)
         self.loss_name = LossName()
 
-    def run(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
-        """Run ``batch`` through ``strategy``'s pipeline; return the loss to log."""
-        runner, local = strategy.runner, strategy.local_stage
-        assert runner is not None and local is not None
-        module = strategy.lightning_module
-        describe = ranks.describe(strategy.global_rank, local.stage.index)
+    def run(
+        self, session: Session | None, module: pl.LightningModule | None, batch: Any, index: int
+    ) -> Tensor:
+        """Run ``batch`` (number ``index`` of its epoch) through ``session``'s pipeline of
+        ``module``; return the loss to log."""
+        assert session is not None and session.local is not None and module is not None
+        runner, local, settings, batch_idx = (
+            session.running(),
+            session.local,
+            session.settings,
+            index,
+        )
+        describe = ranks.describe(settings.rank, local.stage.index)
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
-        work = TrainingBatch(module, batch, batch_idx, strategy.microbatches, describe)
+        work = TrainingBatch(module, batch, batch_idx, settings.microbatches, describe)
         step = module.trainer.global_step
         same = SameData(work.slices, describe, step, batch_idx, self.fingerprints, batch)
-        drain = must_drain(strategy.sync, module.trainer)
+        drain = must_drain(settings.sync, module.trainer)
         if self.losses is not None:
-            self.losses.note(runner.batches, batch, strategy.microbatches)
+            self.losses.note(runner.batches, batch, settings.microbatches)
         runner.train_batch(
             work.inputs, work.loss, drain=drain, fingerprint=same, logged=work.logged
         )
         logged = runner.take_logged()
         own = runner.loss is not None and self.loss_name.strategy_logs(logged, step)
-        loss = work.log_loss(runner.loss, strategy.root_device, own)
-        log_finished(module, logged, strategy.root_device)
-        if self.losses is not None and runner.loss is not None:
-            self._check_divergence(strategy, self.losses, runner.loss, module.trainer.global_step)
+        loss = work.log_loss(runner.loss, settings.device, own)
+        log_finished(module, logged, settings.device)
+        if self.losses is not None:
+            clipping = "Trainer(gradient_clip_val=1.0)"
+            session.judge(self.losses, module.trainer.global_step, rank_zero_warn, clipping)
         return loss
 
-    def _check_divergence(self, strategy: Any, losses: LossWatch, loss: float, step: int) -> None:
-        def explain(reason: str) -> str:
-            plan, sync = strategy.plan, strategy.sync
-            delays = [rules.update_delay(plan, sync, s) for s in range(len(plan.stages))]
-            groups = [g for optimizer in strategy.optimizers for g in optimizer.param_groups]
-            return divergence_message(reason, step, sync, delays, describe_optimizer(groups))
 
-        losses.check(
-            loss, strategy.runner.loss_batch, step, explain, strategy.drain, rank_zero_warn
-        )
-
-
-def must_drain(sync: Any, trainer: pl.Trainer) -> bool:
+def must_drain(sync: SyncMode, trainer: pl.Trainer) -> bool:
     """Whether this step ends with the pipeline drained: in the flushed modes, at the end of an
     epoch and at ``max_steps``."""
     if sync.flushes or trainer.is_last_batch:
@@ -96,14 +96,20 @@ def must_drain(sync: Any, trainer: pl.Trainer) -> bool:
     return 0 < trainer.max_steps <= trainer.global_step + 1
 
 
-def backward(strategy: Any, closure_loss: Tensor) -> Tensor:
+def backward(
+    session: Session | None,
+    module: pl.LightningModule | None,
+    precision: Precision,
+    closure_loss: Tensor,
+) -> Tensor:
     """Lightning's backward of a step: the pipeline ran it. In the flushed modes this is where
     the batch's gradient reaches ``.grad``, between ``on_before_backward`` and
-    ``on_after_backward`` as on one device; the other modes run their hooks per update."""
-    updates = strategy.updates
-    if updates is None or updates.steps_in_pipeline:
+    ``on_after_backward`` (the ``precision`` plugin's) as on one device; the other modes run
+    their hooks per update (``session``'s update, ``updates.LightningUpdates``)."""
+    updates = session.update if session is not None else None
+    if not isinstance(updates, LightningUpdates) or updates.steps_in_pipeline:
         return closure_loss
-    module, precision = strategy.lightning_module, strategy.precision_plugin
+    assert module is not None
     closure_loss = precision.pre_backward(closure_loss, module)
     closure_loss = updates.backward(closure_loss)
     return precision.post_backward(closure_loss, module)

@@ -36,14 +36,12 @@ from torch.optim import Optimizer
 from pl_pipedream.core.clipping import clip_global_norm
 from pl_pipedream.runtime import update
 from pl_pipedream.runtime.functional import ParameterSlots
-from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.schedule.modes import SyncMode
 
 __all__ = [
     "PipelineUpdates",
     "LightningUpdates",
     "TrainerUpdates",
-    "check_ties",
     "check_trainer",
     "clear_grads",
     "lightning_updates",

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     rank = trainer.global_rank
     usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    report = {"rank": rank, "peak_rss": usage, "stage": strategy.local_stage.stage.index}
+    report = {"rank": rank, "peak_rss": usage, "stage": strategy.session.local.stage.index}
     report["vm_data"] = int(status["VmData"].split()[0]) * 1024
     report["built_on_meta"] = model.built_on_meta
     if args.save:

@@ -104,7 +104,7 @@ class SaveStage(Callback):
         self.out = out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        stage = trainer.strategy.local_stage  # type: ignore[attr-defined]
+        stage = trainer.strategy.session.local  # type: ignore[attr-defined]
         torch.save(stage.state_dict(pl_module), self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -38,7 +38,7 @@ def test_init_stores_the_arguments_as_given() -> None:
     strategy = PipeDreamStrategy(sync="flush", microbatches=4, balance=(2, 2), timeout=5)
     assert strategy.sync is SyncMode.FLUSH
     assert (strategy.microbatches, strategy.balance, strategy.timeout) == (4, [2, 2], 5.0)
-    assert strategy.plan is None and strategy.runner is None
+    assert strategy.plan is None and strategy.session is None
 
 
 def test_trainer_finds_the_strategy_by_name() -> None:

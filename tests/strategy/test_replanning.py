@@ -19,10 +19,13 @@ from lightning.pytorch.loggers import CSVLogger
 
 from pl_pipedream import PipeDreamStrategy
 from pl_pipedream.core.checkpoint import to_lightning
+from pl_pipedream.core.stage import pipeline_layers
+from pl_pipedream.engine import session as engine_session
+from pl_pipedream.engine.session import Session, Settings
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import replanning
-from pl_pipedream.strategy.replanning import Replanning, refused, straight_only
+from pl_pipedream.strategy.replanning import Replanning, refused
 from tests.runtime import oracle
 from tests.runtime.launched import launch
 from tests.runtime.test_executor import loss_fn, make_batches, make_model
@@ -96,13 +99,14 @@ def test_off_makes_no_replanner_and_its_boundary_touches_nothing() -> None:
     for step in range(1, 500):
         fitting.global_step = step
         replanning.at_step(SimpleNamespace(), fitting)
-    assert replanning.moves == 0 and replanning.earlier == []
+    assert replanning.moves == 0 and replanning.checks is None
 
 
 def stand_in(module: Any, world_size: int, sync: str = "flush") -> SimpleNamespace:
-    return SimpleNamespace(
-        lightning_module=module, world_size=world_size, microbatches=2, sync=SyncMode.parse(sync)
-    )
+    """What ``refused`` reads of a strategy: its processes, microbatches and session."""
+    settings = Settings(SyncMode.parse(sync), 2, 0, torch.device("cpu"), 5.0, StagePrecision())
+    session = Session(module, pipeline_layers(module), settings, lambda *_: None, list)  # type: ignore[arg-type,return-value]
+    return SimpleNamespace(world_size=world_size, microbatches=2, session=session)
 
 
 def test_a_plan_the_pipeline_cannot_train_under_is_refused_with_the_reason() -> None:
@@ -119,12 +123,6 @@ def test_a_plan_the_pipeline_cannot_train_under_is_refused_with_the_reason() -> 
     assert refused(stand_in(tied, 3, "flush"), layout) is None
     reason = refused(stand_in(tied, 3, "async"), layout)
     assert reason is not None and "only without replicated stages (replicas: [2, 1]" in reason
-
-
-def test_tied_parameters_in_the_per_minibatch_modes_re_plan_straight_only() -> None:
-    assert straight_only(stand_in(tied_model(), 2, "async"))
-    assert not straight_only(stand_in(tied_model(), 2, "flush"))
-    assert not straight_only(stand_in(Net(), 2, "async"))
 
 
 class MoveAt(Callback):
@@ -346,7 +344,7 @@ def lose_rank_1_in_a_move(folder: Path) -> None:
             if trainer.global_step == 2:
                 trainer.strategy.replanning.request(Plan.from_balance([1, 5]))
                 if trainer.global_rank == 1:
-                    replanning.relayout = lambda *args, **kwargs: os._exit(3)
+                    engine_session.relayout = lambda *args, **kwargs: os._exit(3)
 
     saver = ModelCheckpoint(
         dirpath=folder / "ckpts", save_last=True, save_top_k=0, every_n_train_steps=1

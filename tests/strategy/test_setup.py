@@ -16,7 +16,7 @@ def test_a_strategy_without_a_pipeline_reports_nothing_and_tears_down() -> None:
     end_fit(strategy)
     assert strategy.memory_report == [] and strategy.bubbles == {}
     tear_down(strategy)
-    assert strategy.runner is None and strategy.cpu_binding is None
+    assert strategy.session is None and strategy.cpu_binding is None
 
 
 def test_a_module_tells_the_trainer_it_is_attached_to() -> None:

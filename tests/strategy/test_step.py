@@ -44,7 +44,8 @@ def test_a_step_drains_in_the_flushed_modes_and_at_max_steps() -> None:
 
 def test_backward_leaves_the_loss_to_the_pipeline_without_updates() -> None:
     loss = torch.tensor(1.5)
-    assert backward(SimpleNamespace(updates=None), loss) is loss
+    assert backward(None, None, None, loss) is loss  # type: ignore[arg-type]  # before setup
+    assert backward(SimpleNamespace(update=None), None, None, loss) is loss  # type: ignore[arg-type]
 
 
 # ----- a training_step that logs train_loss, the strategy's own name ---------------------------

@@ -23,8 +23,8 @@ from torch import nn
 from pl_pipedream.core.checkpoint import merge_states
 from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.planner.plan import Plan
+from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.updates import check_ties
 from tests.runtime import oracle
 from tests.strategy import tied_script
 from tests.strategy.tied_script import CLIP, tied_batches, tied_loader, tied_model

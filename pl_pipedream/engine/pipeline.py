@@ -342,7 +342,6 @@ class Pipeline:
         def keep() -> None:  # after the layers moved: the optimizer, if the stage holds any
             holds = any(group["params"] for group in optimizer.param_groups)
             self.optimizer = optimizer if holds or self._factory is None else None
-            self.describe = ranks.describe(self.rank, self.stage)
 
         return self.session.move(new_plan, [optimizer], self._group_names, keep)
 

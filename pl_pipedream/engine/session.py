@@ -97,6 +97,7 @@ class Session:
         self.runner: PipelineRunner | None = None
         self.forward: ForwardPipe | None = None
         self.earlier: list[TimelineEvent] = []  # the replaced runners' actions, kept
+        self.describe = f"rank {settings.rank}"  # where errors say they happened (runtime.ranks)
 
     # ----- 1. plan, 2. build -------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class Session:
         """Keep this rank's stage of ``plan`` (the other layers stay where they were built)."""
         self.plan = plan
         self.local = cut_stage(self.root, self.layers, plan, self.settings.rank)
+        self.describe = ranks.describe(self.settings.rank, self.local.stage.index)
         return self.local
 
     def create(self, weights: Pretrained | None, build: EmptyBuild | None) -> None:
@@ -165,11 +167,9 @@ class Session:
     def running(self) -> PipelineRunner:
         """The runner in use; raises once the session is closed."""
         if self.runner is None:
-            rank = self.settings.rank
-            where = ranks.describe(rank, self.local.stage.index) if self.local else f"rank {rank}"
             raise RuntimeError(
-                f"the pipeline is closed ({where}); build a new {self.settings.caller} to train "
-                "again"
+                f"the pipeline is closed ({self.describe}); build a new {self.settings.caller} "
+                "to train again"
             )
         return self.runner
 
@@ -225,6 +225,7 @@ class Session:
             s.timeout,
         )  # fmt: skip
         self.plan, self.local = plan, done.local
+        self.describe = ranks.describe(s.rank, done.local.stage.index)
         moved()
         self.start().carry_over(runner)
         return done

@@ -285,8 +285,8 @@ class StageExecutor(SplitBackward):
         check = self._feed.fingerprint if self._feed is not None else None
         fingerprint = check(i, received) if check is not None else None
         params = self.stash.get(version)  # shares the live storage while current
-        delay = delay_of(i, version, self.num_replicas)
-        predicted = self.weight_prediction and version > 0 and delay > 0
+        delay = delay_of(i, version, self.num_replicas) if self.weight_prediction else 0
+        predicted = version > 0 and delay > 0
         if predicted:  # W_v + d (W_v - W_(v-1)), for this minibatch's forward and backward
             params = predict(params, self.stash.get(version - 1), delay)
         if self.tied_versions is not None:

@@ -79,14 +79,19 @@ class SegmentStream:
     @property
     def served(self) -> tuple[int, ...]:
         """The ranks whose segments it gives."""
-        return tuple(range(self.plan.num_workers)) if self.ranks is None else self.ranks
+        return tuple(range(self.workers)) if self.ranks is None else self.ranks
+
+    @cached_property
+    def workers(self) -> int:
+        """The plan's workers (read at every step: counted once)."""
+        return self.plan.num_workers
 
     @cached_property
     def scope(self) -> frozenset[int] | None:
         """The ranks whose lists its schedules hold (None: every rank)."""
         return None if self.ranks is None else neighbourhood(self.plan, self.ranks)
 
-    @property
+    @cached_property
     def steady_from(self) -> int:
         """The first step from which every step is a shifted copy of the one before.
 
@@ -94,7 +99,7 @@ class SegmentStream:
         ``2 (p - 1) / m`` in a straight pipeline; ``2 + ceil(2 W / m)`` over ``W`` workers bounds
         it for every plan with room to spare.
         """
-        return 2 + math.ceil(2 * self.plan.num_workers / self.microbatches)
+        return 2 + math.ceil(2 * self.workers / self.microbatches)
 
     def segment(self, rank: int, t: int) -> Segment:
         """Rank's actions for Lightning step ``t`` when the pipeline goes on after it."""
@@ -123,10 +128,10 @@ class SegmentStream:
                 self._ending(t)
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.plan.num_workers:
+        if not 0 <= rank < self.workers:
             raise ValueError(
                 f"rank must name a worker of the plan (rank: {rank}, workers: "
-                f"{self.plan.num_workers}); pass 0 <= rank < {self.plan.num_workers}"
+                f"{self.workers}); pass 0 <= rank < {self.workers}"
             )
 
     def _check(self, rank: int, t: int) -> None:

@@ -16,6 +16,7 @@ pipeline needs (``lightning_patches``). ``end_fit`` reports the fit's memory and
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -144,7 +145,7 @@ def new_session(
         replanning=strategy.replanning.on,
         caller="PipeDreamStrategy",
     )
-    optimizers = lambda: strategy.optimizers  # noqa: E731 - set up after the pipeline
+    optimizers = partial(getattr, strategy, "optimizers")  # read when used: set up later
 
     def update_of(local: LocalStage, plan: Plan) -> LightningUpdates:
         replicas, elsewhere = local.stage.replicas, local.ties_counted_elsewhere()

@@ -23,7 +23,6 @@ from pl_pipedream.core.data import Fingerprints, SameData
 from pl_pipedream.core.divergence import DivergenceWatch
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.engine.session import Session
-from pl_pipedream.runtime import ranks
 from pl_pipedream.schedule.modes import SyncMode
 from pl_pipedream.strategy.batches import TrainingBatch
 from pl_pipedream.strategy.step_logs import LossName, log_finished
@@ -55,18 +54,11 @@ class TrainingSteps:
         self.loss_name = LossName()
 
     def run(
-        self, session: Session | None, module: pl.LightningModule | None, batch: Any, index: int
+        self, session: Session | None, module: pl.LightningModule | None, batch: Any, batch_idx: int
     ) -> Tensor:
-        """Run ``batch`` (number ``index`` of its epoch) through ``session``'s pipeline of
-        ``module``; return the loss to log."""
-        assert session is not None and session.local is not None and module is not None
-        runner, local, settings, batch_idx = (
-            session.running(),
-            session.local,
-            session.settings,
-            index,
-        )
-        describe = ranks.describe(settings.rank, local.stage.index)
+        """Run ``batch`` through ``session``'s pipeline of ``module``; return the loss to log."""
+        assert session is not None and module is not None
+        runner, settings, describe = session.running(), session.settings, session.describe
         # A non-finite loss travels on like any other: every rank sees it logged and all act
         # alike (divergence=...), knowing whether the batch's data were finite.
         work = TrainingBatch(module, batch, batch_idx, settings.microbatches, describe)

@@ -36,6 +36,7 @@ from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import gather_memory, parse_memory
+from pl_pipedream.core.memory_report import StageMemory
 from pl_pipedream.core.microbatches import slice_batch
 from pl_pipedream.core.placement import keep_local_parameters
 from pl_pipedream.core.planning import plan_at_setup
@@ -321,6 +322,13 @@ class Pipeline:
         output = self._pipe.to_every_rank(output, what)
         runner.executor.channel.flush()
         return output
+
+    def memory_report(self) -> list[StageMemory]:
+        """Every rank at the same step, after a drain: the memory each rank's stage holds and
+        held at its peaks, beside the plan's estimate (``core.memory_report``); rank 0 prints
+        the table. Returns every rank's row."""
+        self.drain()
+        return self.session.memory_report(print)
 
     def drain(self) -> None:
         """Finish every minibatch in flight and apply its update (the asynchronous modes keep

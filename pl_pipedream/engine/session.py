@@ -34,6 +34,7 @@ from pl_pipedream.core.elsewhere import mark_other_stages
 from pl_pipedream.core.evaluation import ForwardPipe
 from pl_pipedream.core.loss_watch import LossWatch
 from pl_pipedream.core.materialize import EmptyBuild, materialize
+from pl_pipedream.core.memory_report import StageMemory, report
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.pretrained import Pretrained, load_stage
 from pl_pipedream.core.relayout import Moved, relayout
@@ -229,6 +230,19 @@ class Session:
         moved()
         self.start().carry_over(runner)
         return done
+
+    def memory_report(self, say: Callable[[str], None]) -> list[StageMemory]:
+        """Every rank, on drained weights: this rank's measured memory beside the plan's
+        estimate (``core.memory_report``), every rank's row gathered; ``say`` prints the table on
+        rank 0. [] before ``start`` or after ``close``."""
+        runner, local, plan, s = self.runner, self.local, self.plan, self.settings
+        if runner is None or local is None or plan is None:
+            return []
+        stashed, activations = runner.executor.memory_peaks()
+        channel = runner.executor.channel
+        frames = (channel.peak_sent_bytes, channel.peak_received_bytes)
+        measured = (local.module, stashed, activations, self.optimizers(), s.device, s.sync)
+        return report(say, s.rank, plan, *measured, s.microbatches, frames, s.recompute)
 
     # ----- 5. close ----------------------------------------------------------------------------
 

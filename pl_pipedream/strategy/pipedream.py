@@ -31,6 +31,7 @@ from pl_pipedream.core import checkpoint as sharded
 from pl_pipedream.core.data import LoaderSeeds
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.memory_limit import parse_memory
+from pl_pipedream.core.memory_report import StageMemory
 from pl_pipedream.core.placement import move_to_device
 from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
@@ -40,7 +41,7 @@ from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy import lightning_patches, memory_report
+from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.evaluation import evaluation_step
 from pl_pipedream.strategy.launcher import PipelineScriptLauncher, PipelineSpawnLauncher
 from pl_pipedream.strategy.replanning import Replanning
@@ -138,7 +139,7 @@ class PipeDreamStrategy(ParallelStrategy):
         self.replanning = Replanning(replan, replan_every, replan_threshold)
         layout = (balance, plan, self.replanning.on)
         arguments.check_planning_options({"topology": topology, "memory": self.memory}, *layout)
-        self.memory_report: list[memory_report.StageMemory] = []  # the last fit's, per rank
+        self.memory_report: list[StageMemory] = []  # the last fit's, per rank
 
     @property
     def plan(self) -> Plan | None:

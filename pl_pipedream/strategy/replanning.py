@@ -20,7 +20,7 @@ no check: every rank must ask for the same plan in the same step (a callback's
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -31,11 +31,9 @@ from pl_pipedream.engine.replanning import ReplanChecks, make_replanner
 from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.replan import Decision
+from pl_pipedream.strategy.host import Host
 from pl_pipedream.strategy.planning import plan_folder, write_plan
 from pl_pipedream.strategy.setup import patch_lightning
-
-if TYPE_CHECKING:
-    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
 
 __all__ = ["Replanning", "move", "refused"]
 
@@ -67,7 +65,7 @@ class Replanning:
         """Move to ``plan`` at the next step boundary (every rank asks in the same step)."""
         self.requested = plan
 
-    def start(self, strategy: PipeDreamStrategy, trainer: Any) -> None:
+    def start(self, strategy: Host, trainer: Any) -> None:
         """At the setup of a fit, once the pipeline is built (every rank): fresh checks
         watching this rank's layers (``mode="auto"``), bound by the topology and the memory per
         worker (``memory=``, else a GPU's free memory: one collective)."""
@@ -89,7 +87,7 @@ class Replanning:
             lambda text: rank_zero_warn(f"PipeDreamStrategy: {text}"),
         )
 
-    def at_step(self, strategy: PipeDreamStrategy, trainer: Any) -> None:
+    def at_step(self, strategy: Host, trainer: Any) -> None:
         """Before each training step, on every rank: at a boundary, a requested plan or a due
         check's better plan is moved to."""
         step = trainer.global_step
@@ -123,7 +121,7 @@ class Replanning:
             checks.close()
 
 
-def refused(strategy: PipeDreamStrategy, plan: Plan) -> str | None:
+def refused(strategy: Host, plan: Plan) -> str | None:
     """Why the pipeline cannot train under ``plan``, or None: a worker per process, replica
     counts that divide the microbatches, and the rules of the session's plans (its ties)."""
     if plan.num_workers != strategy.world_size:
@@ -143,7 +141,7 @@ def refused(strategy: PipeDreamStrategy, plan: Plan) -> str | None:
     return None
 
 
-def move(strategy: PipeDreamStrategy, trainer: Any, plan: Plan) -> float:
+def move(strategy: Host, trainer: Any, plan: Plan) -> float:
     """Every rank: the session moves the layers and optimizer state to ``plan`` (``Session.
     move``: drain, ``core.relayout``, a runner over the new plan); then the patches over it.
     The optimizer objects are kept, so Lightning and the LR schedulers go on with them.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -41,9 +41,10 @@ from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.timeline import gather_trace
-from pl_pipedream.strategy import lightning_patches, memory_report
+from pl_pipedream.strategy import lightning_patches
 from pl_pipedream.strategy.batches import shape_forward
 from pl_pipedream.strategy.evaluation import EvaluationPipe
+from pl_pipedream.strategy.host import Host
 from pl_pipedream.strategy.planning import SetupPlanner
 from pl_pipedream.strategy.precision import (
     check_optimizers,
@@ -59,9 +60,6 @@ from pl_pipedream.strategy.updates import (
     lightning_updates,
 )
 
-if TYPE_CHECKING:
-    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
-
 __all__ = [
     "attached_trainer",
     "end_fit",
@@ -74,7 +72,7 @@ __all__ = [
 ]
 
 
-def set_up(strategy: PipeDreamStrategy, trainer: pl.Trainer) -> None:
+def set_up(strategy: Host, trainer: pl.Trainer) -> None:
     """``PipeDreamStrategy.setup`` after the accelerator's: the strategy's ``session``
     (``engine.session``) planned, built and started (see the module docstring)."""
     module = strategy.lightning_module
@@ -125,7 +123,7 @@ def set_up(strategy: PipeDreamStrategy, trainer: pl.Trainer) -> None:
 
 
 def new_session(
-    strategy: PipeDreamStrategy, trainer: pl.Trainer, module: nn.Module, layers: nn.Sequential
+    strategy: Host, trainer: pl.Trainer, module: nn.Module, layers: nn.Sequential
 ) -> Session:
     """The strategy's session: its options as ``engine.session.Settings``, Lightning's updates
     (``updates``: the precision plugin and the hooks) as the update seam, the evaluation pipe
@@ -156,7 +154,7 @@ def new_session(
     return Session(module, layers, settings, update_of, optimizers, EvaluationPipe)
 
 
-def patch_lightning(strategy: PipeDreamStrategy, trainer: pl.Trainer) -> None:
+def patch_lightning(strategy: Host, trainer: pl.Trainer) -> None:
     """The Lightning internals the pipeline needs (``lightning_patches``), over the strategy's
     pipeline in use: at setup, and again after a re-plan built another (``replanning``)."""
     module, session = strategy.lightning_module, strategy.session
@@ -206,7 +204,7 @@ def stage_weights(
     return Pretrained(state) if state is not None else None
 
 
-def set_up_environment(strategy: PipeDreamStrategy) -> None:
+def set_up_environment(strategy: Host) -> None:
     """``PipeDreamStrategy.setup_environment``: this rank in the cluster environment, the
     process group, and on CPU the allocator kept and the rank bound to its share of the cores
     (``placement``)."""
@@ -232,7 +230,7 @@ def set_up_environment(strategy: PipeDreamStrategy) -> None:
         strategy._unbound_cpus, strategy.cpu_binding = bound or (None, None)
 
 
-def tear_down(strategy: PipeDreamStrategy) -> None:
+def tear_down(strategy: Host) -> None:
     """``PipeDreamStrategy.teardown`` before Lightning's plugins': the preemption handlers, the
     pipeline closed (without waiting on peers after a failure), the module back on the CPU, the
     rank's cores given back."""
@@ -259,12 +257,13 @@ def attached_trainer(module: Any) -> Any | None:
         return None
 
 
-def end_fit(strategy: PipeDreamStrategy) -> None:
+def end_fit(strategy: Host) -> None:
     """At the end of training, on drained weights: the memory report (printed by rank 0) and,
     with ``timeline=``, the Chrome trace with the measured bubble per rank."""
-    strategy.memory_report = memory_report.of_fit(strategy)
+    session = strategy.session
+    strategy.memory_report = session.memory_report(rank_zero_info) if session is not None else []
     strategy.replanning.finish()
-    timeline, session = strategy.timeline, strategy.session
+    timeline = strategy.timeline
     if timeline is not None and session is not None and session.runner is not None:
         strategy.bubbles = gather_trace(session.timeline(), timeline) or {}  # every runner's
         if strategy.bubbles:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pl_pipedream.core.memory_report import StageMemory, estimate, render
 from pl_pipedream.planner.plan import Plan, Stage
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.memory_report import StageMemory, estimate, render
 from tests.core.test_memory_limit import make
 from tests.runtime import oracle
 from tests.runtime.launched import Rank, launch

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from pl_pipedream.core.memory_limit import device_memory
+from pl_pipedream.core.memory_report import measure
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.recompute import Activations, Replay, rng_state
 from pl_pipedream.schedule.modes import SyncMode
-from pl_pipedream.strategy.memory_report import measure
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,24 +1,24 @@
 """The memory each stage used in a fit, beside the plan's estimate for it.
 
-At the end of a fit every rank measures its stage: the weights it holds, the peak of the stashed
-weight versions beyond the live ones (``runtime.stash``), the peak of the activations its
-minibatches in flight kept for their backward passes (``runtime.recompute``, a replay's graph
-included), the optimizer's state, the peaks of the message frames its channel held (sent and
-not yet known to have left, and receives posted ahead: ``runtime.channel``; evaluation's
-included), and on a GPU the allocator's peak. Rank 0 gathers the rows,
-prints one table beside the estimate the plan gives for the same parts, and every rank keeps
-the rows as ``strategy.memory_report``.
+At the end of a fit (``PipeDreamStrategy``) or when asked (``Pipeline.memory_report``; both
+through ``engine.session.Session.memory_report``) every rank measures its stage: the weights it
+holds, the peak of the stashed weight versions beyond the live ones (``runtime.stash``), the
+peak of the activations its minibatches in flight kept for their backward passes
+(``runtime.recompute``, a replay's graph included), the optimizer's state, the peaks of the
+message frames its channel held (sent and not yet known to have left, and receives posted
+ahead: ``runtime.channel``; evaluation's included), and on a GPU the allocator's peak. Rank 0
+gathers the rows and prints one table beside the estimate the plan gives for the same parts;
+every rank gets the rows (``strategy.memory_report`` after a fit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_pipedream.core.memory_limit import planner_bytes
 from pl_pipedream.planner.plan import Plan, Stage
@@ -29,10 +29,7 @@ from pl_pipedream.schedule.memory import (
 )
 from pl_pipedream.schedule.modes import SyncMode
 
-if TYPE_CHECKING:
-    from pl_pipedream.strategy.pipedream import PipeDreamStrategy
-
-__all__ = ["StageMemory", "estimate", "estimate_frames", "measure", "of_fit", "render", "report"]
+__all__ = ["StageMemory", "estimate", "estimate_frames", "measure", "render", "report"]
 
 
 @dataclass(frozen=True)
@@ -150,36 +147,13 @@ def gather(row: StageMemory) -> list[StageMemory]:
     return [StageMemory(**r) for r in every if r is not None]
 
 
-def report(rank: int, plan: Plan, *measured: Any) -> list[StageMemory]:
-    """Measure this rank (``measure``'s other arguments), gather every rank's row, print the
+def report(say: Callable[[str], None], rank: int, plan: Plan, *measured: Any) -> list[StageMemory]:
+    """Measure this rank (``measure``'s other arguments), gather every rank's row, ``say`` the
     table on rank 0 (every rank must call it); returns the rows."""
     rows = gather(measure(rank, plan, *measured))
-    rank_zero_info(render(rows))
+    if rank == 0:
+        say(render(rows))
     return rows
-
-
-def of_fit(strategy: PipeDreamStrategy) -> list[StageMemory]:
-    """``report`` for a ``PipeDreamStrategy`` at the end of its fit ([] without a pipeline)."""
-    session = strategy.session
-    if session is None or session.runner is None or session.local is None:
-        return []
-    runner, local, plan = session.runner, session.local, session.plan
-    assert plan is not None
-    executor = runner.executor
-    stashed, activations = executor.memory_peaks()
-    measured: tuple[Any, ...] = (local.module, stashed, activations)
-    measured += (strategy.optimizers, strategy.root_device)
-    channel = executor.channel
-    frames = (channel.peak_sent_bytes, channel.peak_received_bytes)
-    return report(
-        strategy.global_rank,
-        plan,
-        *measured,
-        strategy.sync,
-        strategy.microbatches,
-        frames,
-        strategy.recompute,
-    )
 
 
 def render(rows: Iterable[StageMemory]) -> str:

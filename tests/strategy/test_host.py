@@ -9,7 +9,7 @@ from pl_pipedream.strategy.host import Host
 
 
 def declared() -> set[str]:
-    members = {name for name, _ in inspect.getmembers(Host) if not name.startswith("__")}
+    members = {name for name in vars(Host) if not name.startswith("_")}
     return members | set(Host.__annotations__)
 
 

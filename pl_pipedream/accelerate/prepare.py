@@ -24,13 +24,11 @@ from torch.optim import Optimizer
 from pl_pipedream.accelerate import guards, state
 from pl_pipedream.accelerate.precision import carry_scaler, engine_precision
 from pl_pipedream.engine import Pipeline
-from pl_pipedream.engine.options import checked_options
+from pl_pipedream.engine.options import FRONT_ENDS, checked_options
 
 __all__ = ["prepare_pipeline"]
 
 LAUNCHED = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-CALL = "prepare_pipeline(accelerator, model, optimizer, loss_fn, {args})"  # quoted in fixes
-ACCELERATE_DECIDES = ("device", "precision")  # Pipeline options the Accelerator sets
 
 
 def prepare_pipeline(
@@ -49,7 +47,7 @@ def prepare_pipeline(
     for a model larger than one process, ``replan="auto"`` to re-plan from measured stage times,
     docs/replan.md, ...), checked before anything starts; the device and the precision are the
     Accelerator's."""
-    checked_options(options, CALL, ACCELERATE_DECIDES)
+    checked_options(options, FRONT_ENDS["Accelerate"])
     check_accelerator(accelerator)
     precision = engine_precision(accelerator)
     pipeline = Pipeline(

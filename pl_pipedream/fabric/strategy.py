@@ -37,15 +37,13 @@ from typing_extensions import override
 from pl_pipedream.core.materialize import EmptyBuild
 from pl_pipedream.core.placement import process_group_backend
 from pl_pipedream.engine import Pipeline
-from pl_pipedream.engine.options import checked_options, option_defaults
+from pl_pipedream.engine.options import FRONT_ENDS, checked_options, option_defaults
 from pl_pipedream.fabric.checkpoint import loop_state, restore
 from pl_pipedream.fabric.module import NoAccumulation, PipelineModule
 
 __all__ = ["PipeDreamFabricStrategy"]
 
 SETUP = "model, optimizer = fabric.setup(model, optimizer)"
-CALL = "PipeDreamFabricStrategy({args})"  # quoted in the fixes of the option checks
-FABRIC_DECIDES = ("device", "precision", "empty_build")  # Pipeline options Fabric sets
 
 
 class PipeDreamFabricStrategy(DDPStrategy):
@@ -75,7 +73,7 @@ class PipeDreamFabricStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         **options: Any,
     ) -> None:
-        self.engine_arguments, _ = checked_options(options, CALL, FABRIC_DECIDES)
+        self.engine_arguments, _ = checked_options(options, FRONT_ENDS["Fabric"])
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -37,6 +37,7 @@ from pl_pipedream.core.preemption import Preemption, parse_signals
 from pl_pipedream.core.pretrained import Pretrained
 from pl_pipedream.core.resume import Resume
 from pl_pipedream.engine.arguments import CHECKED, check_options
+from pl_pipedream.engine.options import FRONT_ENDS, checked_options
 from pl_pipedream.engine.session import Session
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
@@ -103,9 +104,11 @@ class PipeDreamStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
+        **lightning_decides: Any,
     ) -> None:
+        checked_options(lightning_decides, FRONT_ENDS["PipeDreamStrategy"])  # raises for any
         options = {k: v for k, v in locals().items() if k in CHECKED}  # as every front end's
-        self.sync = check_options(options, "PipeDreamStrategy({args})")
+        self.sync = check_options(options, FRONT_ENDS["PipeDreamStrategy"].call)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

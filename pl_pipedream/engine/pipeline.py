@@ -104,7 +104,10 @@ class Pipeline:
     creates only its stage; ``replan``: ``"auto"`` checks the plan every ``replan_every`` steps
     against the measured stage times and moves to a plan faster by more than
     ``replan_threshold`` (``engine.replanning``; each move a line of ``replan_history``, a
-    JSON-lines file), ``"off"``."""
+    JSON-lines file), ``"off"``; ``recompute``: stages keep only their minibatches' inputs and
+    recompute (``runtime.recompute``); ``weight_prediction``, ``lr_warmup_per_delay``: the
+    staleness corrections of ``async`` and ``vertical_sync`` (``runtime.staleness``);
+    ``timeline``: a path for a Chrome trace of every rank's actions, written at ``close``."""
 
     def __init__(
         self,

@@ -528,3 +528,35 @@ def test_an_optimizer_built_over_the_whole_model_is_cut_to_each_stage(tmp_path: 
         merged.update(value["model"])
     for name, tensor in weights.items():
         assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+
+
+def _train_corrected_and_traced(rank: int, world: int, folder: str) -> dict:
+    """async on [3, 3] with the lr warm-up per delay, a trace and the memory report."""
+    path = Path(folder) / "trace.json"
+    options = {"sync": "async", "microbatches": M, "balance": [3, 3], "timeline": path}
+    pipeline = Pipeline(make_model(), nn.functional.mse_loss, sgd, lr_warmup_per_delay=2, **options)
+    for batch in make_batches():
+        pipeline.train_step(batch)
+    rows = pipeline.memory_report()
+    state = pipeline.state_dict()
+    pipeline.close()
+    return {"state": state, "rows": rows, "bubbles": pipeline.bubbles, "trace": path.exists()}
+
+
+def test_the_warm_up_per_delay_the_trace_and_the_memory_report_run_on_pipeline(
+    tmp_path: Path,
+) -> None:
+    """Options every front end shares, on ``Pipeline``: the warm-up equals the oracle's rule, rank
+    0 writes the trace with each rank's bubble, every rank gets every rank's memory row."""
+    results = run(2, _train_corrected_and_traced, str(tmp_path), timeout=120.0)
+    expected = oracle.train(
+        make_model(), Plan.from_balance([3, 3]), "async", make_batches(), M,
+        nn.functional.mse_loss, sgd, lr_warmup_per_delay=2,
+    )  # fmt: skip
+    merged = _merged(results)
+    for name, tensor in expected.items():
+        assert torch.allclose(merged[name], tensor, rtol=0, atol=1e-6), name
+    first, second = results[0][1], results[1][1]
+    assert first["trace"] and sorted(first["bubbles"]) == [0, 1] and second["bubbles"] == {}
+    assert [row.rank for row in first["rows"]] == [0, 1] == [row.rank for row in second["rows"]]
+    assert all(row.weights > 0 for row in first["rows"])

@@ -222,7 +222,7 @@ class StageExecutor(SplitBackward):
 
     def memory_peaks(self) -> tuple[int, int]:
         """The peaks of the weight versions stashed beyond the live ones and of the activations
-        kept for backward passes, in bytes (``strategy.memory_report``)."""
+        kept for backward passes, in bytes (``core.memory_report``)."""
         return int(self.stash.peak_bytes), int(self.activations.peak_bytes)
 
     def close(self) -> None:

@@ -237,22 +237,10 @@ def test_popen_launches_like_ddp() -> None:
     assert type(trainer.strategy.launcher) is PipelineScriptLauncher  # watches the ranks itself
 
 
-class StageStates:
-    """What the launcher asks of the strategy: the world size and this rank's stage state."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-
-    def lightning_module_state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            f"net.{self.rank}.weight": torch.full((2,), float(self.rank)),
-            "scale": torch.ones(1) * self.rank,
-        }
-
-
 def _gather(rank: int, world: int) -> dict[str, torch.Tensor]:
-    return _gather_state_dict(StageStates(rank, world))
+    """What the launcher gathers: every rank's stage state under the module's names."""
+    own = {f"net.{rank}.weight": torch.full((2,), float(rank)), "scale": torch.ones(1) * rank}
+    return _gather_state_dict(world, own)
 
 
 @pytest.mark.slow  # two processes that import Lightning: about 5 s

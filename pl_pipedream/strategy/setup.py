@@ -37,9 +37,8 @@ from pl_pipedream.core.stage import cut_stage, pipeline_layers
 from pl_pipedream.runtime.affinity import bind_threads
 from pl_pipedream.runtime.memory import retain_freed_memory
 from pl_pipedream.runtime.pipeline import PipelineRunner
-from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
+from pl_pipedream.runtime.staleness import check_corrections, corrected_update
 from pl_pipedream.runtime.timeline import gather_trace
-from pl_pipedream.runtime.update import Update
 from pl_pipedream.schedule.modes import check_chunked
 from pl_pipedream.strategy import lightning_patches, memory_report
 from pl_pipedream.strategy.batches import shape_forward
@@ -199,12 +198,15 @@ def build_pipeline(strategy: Any, trainer: pl.Trainer) -> None:
         strategy.root_device,
         strategy.local_stage.ties_counted_elsewhere(),
     )
-    apply: Update = strategy.updates
-    if strategy.lr_warmup_per_delay:  # (the per-minibatch modes only: checked at __init__)
-        steps = strategy.lr_warmup_per_delay * stage_delay(
-            strategy.plan, strategy.sync, stage.index
-        )
-        apply = WarmedUpdate(strategy.updates, optimizers, steps)
+    # the learning-rate corrections (the per-minibatch modes only: checked at __init__)
+    apply = corrected_update(
+        strategy.updates,
+        optimizers,
+        strategy.plan,
+        strategy.sync,
+        stage.index,
+        lr_warmup_per_delay=strategy.lr_warmup_per_delay,
+    )
     strategy.runner = PipelineRunner.create(
         strategy.plan,
         strategy.sync,

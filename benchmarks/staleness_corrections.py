@@ -98,6 +98,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -203,8 +204,9 @@ def train(
     stages = [nn.ModuleDict({n: model[int(n)] for n in st.nodes}) for st in plan.stages]
     delays = [s.warmup if sync == "async" else 0 for s in plan.stages]
     betas = [stage_beta(opt.beta, d, corr.momentum) for d in delays]
-    optimizers = [
-        make_optimizer(opt, list(st.parameters()), b) for st, b in zip(stages, betas, strict=True)
+    optimizers = [  # None: a stage without parameters (a ReLU alone, with 8 stages)
+        make_optimizer(opt, params, b) if (params := list(st.parameters())) else None
+        for st, b in zip(stages, betas, strict=True)
     ]
     base_lr = [
         opt.lr * ((1 - b) / (1 - opt.beta) if corr.momentum == "pow_lr" else 1.0) for b in betas
@@ -215,7 +217,10 @@ def train(
         return {n: p.detach().clone() for n, p in named[s].items()}
 
     def predicted_step(s: int) -> dict[str, torch.Tensor]:
-        return {n: direction(optimizers[s], p) for n, p in named[s].items()}
+        optimizer = optimizers[s]
+        if optimizer is None:
+            return {}
+        return {n: direction(optimizer, p) for n, p in named[s].items()}
 
     # version -> weights (and, for predict, the state's step after that version)
     history = [{0: snapshot(s)} for s in range(len(stages))]
@@ -253,9 +258,11 @@ def train(
                 )
                 tau = delays[s] + 1 if corr.tau_plus_one else max(1, delays[s])
                 lr = lr / tau ** (1 - frac)
-            optimizers[s].param_groups[0]["lr"] = lr
-            optimizers[s].step()
-            optimizers[s].zero_grad(set_to_none=True)
+            optimizer = optimizers[s]
+            if optimizer is not None:
+                optimizer.param_groups[0]["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             applied[s] += 1
             history[s][applied[s]] = snapshot(s)
             history[s].pop(applied[s] - delays[s] - 2, None)
@@ -292,6 +299,7 @@ def setup(seed: int, epochs: int, num_stages: int, hidden=HIDDEN6):  # type: ign
 def parse(name: str, per_epoch: int) -> Correction:
     """A correction from its name: "+"-joined parts of "async" (none), "pred", "pred<k>",
     "lrT<epochs>" (PipeMare, horizon in epochs), "lrInf", either with "p1" (tau = d + 1),
+    "lrU<updates>" (horizon in updates),
     "dc<lambda>", "dca<lambda0>", "mpow", "mimpl", "mpowlr"; e.g. "pred+dca1"."""
     corr = Correction()
     for part in name.split("+"):
@@ -299,6 +307,8 @@ def parse(name: str, per_epoch: int) -> Correction:
             continue
         elif part.startswith("pred"):
             corr = replace(corr, predict=float(part[4:] or 1))
+        elif part.startswith("lrU"):  # lrU<updates>
+            corr = replace(corr, lr_horizon=float(part[3:]))
         elif part.startswith("lr"):  # lrT<epochs> or lrInf, "p1" at the end: tau = d + 1
             plus = part.endswith("p1")
             horizon = part[2:].removesuffix("p1")
@@ -357,29 +367,44 @@ def _score(state: dict[str, torch.Tensor], val: list) -> tuple[float, float]:  #
     return evaluate(trained, val)
 
 
+CHECKS = (  # sync, correction, oracle.train's (weight_prediction, _, delay_lr_updates)
+    ("flush", "async", (False, 0, None)),
+    ("async", "async", (False, 0, None)),
+    ("async", "pred", (True, 0, None)),
+    ("async", "lrInf", (False, 0, 0)),
+    ("async", "pred+lrU8", (True, 0, 8)),
+)
+
+
 def check() -> None:
     """This loop against ``tests/runtime/oracle.py``: no correction vs its async, predict vs its
-    weight_prediction (SGD exactly the same rule; AdamW differs by lr * wd * (W_v - W_(v-1)))."""
-    batches, _, model, plan = setup(0, 1, 3)
-    batches = batches[:20]
-    for opt in (Optim("sgd", 0.03), Optim("adamw", 1e-3, weight_decay=0.0), Optim("adamw", 1e-3)):
-
-        def make(params, opt=opt):  # type: ignore[no-untyped-def]
-            return make_optimizer(opt, params, opt.beta)
-
-        for sync, corr, wp in (
-            ("flush", Correction(), False),
-            ("async", Correction(), False),
-            ("async", Correction(predict=1.0), True),
+    weight_prediction (SGD exactly the same rule; AdamW differs by lr * wd * (W_v - W_(v-1))),
+    lrInf and lrU<T> vs its delay_lr_updates 0 and T, at 3 stages and at 8 (two of them without
+    parameters)."""
+    for stages in (3, 8):
+        batches, _, model, plan = setup(0, 1, stages)
+        batches = batches[:20]
+        for opt in (
+            Optim("sgd", 0.03),
+            Optim("adamw", 1e-3, weight_decay=0.0),
+            Optim("adamw", 1e-3),
         ):
-            ref = oracle.train(model, plan, sync, batches, 1, nn.functional.cross_entropy, make, wp)
-            ours = train(model, plan, batches, opt, corr, sync=sync)
-            diff = max(float((ref[k] - ours[k]).abs().max()) for k in ref)
-            wd = f" wd {opt.weight_decay:g}" if opt.kind == "adamw" else ""
-            print(
-                f"check {opt.label}{wd} {sync} predict={corr.predict:g}: "
-                f"max |oracle - this| {diff:.2e}"
-            )
+
+            def make(params, opt=opt):  # type: ignore[no-untyped-def]
+                return make_optimizer(opt, params, opt.beta)
+
+            for sync, name, flags in CHECKS:
+                ref = oracle.train(
+                    model, plan, sync, batches, 1, nn.functional.cross_entropy, make, *flags
+                )
+                ours = train(model, plan, batches, opt, parse(name, len(batches)), sync=sync)
+                diff = max(float((ref[k] - ours[k]).abs().max()) for k in ref)
+                wd = f" wd {opt.weight_decay:g}" if opt.kind == "adamw" else ""
+                print(
+                    f"check {stages}st {opt.label}{wd} {sync} {name}: max |oracle - this| "
+                    f"{diff:.2e}",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -444,9 +469,9 @@ def _table(results: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
                 cells.append("")
                 continue
             mean = sum(accs) / len(accs)
-            cells.append(
-                f"{mean:.3f}" + ("*" if name != "one device" and mean >= base - 0.02 else "")
-            )
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            mark = "*" if name != "one device" and mean >= base - 0.02 else ""
+            cells.append(f"{mean:.3f}±{sd:.3f}{mark}")
         print(f"| {key} | " + " | ".join(cells) + " |")
 
 

@@ -8,7 +8,9 @@ the corrections of ``Correction`` added; ``sync="flush"`` with one microbatch is
 ``--check`` compares it with the oracle itself.
 
 Model and data: digits6 of docs/convergence.md (flatten, Linear 64-128, 128-128, 128-128,
-128-128, 128-64, 64-10 with ReLUs: 12 pipeline layers cut evenly into 2, 3 or 4 stages),
+128-128, 128-64, 64-10 with ReLUs: 12 pipeline layers cut evenly into 2, 3 or 4 stages; into 8
+as [2, 2, 2, 2, 1, 1, 1, 1], where stages 4 and 6 hold a ReLU alone and no parameters but still
+count for every other stage's delay),
 scikit-learn digits through ``DigitsDataModule(batch_size=32, seed)`` (its seeded split and
 per-epoch shuffle), 15 epochs = 585 updates per stage, seeds 0..2 (split, order and initial
 weights). Optimizers: SGD lr 0.03 and 0.1 momentum 0.9, AdamW lr 1e-3 (betas 0.9/0.999, wd 0.01).
@@ -16,36 +18,61 @@ Equal samples and equal updates coincide here: one microbatch per batch, so asyn
 both step every stage once per 32 examples (the Nesterov paper's trap, 4x fewer sync updates,
 does not arise). The score is the final validation accuracy (270 examples; 1/270 = 0.004).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --check   # 10 s
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --check   # 17 s
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py           # 630 s
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --settings sgd0.03 \
         --stages 3 4 --epochs 40 --corrections async pred pred1.5 pred+dca1 pred+lrInf
 
 Correction names ("+" joins them; ``parse``): ``pred`` prediction along the optimizer's own step
-(SGD: W - d lr buf, which is the existing ``weight_prediction`` exactly; AdamW: W - d lr (m_hat /
-(sqrt(v_hat) + eps) + wd W), the existing rule up to lr wd (W_v - W_(v-1))); ``pred1.5`` the
+(SGD: W - d lr buf, which is the runtime's ``weight_prediction`` exactly; AdamW: W - d lr (m_hat
+/ (sqrt(v_hat) + eps) + wd W), the runtime's rule up to lr wd (W_v - W_(v-1))); ``pred1.5`` the
 same 1.5 d steps ahead; ``lrT5`` PipeMare lr / tau_s^(1 - min(u / T, 1)), tau_s = max(1, w_s),
-T = 5 epochs; ``lrInf`` lr / tau_s throughout; ``dca1`` DC-ASGD-a (g + lambda_t g g (W_now -
+u the updates before, T = 5 epochs (``lrU200``: T = 200 updates); ``lrInf`` lr / tau_s
+throughout: the runtime's learning rate per delay (``runtime.staleness.DelayScaledUpdate``)
+with ``delay_lr_updates`` T and 0; ``dca1`` DC-ASGD-a (g + lambda_t g g (W_now -
 W_stashed), lambda_t = 1 / sqrt(moving mean of g g)); ``mpow`` stage momentum/beta1 beta^(1 +
 w_s); ``mimpl`` beta - w_s / (w_s + 1) (asynchrony's implicit momentum taken off).
 
-Printed on 2 shared CPU cores (torch 2.13.0+cpu), --check:
+Printed on 2 shared CPU cores (torch 2.13.0+cpu), --check (20 updates; lrU8 anneals over 8):
 
-    check sgd0.03-m0.9 wd 0.01 flush predict=0.0: max |oracle - this| 0.00e+00
-    check sgd0.03-m0.9 wd 0.01 async predict=0.0: max |oracle - this| 0.00e+00
-    check sgd0.03-m0.9 wd 0.01 async predict=1.0: max |oracle - this| 7.45e-09
-    check adamw0.001 wd 0 flush predict=0.0: max |oracle - this| 0.00e+00
-    check adamw0.001 wd 0 async predict=0.0: max |oracle - this| 0.00e+00
-    check adamw0.001 wd 0 async predict=1.0: max |oracle - this| 2.79e-07
-    check adamw0.001 wd 0.01 flush predict=0.0: max |oracle - this| 0.00e+00
-    check adamw0.001 wd 0.01 async predict=0.0: max |oracle - this| 0.00e+00
-    check adamw0.001 wd 0.01 async predict=1.0: max |oracle - this| 2.23e-03
+    check 3st sgd0.03-m0.9 flush async: max |oracle - this| 0.00e+00
+    check 3st sgd0.03-m0.9 async async: max |oracle - this| 0.00e+00
+    check 3st sgd0.03-m0.9 async pred: max |oracle - this| 7.45e-09
+    check 3st sgd0.03-m0.9 async lrInf: max |oracle - this| 0.00e+00
+    check 3st sgd0.03-m0.9 async pred+lrU8: max |oracle - this| 7.45e-09
+    check 3st adamw0.001 wd 0 flush async: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0 async async: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0 async pred: max |oracle - this| 2.79e-07
+    check 3st adamw0.001 wd 0 async lrInf: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0 async pred+lrU8: max |oracle - this| 2.05e-07
+    check 3st adamw0.001 wd 0.01 flush async: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0.01 async async: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0.01 async pred: max |oracle - this| 2.23e-03
+    check 3st adamw0.001 wd 0.01 async lrInf: max |oracle - this| 0.00e+00
+    check 3st adamw0.001 wd 0.01 async pred+lrU8: max |oracle - this| 9.42e-07
+    check 8st sgd0.03-m0.9 flush async: max |oracle - this| 0.00e+00
+    check 8st sgd0.03-m0.9 async async: max |oracle - this| 0.00e+00
+    check 8st sgd0.03-m0.9 async pred: max |oracle - this| 1.70e-05
+    check 8st sgd0.03-m0.9 async lrInf: max |oracle - this| 0.00e+00
+    check 8st sgd0.03-m0.9 async pred+lrU8: max |oracle - this| 7.45e-09
+    check 8st adamw0.001 wd 0 flush async: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0 async async: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0 async pred: max |oracle - this| 1.42e-07
+    check 8st adamw0.001 wd 0 async lrInf: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0 async pred+lrU8: max |oracle - this| 2.03e-07
+    check 8st adamw0.001 wd 0.01 flush async: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0.01 async async: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0.01 async pred: max |oracle - this| 4.81e-06
+    check 8st adamw0.001 wd 0.01 async lrInf: max |oracle - this| 0.00e+00
+    check 8st adamw0.001 wd 0.01 async pred+lrU8: max |oracle - this| 3.40e-06
 
 (AdamW with weight decay: the 2e-3 is Adam normalising the lr wd (W_v - W_(v-1)) difference of
-1.7e-8 per prediction over 20 steps; without decay the two rules agree to 3e-7.)
+1.7e-8 per prediction over 20 steps; without decay the two rules agree to 3e-7. SGD pred at 8
+stages: 1.7e-5 is float32 rounding that 8-stage staleness at full rate amplifies; the same
+check in float64 gives 2.8e-17.)
 
-The grid (the table it prints, in two halves: mean final val_acc over seeds 0..2; * within
-0.02 of one device; 630 s):
+The grid (the second command; its table, means only, in two halves: mean final val_acc over
+seeds 0..2; * within 0.02 of one device; 630 s):
 
     setting       one device      async       pred    pred1.5       lrT5      lrInf       dca1
     sgd0.03-2st        0.932      0.833      0.852     0.912*      0.833      0.833      0.844
@@ -90,6 +117,59 @@ Earlier sweeps on sgd0.03-3st (3 seeds, same command with --corrections): DC-ASG
 lambda 0.1 / 1 / 10 / 100: 0.488 / 0.485 / 0.541 / 0.578; DC-ASGD-a lambda0 0.1 / 1 / 4: 0.468 /
 0.637 / 0.412; PipeMare T = 1 / 5 / 15 epochs / inf: 0.298 / 0.499 / 0.344 / 0.542; momentum
 "pow" with lr scaled to keep lr / (1 - beta) (mpowlr): 0.420; pred2 / pred3: 0.678 / 0.627.
+
+The learning rate per delay (``delay_lr_updates``) at 2, 4 and 8 stages, 5 seeds, 40 epochs
+(1,560 updates per stage; lrT5 is T = 195 updates, lrT20 T = 780), one command per optimizer,
+run one after the other (457 s and 763 s):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/staleness_corrections.py --settings sgd0.03 \
+        --stages 2 4 8 --seeds 5 --epochs 40 \
+        --corrections async pred pred+lrInf pred+lrT5 pred+lrT20 lrInf
+    (the same with --settings adamw1e-3)
+
+One device has converged by 40 epochs: over seeds 0..4 (``--stages 2 --seeds 5 --corrections
+async`` at 20, 40 and 60 epochs) it reaches 0.955 / 0.974 / 0.971 with SGD and 0.950 / 0.973 /
+0.974 with AdamW. The two tables as printed, in two halves (mean ± sd of the final val_acc over
+seeds 0..4; * within 0.02 of one device):
+
+    setting           one device         async          pred    pred+lrInf
+    sgd0.03-2st      0.974±0.017  0.968±0.019*  0.976±0.012*  0.976±0.012*
+    sgd0.03-4st      0.974±0.017   0.651±0.260   0.817±0.128  0.957±0.018*
+    sgd0.03-8st      0.974±0.017   0.081±0.017   0.164±0.135   0.673±0.162
+    adamw1e-3-2st    0.973±0.018  0.970±0.008*  0.973±0.012*  0.973±0.012*
+    adamw1e-3-4st    0.973±0.018  0.968±0.014*  0.967±0.011*  0.967±0.015*
+    adamw1e-3-8st    0.973±0.018  0.960±0.011*  0.967±0.015*  0.957±0.016*
+
+    setting            pred+lrT5    pred+lrT20         lrInf
+    sgd0.03-2st     0.976±0.012*  0.976±0.012*  0.968±0.019*
+    sgd0.03-4st      0.950±0.035   0.933±0.011   0.859±0.172
+    sgd0.03-8st      0.081±0.017   0.142±0.080   0.364±0.128
+    adamw1e-3-2st   0.973±0.012*  0.973±0.012*  0.970±0.008*
+    adamw1e-3-4st   0.972±0.009*  0.969±0.013*  0.970±0.010*
+    adamw1e-3-8st   0.964±0.014*   0.888±0.174   0.950±0.018
+
+Per seed (the lines it prints): sgd0.03-4st async 0.922 0.737 0.837 0.437 0.322, pred 0.959
+0.956 0.719 0.722 0.730, pred+lrInf 0.970 0.948 0.981 0.944 0.941; sgd0.03-8st pred+lrInf 0.830
+0.826 0.441 0.633 0.637; adamw1e-3-8st pred+lrT20 0.578 0.970 0.970 0.952 0.970. Since the 8-stage
+SGD runs had not finished learning, the same at 80 epochs (``--stages 8 --epochs 80
+--corrections async pred pred+lrInf lrInf``, 236 s):
+
+    | setting | one device | async | pred | pred+lrInf | lrInf |
+    | sgd0.03-8st | 0.970±0.015 | 0.081±0.017 | 0.141±0.131 | 0.881±0.164 | 0.657±0.260 |
+
+(pred+lrInf per seed 0.948 0.948 0.589 0.944 0.974.)
+
+Reading it. Equal samples and equal updates are the same point here (one update per stage per 32
+examples in every column). At 2 stages tau_s = max(1, 1) = 1 everywhere, so every lr column equals
+its column without (pred+lr* = pred, lrInf = async). SGD lr 0.03 momentum 0.9: the learning rate
+per delay with prediction is the only correction within 0.02 of one device at 4 stages (0.957, sd
+0.018, against async 0.651 sd 0.260 and pred 0.817), and the best by far at 8 (0.673 at 40 epochs,
+0.881 at 80, against async at chance, 0.081); annealing it back to the base rate (lrT5, lrT20)
+gives back most of the gain at 8 stages, and without prediction (lrInf) it closes a third to two
+thirds of the gap to one device. AdamW lr 1e-3: every column is within 0.02 at 2 and 4 stages and
+the differences are within one sd; at 8 stages async 0.960, pred 0.967, pred+lrInf 0.957, lrInf
+0.950, pred+lrT20 one seed collapsed (0.578): AdamW, which normalises its steps, does not need the
+learning rate per delay, and dividing it only slows learning a little.
 """
 
 from __future__ import annotations
@@ -98,6 +178,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -203,8 +284,9 @@ def train(
     stages = [nn.ModuleDict({n: model[int(n)] for n in st.nodes}) for st in plan.stages]
     delays = [s.warmup if sync == "async" else 0 for s in plan.stages]
     betas = [stage_beta(opt.beta, d, corr.momentum) for d in delays]
-    optimizers = [
-        make_optimizer(opt, list(st.parameters()), b) for st, b in zip(stages, betas, strict=True)
+    optimizers = [  # None: a stage without parameters (a ReLU alone, with 8 stages)
+        make_optimizer(opt, params, b) if (params := list(st.parameters())) else None
+        for st, b in zip(stages, betas, strict=True)
     ]
     base_lr = [
         opt.lr * ((1 - b) / (1 - opt.beta) if corr.momentum == "pow_lr" else 1.0) for b in betas
@@ -215,7 +297,10 @@ def train(
         return {n: p.detach().clone() for n, p in named[s].items()}
 
     def predicted_step(s: int) -> dict[str, torch.Tensor]:
-        return {n: direction(optimizers[s], p) for n, p in named[s].items()}
+        optimizer = optimizers[s]
+        if optimizer is None:
+            return {}
+        return {n: direction(optimizer, p) for n, p in named[s].items()}
 
     # version -> weights (and, for predict, the state's step after that version)
     history = [{0: snapshot(s)} for s in range(len(stages))]
@@ -253,9 +338,11 @@ def train(
                 )
                 tau = delays[s] + 1 if corr.tau_plus_one else max(1, delays[s])
                 lr = lr / tau ** (1 - frac)
-            optimizers[s].param_groups[0]["lr"] = lr
-            optimizers[s].step()
-            optimizers[s].zero_grad(set_to_none=True)
+            optimizer = optimizers[s]
+            if optimizer is not None:
+                optimizer.param_groups[0]["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             applied[s] += 1
             history[s][applied[s]] = snapshot(s)
             history[s].pop(applied[s] - delays[s] - 2, None)
@@ -292,6 +379,7 @@ def setup(seed: int, epochs: int, num_stages: int, hidden=HIDDEN6):  # type: ign
 def parse(name: str, per_epoch: int) -> Correction:
     """A correction from its name: "+"-joined parts of "async" (none), "pred", "pred<k>",
     "lrT<epochs>" (PipeMare, horizon in epochs), "lrInf", either with "p1" (tau = d + 1),
+    "lrU<updates>" (horizon in updates),
     "dc<lambda>", "dca<lambda0>", "mpow", "mimpl", "mpowlr"; e.g. "pred+dca1"."""
     corr = Correction()
     for part in name.split("+"):
@@ -299,6 +387,8 @@ def parse(name: str, per_epoch: int) -> Correction:
             continue
         elif part.startswith("pred"):
             corr = replace(corr, predict=float(part[4:] or 1))
+        elif part.startswith("lrU"):  # lrU<updates>
+            corr = replace(corr, lr_horizon=float(part[3:]))
         elif part.startswith("lr"):  # lrT<epochs> or lrInf, "p1" at the end: tau = d + 1
             plus = part.endswith("p1")
             horizon = part[2:].removesuffix("p1")
@@ -357,29 +447,44 @@ def _score(state: dict[str, torch.Tensor], val: list) -> tuple[float, float]:  #
     return evaluate(trained, val)
 
 
+CHECKS = (  # sync, correction, oracle.train's (weight_prediction, _, delay_lr_updates)
+    ("flush", "async", (False, 0, None)),
+    ("async", "async", (False, 0, None)),
+    ("async", "pred", (True, 0, None)),
+    ("async", "lrInf", (False, 0, 0)),
+    ("async", "pred+lrU8", (True, 0, 8)),
+)
+
+
 def check() -> None:
     """This loop against ``tests/runtime/oracle.py``: no correction vs its async, predict vs its
-    weight_prediction (SGD exactly the same rule; AdamW differs by lr * wd * (W_v - W_(v-1)))."""
-    batches, _, model, plan = setup(0, 1, 3)
-    batches = batches[:20]
-    for opt in (Optim("sgd", 0.03), Optim("adamw", 1e-3, weight_decay=0.0), Optim("adamw", 1e-3)):
-
-        def make(params, opt=opt):  # type: ignore[no-untyped-def]
-            return make_optimizer(opt, params, opt.beta)
-
-        for sync, corr, wp in (
-            ("flush", Correction(), False),
-            ("async", Correction(), False),
-            ("async", Correction(predict=1.0), True),
+    weight_prediction (SGD exactly the same rule; AdamW differs by lr * wd * (W_v - W_(v-1))),
+    lrInf and lrU<T> vs its delay_lr_updates 0 and T, at 3 stages and at 8 (two of them without
+    parameters)."""
+    for stages in (3, 8):
+        batches, _, model, plan = setup(0, 1, stages)
+        batches = batches[:20]
+        for opt in (
+            Optim("sgd", 0.03),
+            Optim("adamw", 1e-3, weight_decay=0.0),
+            Optim("adamw", 1e-3),
         ):
-            ref = oracle.train(model, plan, sync, batches, 1, nn.functional.cross_entropy, make, wp)
-            ours = train(model, plan, batches, opt, corr, sync=sync)
-            diff = max(float((ref[k] - ours[k]).abs().max()) for k in ref)
-            wd = f" wd {opt.weight_decay:g}" if opt.kind == "adamw" else ""
-            print(
-                f"check {opt.label}{wd} {sync} predict={corr.predict:g}: "
-                f"max |oracle - this| {diff:.2e}"
-            )
+
+            def make(params, opt=opt):  # type: ignore[no-untyped-def]
+                return make_optimizer(opt, params, opt.beta)
+
+            for sync, name, flags in CHECKS:
+                ref = oracle.train(
+                    model, plan, sync, batches, 1, nn.functional.cross_entropy, make, *flags
+                )
+                ours = train(model, plan, batches, opt, parse(name, len(batches)), sync=sync)
+                diff = max(float((ref[k] - ours[k]).abs().max()) for k in ref)
+                wd = f" wd {opt.weight_decay:g}" if opt.kind == "adamw" else ""
+                print(
+                    f"check {stages}st {opt.label}{wd} {sync} {name}: max |oracle - this| "
+                    f"{diff:.2e}",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -444,9 +549,9 @@ def _table(results: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
                 cells.append("")
                 continue
             mean = sum(accs) / len(accs)
-            cells.append(
-                f"{mean:.3f}" + ("*" if name != "one device" and mean >= base - 0.02 else "")
-            )
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            mark = "*" if name != "one device" and mean >= base - 0.02 else ""
+            cells.append(f"{mean:.3f}±{sd:.3f}{mark}")
         print(f"| {key} | " + " | ".join(cells) + " |")
 
 

@@ -42,6 +42,7 @@ CHECKED = (
     "chunks_per_rank",
     "weight_prediction",
     "lr_warmup_per_delay",
+    "delay_lr_updates",
 )
 WARN = 'divergence="warn"'
 
@@ -132,7 +133,8 @@ def check_options(options: Mapping[str, Any], call: str = CALL) -> SyncMode:
     given = (options["balance"], options["plan"], options["replan"] == "auto")
     memory = parse_memory(options["memory"])
     check_chunk_options(mode, options["chunks_per_rank"], memory, *given, call)
-    check_corrections(mode, options["weight_prediction"], options["lr_warmup_per_delay"])
+    corrections = (options["weight_prediction"], options["lr_warmup_per_delay"])
+    check_corrections(mode, *corrections, delay_lr_updates=options["delay_lr_updates"])
     return mode
 
 

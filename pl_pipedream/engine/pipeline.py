@@ -105,8 +105,10 @@ class Pipeline:
     against the measured stage times and moves to a plan faster by more than
     ``replan_threshold`` (``engine.replanning``; each move a line of ``replan_history``, a
     JSON-lines file), ``"off"``; ``recompute``: stages keep only their minibatches' inputs and
-    recompute (``runtime.recompute``); ``weight_prediction``, ``lr_warmup_per_delay``: the
-    staleness corrections of ``async`` and ``vertical_sync`` (``runtime.staleness``);
+    recompute (``runtime.recompute``); ``weight_prediction``, ``lr_warmup_per_delay``,
+    ``delay_lr_updates``: the staleness corrections of ``async`` and ``vertical_sync``
+    (``runtime.staleness``; the last divides each stage's learning rate by its delay, for good
+    with 0, returning to the base rate over that many updates otherwise);
     ``timeline``: a path for a Chrome trace of every rank's actions, written at ``close``."""
 
     def __init__(
@@ -124,6 +126,7 @@ class Pipeline:
         recompute: bool = False,
         weight_prediction: bool = False,
         lr_warmup_per_delay: int = 0,
+        delay_lr_updates: int | None = None,
         divergence: str = "error",
         divergence_rise: float = 0.9,
         divergence_patience: int = 3,
@@ -172,8 +175,8 @@ class Pipeline:
         self.optimizer: Optimizer | None = None
         settings = Settings(
             self.sync, microbatches, self.rank, self.device, self.timeout, self.precision,
-            weight_prediction, lr_warmup_per_delay, recompute, self.timeline is not None,
-            replanning,
+            weight_prediction, lr_warmup_per_delay, delay_lr_updates, recompute,
+            self.timeline is not None, replanning,
         )  # fmt: skip
         self.session = Session(
             self.layers, self.layers, settings, self._update_of, self._optimizers

@@ -44,7 +44,7 @@ from pl_pipedream.planner.ties import Tie
 from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.runtime.staleness import WarmedUpdate, check_corrections, stage_delay
+from pl_pipedream.runtime.staleness import check_corrections, corrected_update
 from pl_pipedream.runtime.ties import check_ties
 from pl_pipedream.runtime.timeline import TimelineEvent
 from pl_pipedream.runtime.update import Update
@@ -69,6 +69,7 @@ class Settings:
     precision: StagePrecision
     weight_prediction: bool = False
     lr_warmup_per_delay: int = 0
+    delay_lr_updates: int | None = None
     recompute: bool = False
     keep_timeline: bool = False  # every action kept for a trace (timeline=)
     replanning: bool = False  # the plan may change: its checks read the actions too
@@ -134,10 +135,9 @@ class Session:
         assert plan is not None
         self.check_plan(local.ties, plan)
         self.update = self.update_of(local, plan)
-        update: Update = self.update
-        if s.lr_warmup_per_delay:  # the per-minibatch modes only (check_corrections)
-            steps = s.lr_warmup_per_delay * stage_delay(plan, s.sync, local.stage.index)
-            update = WarmedUpdate(update, self.optimizers, steps)
+        corrections = (s.lr_warmup_per_delay, s.delay_lr_updates)  # checked: check_plan
+        index = local.stage.index
+        update = corrected_update(self.update, self.optimizers, plan, s.sync, index, *corrections)
         self.runner = PipelineRunner.create(
             plan,
             s.sync,
@@ -163,7 +163,8 @@ class Session:
         ties = [t.describe() for t in tied]
         check_ties(s.sync, ties, [stage.replicas for stage in plan.stages], s.caller)
         check_chunked(s.sync, ties, s.replanning, f"{s.caller}(sync='{{sync}}')")
-        check_corrections(s.sync, s.weight_prediction, s.lr_warmup_per_delay, ties)
+        corrections = (s.weight_prediction, s.lr_warmup_per_delay, ties, s.delay_lr_updates)
+        check_corrections(s.sync, *corrections)
 
     def running(self) -> PipelineRunner:
         """The runner in use; raises once the session is closed."""

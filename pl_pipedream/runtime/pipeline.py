@@ -40,7 +40,7 @@ from pl_pipedream.runtime.executor import StageExecutor
 from pl_pipedream.runtime.feed import Feed
 from pl_pipedream.runtime.losses import Logged, LossBook
 from pl_pipedream.runtime.precision import StagePrecision
-from pl_pipedream.runtime.staleness import check_corrections
+from pl_pipedream.runtime.staleness import carry_counts, check_corrections
 from pl_pipedream.runtime.tags import Tag
 from pl_pipedream.runtime.tied_versions import TiedVersions
 from pl_pipedream.runtime.ties import TiedGradients
@@ -179,10 +179,10 @@ class PipelineRunner:
     def carry_over(self, old: PipelineRunner) -> None:
         """Go on from ``old``, a drained runner this one replaces (a re-plan): what counts for
         the whole fit, the batches fed (the divergence check finds a loss's batch by it), the
-        newest loss and its batch, and a learning-rate warm-up's updates applied."""
+        newest loss and its batch, and the updates counted by its learning-rate corrections
+        (``runtime.staleness.carry_counts``)."""
         self.batches, self.loss, self.loss_batch = old.batches, old.loss, old.loss_batch
-        if hasattr(old.update, "count") and hasattr(self.update, "count"):
-            self.update.count = old.update.count  # runtime.staleness.WarmedUpdate
+        carry_counts(self.update, old.update)
 
     @property
     def drained(self) -> bool:

@@ -46,6 +46,7 @@ class Host(Protocol):
     pretrained: Pretrained | None
     weight_prediction: bool
     lr_warmup_per_delay: int
+    delay_lr_updates: int | None
     chunks_per_rank: int | None
     retain_freed_memory: bool
     bind_cpus: bool

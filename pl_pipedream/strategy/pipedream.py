@@ -55,15 +55,14 @@ __all__ = ["PipeDreamStrategy"]
 class PipeDreamStrategy(ParallelStrategy):
     """Pipeline-parallel training with PipeDream's 1F1B, 1F1B-RR and weight stashing.
 
-    The options every front end shares (``sync``, ``microbatches``, ``balance``, ``plan``,
-    ``topology``, ``memory``, ``timeout``, ``timeline``, ``recompute``, ``weight_prediction``,
-    ``lr_warmup_per_delay``, ``divergence`` and its thresholds, ``preempt_signals``,
-    ``pretrained``, ``replan`` and its settings, ``chunks_per_rank``) mean what they mean for
-    ``pl_pipedream.Pipeline`` and are checked by the same rule (``engine.arguments``). Here they
-    differ in their defaults: ``sync="async"`` (PipeDream's own mode), ``preempt_signals``
-    SIGTERM and SIGUSR1 (each stops every rank at one step with ``last.ckpt`` saved; ``()``
-    leaves them to Lightning), and with neither ``balance`` nor ``plan`` rank 0 profiles and
-    plans at setup from the first batch (``strategy.planning``). The strategy's own options:
+    The options it shares with every front end are ``pl_pipedream.Pipeline``'s, less those
+    Lightning decides (the device, the precision, gradient clipping, ...: ``engine.options.
+    FRONT_ENDS``, which names where each is set; passing one here is refused naming it). They
+    mean what they mean for ``Pipeline`` and are checked by the same rule (``engine.
+    arguments``). Its defaults that differ: ``sync="async"`` (PipeDream's own mode), and
+    ``preempt_signals`` SIGTERM and SIGUSR1 (each stops every rank at one step with
+    ``last.ckpt`` saved; ``()`` leaves them to Lightning). With neither ``balance`` nor
+    ``plan``, rank 0 profiles the first batch and plans (``strategy.planning``). Its own:
 
     Args:
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
@@ -86,6 +85,7 @@ class PipeDreamStrategy(ParallelStrategy):
         bind_cpus: bool = True,
         weight_prediction: bool = False,
         lr_warmup_per_delay: int = 0,
+        delay_lr_updates: int | None = None,
         divergence: str = "error",
         divergence_rise: float = 0.9,
         divergence_patience: int = 3,
@@ -118,6 +118,7 @@ class PipeDreamStrategy(ParallelStrategy):
         )
         arguments.check_start_method(start_method)
         self.weight_prediction, self.lr_warmup_per_delay = weight_prediction, lr_warmup_per_delay
+        self.delay_lr_updates = delay_lr_updates
         self.balance = list(balance) if balance is not None else None
         self._given_plan = plan
         self.topology, self.setup_seconds, self.timeout = topology, 0.0, float(timeout)

@@ -138,6 +138,7 @@ def new_session(
         stage_precision(strategy.precision_plugin, device),
         strategy.weight_prediction,
         strategy.lr_warmup_per_delay,
+        strategy.delay_lr_updates,
         strategy.recompute,
         keep_timeline=strategy.timeline is not None,
         replanning=strategy.replanning.on,

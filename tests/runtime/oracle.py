@@ -25,7 +25,11 @@ Corrections of stale weights (per-minibatch modes only; stage s, minibatch i on 
   W_v + d * (W_v - W_(v-1)), taken from the stage's history of versions;
 * learning-rate warm-up per delay: the stage's delay d_s is w_s in async and
   ceil(r_0 * w_0 / r_s) in vertical_sync; its u-th update (u = 1, 2, ...) steps with the
-  learning rate times min(1, u / (factor * d_s)) (no warm-up where that product is 0).
+  learning rate times min(1, u / (factor * d_s)) (no warm-up where that product is 0);
+* learning rate per delay (T: ``delay_lr_updates``): with tau_s = max(1, d_s) and n the updates
+  stage s has applied before, its next update steps with the learning rate over
+  tau_s ** (1 - n / T) while n < T and with the learning rate itself from then on; T = 0 keeps
+  it over tau_s for good. With the warm-up as well, both factors multiply.
 
 Every layer is called as ``nn.Sequential`` calls it: with one argument, the microbatch's inputs
 (a tensor, or any tuple, list or dict of them) for the first, the previous layer's output
@@ -78,9 +82,10 @@ def train(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     weight_prediction: bool = False,
     lr_warmup_per_delay: int = 0,
+    delay_lr_updates: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train a copy of ``model`` (layers named "0", "1", ...) and return its final state dict."""
-    corrected = weight_prediction or lr_warmup_per_delay
+    corrected = weight_prediction or lr_warmup_per_delay or delay_lr_updates is not None
     assert not corrected or sync in PER_MINIBATCH, "the corrections are per-minibatch rules"
     model = copy.deepcopy(model)
     stages = [nn.ModuleDict({n: model[int(n)] for n in stage.nodes}) for stage in plan.stages]
@@ -98,6 +103,7 @@ def train(
     counts = [0 for _ in stages]
     applied = [0 for _ in stages]  # updates per stage, for the warm-up
     ramps = [lr_warmup_per_delay * _stage_delay(plan, sync, s) for s in range(len(stages))]
+    taus = [max(1, _stage_delay(plan, sync, s)) for s in range(len(stages))]
     m = num_microbatches
     for t, (x, y) in enumerate(batches):
         xs, ys = chunk(x, m), chunk(y, m)
@@ -119,8 +125,9 @@ def train(
                 counts[s] += 1
                 size = plan.stages[s].replicas if sync in PER_MINIBATCH else m
                 if counts[s] == size:
+                    scale = _delay_scale(taus[s], applied[s], delay_lr_updates)
                     applied[s] += 1
-                    scale = 1.0 if ramps[s] == 0 else min(1.0, applied[s] / ramps[s])
+                    scale *= 1.0 if ramps[s] == 0 else min(1.0, applied[s] / ramps[s])
                     _apply(stages[s], optimizers[s], pending[s], size, ties, scale)
                     history[s].append(_clone(stages[s], ties))
                     pending[s], counts[s] = {}, 0
@@ -223,6 +230,17 @@ def _stage_delay(plan: Plan, sync: str, stage: int) -> int:
     if sync == "vertical_sync":
         return -(-(first.replicas * first.warmup) // s.replicas)
     return 0
+
+
+def _delay_scale(tau: int, before: int, horizon: int | None) -> float:
+    """The learning rate per delay's factor after ``before`` updates (None: off)."""
+    if horizon is None:
+        return 1.0
+    if horizon == 0:
+        return 1.0 / tau
+    if before >= horizon:
+        return 1.0
+    return tau ** (before / horizon - 1.0)
 
 
 def _extrapolate(current: dict, previous: dict, d: int) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""Weight prediction and the learning-rate warm-up per delay: the formulas, the checks, and the
-pipeline over gloo against the single-process oracle (which implements both rules itself)."""
+"""Weight prediction, the learning-rate warm-up per delay and the learning rate per delay: the
+formulas, the checks, and the pipeline over gloo against the single-process oracle (which
+implements the three rules itself)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from torch import nn
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.staleness import (
+    DelayScaledUpdate,
     WarmedUpdate,
+    carry_counts,
     check_corrections,
+    corrected_update,
+    delay_lr_factor,
     delay_of,
     predict,
     stage_delay,
@@ -31,11 +36,17 @@ from tests.runtime.test_executor import (
 )
 
 WARMUP = 2  # lr_warmup_per_delay of the runs below: ramps of 2 to 6 updates within 5 batches
-CORRECTIONS = {  # (weight_prediction, lr_warmup_per_delay)
-    "prediction": (True, 0),
-    "warm-up": (False, WARMUP),
-    "both": (True, WARMUP),
+ANNEAL = 4  # delay_lr_updates of the runs below: every stage applies 10 to 20 updates
+CORRECTIONS = {  # (weight_prediction, lr_warmup_per_delay, delay_lr_updates): the optimizers
+    "prediction": ((True, 0, None), ("sgd",)),
+    "warm-up": ((False, WARMUP, None), ("sgd",)),
+    "both": ((True, WARMUP, None), ("sgd", "adam")),
+    "lr per delay": ((False, 0, 0), ("sgd", "adamw")),
+    "prediction, lr per delay annealed": ((True, 0, ANNEAL), ("sgd", "adamw")),
+    "all three": ((True, WARMUP, ANNEAL), ("sgd", "adamw")),
 }
+OPTIMIZERS = {**OPTIMIZERS, "adamw": lambda params: torch.optim.AdamW(params, lr=0.01)}
+TOLERANCE = 1e-6
 PLANS = {  # plan, microbatches
     "2 stages": (Plan.from_balance([3, 3]), 2),
     "3 stages": (Plan.from_balance([2, 2, 2]), 3),
@@ -113,6 +124,62 @@ def test_a_warmed_update_scales_the_learning_rate_and_puts_it_back() -> None:
     assert optimizer.param_groups[0]["lr"] == 0.4
 
 
+def test_learning_rate_per_delay_factors() -> None:
+    # tau 4: lr / 4 on the first update, annealed geometrically to lr by the (T + 1)-th
+    assert [delay_lr_factor(u, 4, 2) for u in (1, 2, 3, 9)] == pytest.approx([0.25, 0.5, 1, 1])
+    assert [delay_lr_factor(u, 4, 0) for u in (1, 100)] == [0.25, 0.25]
+    assert [delay_lr_factor(1, d, 0) for d in (0, 1, 2)] == [1.0, 1.0, 0.5]
+    # the oracle's rule, written on its own, gives the same factors
+    for delay, updates in ((3, 0), (3, 5), (2, 1), (0, 3)):
+        for u in range(1, 9):
+            ours = delay_lr_factor(u, delay, updates)
+            theirs = oracle._delay_scale(max(1, delay), u - 1, updates)
+            assert ours == pytest.approx(theirs), (delay, updates, u)
+
+
+def _recording(optimizer):  # type: ignore[no-untyped-def]
+    seen: list[float] = []
+
+    def inner(gradients, storage):  # type: ignore[no-untyped-def]
+        seen.append(optimizer.param_groups[0]["lr"])
+        return 0
+
+    return inner, seen
+
+
+def test_a_delay_scaled_update_scales_the_learning_rate_and_puts_it_back() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
+    inner, seen = _recording(optimizer)
+    scaled = DelayScaledUpdate(inner, lambda: [optimizer], delay=2, updates=2)
+    for _ in range(4):
+        scaled({}, {})
+    assert seen == pytest.approx([0.2, 0.4 / 2**0.5, 0.4, 0.4])
+    assert optimizer.param_groups[0]["lr"] == 0.4
+
+
+def test_the_warm_up_and_the_learning_rate_per_delay_multiply() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
+    inner, seen = _recording(optimizer)
+    plan = Plan.from_balance([1, 1, 1])  # async: stage 0 is 2 updates stale
+    update = corrected_update(inner, lambda: [optimizer], plan, SyncMode.ASYNC, 0, 2, 0)
+    for _ in range(6):
+        update({}, {})
+    warm = [warmup_factor(u, 4) for u in range(1, 7)]
+    assert seen == pytest.approx([0.4 * w / 2 for w in warm])
+    assert optimizer.param_groups[0]["lr"] == 0.4
+    # a re-planned pipeline's wrappers go on from the updates counted
+    again = corrected_update(inner, lambda: [optimizer], plan, SyncMode.ASYNC, 0, 2, 0)
+    carry_counts(again, update)
+    assert isinstance(again, WarmedUpdate) and isinstance(again.update, DelayScaledUpdate)
+    assert again.count == again.update.count == 6
+    # neither asked, or a stage without delay: the update itself, or factors of 1
+    assert corrected_update(inner, lambda: [optimizer], plan, SyncMode.ASYNC, 0) is inner
+    last = corrected_update(inner, lambda: [optimizer], plan, SyncMode.ASYNC, 2, 2, 0)
+    seen.clear()
+    last({}, {})
+    assert seen == [0.4]
+
+
 @pytest.mark.parametrize("sync", ["flush", "gpipe", "2bw"])
 def test_the_corrections_are_refused_where_their_rule_does_not_apply(sync: str) -> None:
     mode = SyncMode.parse(sync)
@@ -121,6 +188,8 @@ def test_the_corrections_are_refused_where_their_rule_does_not_apply(sync: str) 
         check_corrections(mode, True, 0)
     with pytest.raises(ValueError, match=r"lr_warmup_per_delay=3.*sync='async'"):
         check_corrections(mode, False, 3)
+    with pytest.raises(ValueError, match=r"delay_lr_updates=0.*sync='async'"):
+        check_corrections(mode, False, 0, delay_lr_updates=0)
 
 
 def test_the_corrections_are_refused_with_tied_parameters_and_bad_values() -> None:
@@ -129,6 +198,13 @@ def test_the_corrections_are_refused_with_tied_parameters_and_bad_values() -> No
     with pytest.raises(ValueError, match=r"non-negative integer.*-1"):
         check_corrections(SyncMode.VERTICAL_SYNC, False, -1)
     check_corrections(SyncMode.VERTICAL_SYNC, True, 2)
+    for bad in (-1, 1.5, True, "off"):
+        with pytest.raises(ValueError, match=r"delay_lr_updates must be None.*pass None"):
+            check_corrections(SyncMode.ASYNC, False, 0, delay_lr_updates=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tied parameters.*delay_lr_updates=10"):
+        check_corrections(SyncMode.ASYNC, False, 0, ["wte.weight"], delay_lr_updates=10)
+    check_corrections(SyncMode.ASYNC, False, 0, delay_lr_updates=0)
+    check_corrections(SyncMode.VERTICAL_SYNC, True, 2, delay_lr_updates=100)
 
 
 def test_the_oracle_tells_the_corrections_apart() -> None:
@@ -138,7 +214,7 @@ def test_the_oracle_tells_the_corrections_apart() -> None:
         label: oracle.train(
             make_model(), plan, "async", make_batches(m), m, loss_fn, OPTIMIZERS["sgd"], *flags
         )
-        for label, flags in {"none": (False, 0), **CORRECTIONS}.items()
+        for label, (flags, _) in {"none": ((False, 0, None), ()), **CORRECTIONS}.items()
     }
     for a in results:
         for b in results:
@@ -153,14 +229,21 @@ def test_the_oracle_tells_the_corrections_apart() -> None:
 def _train(rank: int, plan: Plan, sync: str, m: int, optimizer: str, flags) -> dict:  # type: ignore[no-untyped-def]
     """The runner's Lightning-sized steps (segments, lookahead, a drain at the end), as the
     strategy drives them."""
-    prediction, per_delay = flags
+    prediction, per_delay, delay_lr_updates = flags
     model = make_model()
     stage = plan.stage_of_rank(rank)
     module = nn.Sequential(OrderedDict((n, model[int(n)]) for n in stage.nodes))
     params = list(module.parameters())
     opt = OPTIMIZERS[optimizer](params) if params else None  # the last stage may have none
-    steps = per_delay * stage_delay(plan, SyncMode(sync), stage.index)
-    apply = WarmedUpdate(optimizer_update(module, opt), lambda: [opt] if opt else [], steps)
+    apply = corrected_update(
+        optimizer_update(module, opt),
+        lambda: [opt] if opt else [],
+        plan,
+        SyncMode(sync),
+        stage.index,
+        per_delay,
+        delay_lr_updates,
+    )
     runner = PipelineRunner.create(
         plan, SyncMode(sync), m, module, rank, apply, torch.device("cpu"), 60.0,
         weight_prediction=prediction,
@@ -182,8 +265,7 @@ def _train(rank: int, plan: Plan, sync: str, m: int, optimizer: str, flags) -> d
 def _cases(labels: list[str]):  # type: ignore[no-untyped-def]
     for label in labels:
         for sync in oracle.PER_MINIBATCH:
-            for name, flags in CORRECTIONS.items():
-                optimizers = ("sgd", "adam") if name == "both" else ("sgd",)
+            for name, (flags, optimizers) in CORRECTIONS.items():
                 for optimizer in optimizers:
                     yield label, sync, name, optimizer, flags
 
@@ -213,4 +295,6 @@ def test_the_corrected_pipeline_equals_the_oracle(world: int) -> None:
             got = results[rank][1][label, sync, name, optimizer]
             for key, tensor in got.items():
                 diff = (tensor - expected[key]).abs().max().item()
-                assert diff <= 1e-5, f"{label} {sync} {name}/{optimizer} rank {rank} {key}: {diff}"
+                assert diff <= TOLERANCE, (
+                    f"{label} {sync} {name}/{optimizer} rank {rank} {key}: {diff}"
+                )

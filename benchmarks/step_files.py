@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import free_port
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from harness import free_port
 
 PACKAGE = str(Path(__file__).resolve().parent.parent / "pl_pipedream")
 STEP = 2  # the step recorded, after two of warm-up
@@ -96,9 +95,9 @@ def trainer_step(out: Path) -> None:
     data = DataLoader(TensorDataset(torch.randn(rows, 8), torch.randn(rows, 4)), batch_size=4)
     strategy = PipeDreamStrategy(sync="async", balance=[2, 1], start_method="fork", timeout=60)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEP + 2, callbacks=[Record(out)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEP + 2,
+        callbacks=[Record(out)], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(Net(), data)
 

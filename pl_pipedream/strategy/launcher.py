@@ -13,6 +13,7 @@ LightningModule's names.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -118,6 +119,14 @@ class PipelineScriptLauncher(SubprocessScriptLauncher):
 
 class PipelineSpawnLauncher(MultiProcessingLauncher):
     """``start_method="spawn"`` (or ``"fork"``) for ``PipeDreamStrategy``."""
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # A forked rank inherits this process's unreachable objects. A process group among them,
+        # collected in the rank, would join threads the fork did not copy and hang the rank:
+        # they are collected here first, where their threads exist.
+        gc.collect()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:

@@ -23,6 +23,7 @@ on ranks that it puts in a gloo group itself.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -134,6 +135,7 @@ def start(
     pids: list[int] = []
     tests = os.getpgrp()
     for rank in range(world):
+        gc.collect()  # garbage process groups die here, not in a rank without their threads
         pid = os.fork()
         if pid == 0:  # the rank: never returns
             with contextlib.suppress(OSError):

@@ -8,6 +8,7 @@ while this process is itself in a process group (its gloo threads would not surv
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import socket
@@ -68,6 +69,7 @@ def run(
     With an NCCL ``backend`` (``"cpu:gloo,cuda:nccl"``), rank r uses GPU r. The ranks in
     ``killed`` end their process themselves (a test of a dead rank) and report nothing."""
     context = mp.get_context(start_method(backend))
+    gc.collect()  # garbage process groups die here, not in a forked rank without their threads
     queue = context.Queue()
     port = free_port()
     procs = [

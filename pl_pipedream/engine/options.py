@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pl_pipedream.engine.arguments import check_options
+from pl_pipedream.engine.arguments import CALL, check_options
 from pl_pipedream.engine.pipeline import POSITIONAL, Pipeline
 from pl_pipedream.schedule.modes import SyncMode
 
@@ -34,7 +34,7 @@ class FrontEnd:
 
 
 FRONT_ENDS = {
-    "Pipeline": FrontEnd("Pipeline(..., {args})", {}),
+    "Pipeline": FrontEnd(CALL, {}),
     "PipeDreamStrategy": FrontEnd(
         "PipeDreamStrategy({args})",
         {

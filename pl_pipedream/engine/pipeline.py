@@ -63,7 +63,6 @@ from pl_pipedream.engine.session import Session, Settings
 from pl_pipedream.engine.updates import OptimizerUpdate, clipping
 from pl_pipedream.planner.plan import Plan
 from pl_pipedream.planner.topology import Topology
-from pl_pipedream.runtime import ranks
 from pl_pipedream.runtime.pipeline import PipelineRunner
 from pl_pipedream.runtime.precision import StagePrecision
 from pl_pipedream.runtime.timeline import gather_trace
@@ -192,7 +191,6 @@ class Pipeline:
         self.session.cut(choose_plan(*layout, chunks_per_rank))
         self.session.create(Pretrained.parse(pretrained), empty_build)
         self.session.place()
-        self.describe = ranks.describe(self.rank, self.stage)
         params = list(self.module.parameters())
         self._factory = None if isinstance(optimizer, Optimizer) else optimizer
         if isinstance(optimizer, Optimizer):
@@ -234,6 +232,12 @@ class Pipeline:
     def runner(self) -> PipelineRunner | None:
         """The runner in use (None once closed)."""
         return self.session.runner
+
+    @property
+    def describe(self) -> str:
+        """Where this rank's errors say they happened (``rank 1 (stage 1)``), under the plan in
+        use (``Session.describe``, kept by a re-plan)."""
+        return self.session.describe
 
     @property
     def replanner(self) -> Replanner:
